@@ -1,0 +1,44 @@
+"""fabric_lite: PyTorch training with two front doors over one engine.
+
+Names are imported on first use, so `import fabric_lite` costs almost nothing beyond torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Accelerator": "fabric_lite.accelerator",
+    "DistributedType": "fabric_lite.accelerator",
+    "notebook_launcher": "fabric_lite.launch",
+    "set_seed": "fabric_lite.seed",
+    "seed_everything": "fabric_lite.seed",
+    "skip_first_batches": "fabric_lite.data",
+    "DistributedDataParallelKwargs": "fabric_lite.configs",
+    "GradScalerKwargs": "fabric_lite.configs",
+    "InitProcessGroupKwargs": "fabric_lite.configs",
+    "DataLoaderConfiguration": "fabric_lite.configs",
+    "ProjectConfiguration": "fabric_lite.configs",
+    "GradientAccumulationPlugin": "fabric_lite.configs",
+    "Strategy": "fabric_lite.strategies",
+    "SingleDeviceStrategy": "fabric_lite.strategies",
+    "DDPStrategy": "fabric_lite.strategies",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fabric_lite' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list:
+    return sorted(__all__)

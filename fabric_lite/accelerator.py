@@ -1,0 +1,616 @@
+"""The raw door: `Accelerator`, for people who write their own training loop.
+
+Its names, arguments and return values follow Hugging Face Accelerate's, so a script written for it
+runs after changing the import. Every decision about devices, sharding, precision and gradients is
+delegated to the one Strategy it holds; nothing here branches on which strategy that is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from fabric_lite import state_io
+from fabric_lite._tree import tree_map
+from fabric_lite.configs import (
+    DataLoaderConfiguration, DistributedDataParallelKwargs, GradientAccumulationPlugin, GradScalerKwargs,
+    InitProcessGroupKwargs, KwargsHandler, ProjectConfiguration,
+)
+from fabric_lite.connector import connect
+from fabric_lite.data import DataLoaderShard, GradientState, shard_dataloader, skip_first_batches
+from fabric_lite.environments import detect_process, read_launch_settings
+from fabric_lite.optim import AcceleratedOptimizer, AcceleratedScheduler
+from fabric_lite.strategies import Strategy
+from fabric_lite.tracking import GeneralTracker, make_trackers
+
+__all__ = ["Accelerator", "DistributedType"]
+
+
+class DistributedType:
+    """Accelerate's names for the kind of run, as plain strings (compare with ==)."""
+
+    NO = "NO"
+    MULTI_CPU = "MULTI_CPU"
+    MULTI_GPU = "MULTI_GPU"
+
+
+def _is_scheduler(obj: Any) -> bool:
+    return hasattr(obj, "step") and isinstance(getattr(obj, "optimizer", None), torch.optim.Optimizer)
+
+
+class Accelerator:
+    """Run a hand-written training loop on any device, any number of processes, any precision.
+
+    >>> accelerator = Accelerator(mixed_precision="bf16")
+    >>> model, optimizer, loader = accelerator.prepare(model, optimizer, loader)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        device_placement: bool = True,
+        split_batches: Optional[bool] = None,
+        mixed_precision: Optional[str] = None,
+        gradient_accumulation_steps: Optional[int] = None,
+        cpu: bool = False,
+        dataloader_config: Optional[DataLoaderConfiguration] = None,
+        log_with: Any = None,
+        project_dir: Optional[Union[str, os.PathLike]] = None,
+        project_config: Optional[ProjectConfiguration] = None,
+        gradient_accumulation_plugin: Optional[GradientAccumulationPlugin] = None,
+        step_scheduler_with_optimizer: bool = True,
+        kwargs_handlers: Optional[Sequence[KwargsHandler]] = None,
+        even_batches: Optional[bool] = None,
+        rng_types: Any = None,  # accepted for compatibility: dataloader order is always seeded and synced
+        *,
+        strategy: Union[str, Strategy] = "auto",
+        devices: Union[int, str, None] = None,
+    ) -> None:
+        launch = read_launch_settings()
+        process = detect_process()
+        handlers = {type(h): h for h in (kwargs_handlers or [])}
+        for h in handlers.values():
+            if not isinstance(h, KwargsHandler):
+                raise TypeError(f"kwargs_handlers takes KwargsHandler objects, got {type(h).__name__}.")
+
+        plugin = gradient_accumulation_plugin or GradientAccumulationPlugin(
+            num_steps=gradient_accumulation_steps or launch.gradient_accumulation_steps or 1
+        )
+        if gradient_accumulation_plugin is not None and gradient_accumulation_steps not in (None, plugin.num_steps):
+            raise ValueError(
+                f"gradient_accumulation_steps={gradient_accumulation_steps} disagrees with "
+                f"gradient_accumulation_plugin.num_steps={plugin.num_steps}; pass only one of them."
+            )
+        if not isinstance(plugin.num_steps, int) or plugin.num_steps < 1:
+            raise ValueError(f"gradient_accumulation_steps={plugin.num_steps!r} must be an integer >= 1.")
+        self.gradient_accumulation_plugin = plugin
+
+        config = dataloader_config or DataLoaderConfiguration()
+        if split_batches is not None:
+            config.split_batches = split_batches
+        if even_batches is not None:
+            config.even_batches = even_batches
+        self.dataloader_config = config
+
+        self.project_configuration = project_config or ProjectConfiguration(
+            project_dir=os.fspath(project_dir) if project_dir is not None else None
+        )
+        if project_dir is not None and project_config is not None:
+            self.project_configuration.project_dir = os.fspath(project_dir)
+
+        if isinstance(strategy, str):
+            strategy = self._strategy_from_handlers(strategy, handlers, process.world_size)
+        scaler = handlers.get(GradScalerKwargs)
+        self.strategy: Strategy = connect(
+            strategy,
+            accelerator="cpu" if (cpu or launch.use_cpu) else "auto",
+            devices=devices,
+            precision=mixed_precision or launch.mixed_precision or "no",
+            process=process,
+            scaler_kwargs=scaler.to_kwargs() if scaler else None,
+        )
+        self.strategy.setup_environment()
+        self.device_placement = device_placement
+        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+        self.gradient_state = GradientState()
+        self.step = 0
+        self._models: List[nn.Module] = []
+        self._optimizers: List[AcceleratedOptimizer] = []
+        self._schedulers: List[AcceleratedScheduler] = []
+        self._dataloaders: List[DataLoaderShard] = []
+        self._custom_objects: List[Any] = []
+        self._log_with = log_with
+        self.trackers: List[GeneralTracker] = []
+
+    @staticmethod
+    def _strategy_from_handlers(name: str, handlers: Dict[type, Any], world_size: int) -> Union[str, Strategy]:
+        from fabric_lite.strategies import create_strategy
+
+        ddp, pg = handlers.get(DistributedDataParallelKwargs), handlers.get(InitProcessGroupKwargs)
+        if ddp is None and pg is None:
+            return name
+        instance = create_strategy(name, world_size)
+        if ddp is not None and hasattr(instance, "ddp_kwargs"):
+            instance.ddp_kwargs.update(ddp.to_kwargs())
+        if pg is not None:
+            if pg.timeout is not None and hasattr(instance, "timeout"):
+                instance.timeout = pg.timeout
+            if pg.backend is not None and hasattr(instance, "process_group_backend"):
+                instance.process_group_backend = pg.backend
+        return instance
+
+    # -- where this process is ---------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.strategy.root_device
+
+    @property
+    def num_processes(self) -> int:
+        return self.strategy.world_size
+
+    @property
+    def process_index(self) -> int:
+        return self.strategy.global_rank
+
+    @property
+    def local_process_index(self) -> int:
+        return self.strategy.local_rank
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.strategy.is_global_zero
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.strategy.is_local_zero
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.process_index == self.num_processes - 1
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.num_processes > 1
+
+    @property
+    def distributed_type(self) -> str:
+        if self.num_processes == 1:
+            return DistributedType.NO
+        return DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
+
+    @property
+    def mixed_precision(self) -> str:
+        return self.strategy.precision.accelerate_name
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.gradient_accumulation_plugin.num_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, value: int) -> None:
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"gradient_accumulation_steps={value!r} must be an integer >= 1.")
+        self.gradient_accumulation_plugin.num_steps = value
+
+    @property
+    def sync_gradients(self) -> bool:
+        return self.gradient_state.sync_gradients
+
+    @property
+    def split_batches(self) -> bool:
+        return self.dataloader_config.split_batches
+
+    @property
+    def even_batches(self) -> bool:
+        return self.dataloader_config.even_batches
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        return any(o.step_was_skipped for o in self._optimizers)
+
+    @property
+    def project_dir(self) -> Optional[str]:
+        return self.project_configuration.project_dir
+
+    @property
+    def logging_dir(self) -> Optional[str]:
+        return self.project_configuration.logging_dir
+
+    @property
+    def save_iteration(self) -> int:
+        return self.project_configuration.iteration
+
+    # -- prepare -----------------------------------------------------------------------------------
+    def prepare(self, *args: Any, device_placement: Optional[Sequence[bool]] = None) -> Any:
+        """Prepare models, optimizers, dataloaders and schedulers; return them in the order given.
+
+        Objects of any other type are returned untouched.
+        """
+        placement = list(device_placement) if device_placement is not None else [self.device_placement] * len(args)
+        if len(placement) != len(args):
+            raise ValueError(f"device_placement has {len(placement)} entries for {len(args)} objects to prepare.")
+        if self.strategy.requires_joint_setup:
+            args = self._joint_setup(args)
+        result: List[Any] = []
+        for obj, place in zip(args, placement):
+            if isinstance(obj, nn.Module) and obj not in self._models and not self.strategy.requires_joint_setup:
+                result.append(self.prepare_model(obj, device_placement=place))
+            elif isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, AcceleratedOptimizer):
+                result.append(self.prepare_optimizer(obj))
+            elif isinstance(obj, DataLoader):
+                result.append(self.prepare_data_loader(obj, device_placement=place))
+            else:
+                result.append(obj)
+        for i, obj in enumerate(result):  # schedulers last: they must find their prepared optimizer
+            if _is_scheduler(obj) and not isinstance(obj, AcceleratedScheduler):
+                result[i] = self.prepare_scheduler(obj)
+        return result[0] if len(result) == 1 else tuple(result)
+
+    def _joint_setup(self, args: Sequence[Any]) -> Sequence[Any]:
+        models = [a for a in args if isinstance(a, nn.Module)]
+        optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
+        if len(models) != 1:
+            raise ValueError(
+                f"{type(self.strategy).__name__} wraps one model together with its optimizer; prepare() got "
+                f"{len(models)} models. Pass exactly one model (and its optimizer) in one prepare() call."
+            )
+        model, optimizers = self.strategy.setup(models[0], optimizers)
+        self._models.append(model)
+        swap = {id(models[0]): model}
+        swap.update({id(a): o for a, o in zip([a for a in args if isinstance(a, torch.optim.Optimizer)], optimizers)})
+        return [swap.get(id(a), a) for a in args]
+
+    def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None, evaluation_mode: bool = False) -> nn.Module:
+        """Move the model to the device, give it mixed precision, and wrap it for the strategy."""
+        precision = self.strategy.precision
+        if precision.is_mixed and not hasattr(model.forward, "_fabric_original_forward"):
+            model.forward = _autocast_forward(model.forward, precision.autocast)
+        if evaluation_mode or (device_placement is False and not self.use_distributed):
+            prepared = model
+        else:
+            prepared = self.strategy.setup_module(model)
+        self._models.append(prepared)
+        return prepared
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None) -> AcceleratedOptimizer:
+        wrapped = AcceleratedOptimizer(self.strategy.setup_optimizer(optimizer), self.strategy, self.gradient_state)
+        self._optimizers.append(wrapped)
+        return wrapped
+
+    def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
+        owners = [o for o in self._optimizers if o.optimizer is scheduler.optimizer or o is scheduler.optimizer]
+        wrapped = AcceleratedScheduler(
+            scheduler, owners or self._optimizers, self.gradient_state,
+            step_with_optimizer=self.step_scheduler_with_optimizer,
+            split_batches=self.split_batches, num_processes=self.num_processes,
+        )
+        self._schedulers.append(wrapped)
+        return wrapped
+
+    def prepare_data_loader(self, data_loader: DataLoader, device_placement: Optional[bool] = None) -> DataLoaderShard:
+        """Shard by rank (keeping the loader's order and generator), place batches on the device."""
+        place = self.device_placement if device_placement is None else device_placement
+        shard_kwargs = self.strategy.distributed_sampler_kwargs or {"num_replicas": 1, "rank": 0}
+        loader = shard_dataloader(
+            data_loader, num_replicas=shard_kwargs["num_replicas"], rank=shard_kwargs["rank"],
+            device=self.device if place else None, gradient_state=self.gradient_state,
+            split_batches=self.split_batches, even_batches=self.even_batches,
+            broadcast_seed=self.strategy.broadcast_object, convert_batch=self.strategy.precision.input_converter,
+            non_blocking=self.dataloader_config.non_blocking,
+        )
+        loader = self.strategy.process_dataloader(loader)
+        self._dataloaders.append(loader)
+        return loader
+
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        """The loader's current epoch, starting after `num_batches` of this process's batches."""
+        return skip_first_batches(dataloader, num_batches)
+
+    # -- the step ----------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """`loss.backward()` with loss scaling, divided by `gradient_accumulation_steps`."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(
+                f"backward() needs a scalar loss, got {shape}. Reduce it first, e.g. loss.mean() or loss.sum()."
+            )
+        steps = self.gradient_accumulation_plugin.num_steps
+        if steps > 1 and not self.strategy.handles_gradient_accumulation:
+            loss = loss / steps
+        self.strategy.backward(loss, self._models[0] if self._models else None, **kwargs)
+
+    def _do_sync(self) -> None:
+        plugin = self.gradient_accumulation_plugin
+        if plugin.sync_with_dataloader and self.gradient_state.end_of_dataloader:
+            self.step = 0
+            self.gradient_state.sync_gradients = True
+            return
+        self.step += 1
+        self.gradient_state.sync_gradients = plugin.sync_each_batch or self.step % plugin.num_steps == 0
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: nn.Module) -> Iterator[None]:
+        """One micro-step: gradients sync (and the optimizer steps) only every N-th time, and at the
+        last batch of the dataloader."""
+        self._do_sync()
+        with contextlib.ExitStack() as stack:
+            if not self.gradient_state.sync_gradients:
+                for m in models:
+                    stack.enter_context(self.strategy.no_backward_sync(m))
+            yield
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """Skip the gradient all-reduce for backward passes inside this context."""
+        with self.strategy.no_backward_sync(model):
+            yield
+
+    def trigger_sync_in_backward(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def autocast(self, autocast_handler: Any = None) -> Iterator[None]:
+        """Run the enclosed code under this run's mixed precision (for code outside the model's forward)."""
+        with self.strategy.precision.autocast():
+            yield
+
+    def unscale_gradients(self, optimizer: Optional[Any] = None) -> None:
+        optimizers = [optimizer] if optimizer is not None else self._optimizers
+        for opt in optimizers:
+            self.strategy.precision.unscale_gradients(getattr(opt, "optimizer", opt))
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> Optional[torch.Tensor]:
+        """Clip the gradient norm (after unscaling fp16 gradients); returns the total norm.
+
+        On an accumulation micro-step the gradients are incomplete, so nothing is clipped and None is
+        returned; clipping happens on the step whose gradients the optimizer uses.
+        """
+        if not self.gradient_state.sync_gradients:
+            return None
+        self.unscale_gradients()
+        return self.strategy.clip_gradients_norm(list(parameters), None, max_norm, norm_type)
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        if not self.gradient_state.sync_gradients:
+            return
+        self.unscale_gradients()
+        self.strategy.clip_gradients_value(list(parameters), None, clip_value)
+
+    # -- collectives -------------------------------------------------------------------------------
+    def gather(self, tensor: Any) -> Any:
+        """Concatenate tensors (or nested structures of tensors) from all processes along dim 0."""
+        return tree_map(self.strategy.all_gather, tensor, _reject_non_tensor("gather"))
+
+    def gather_object(self, obj: Any) -> List[Any]:
+        """Gather picklable objects; lists from each process are concatenated."""
+        parts = self.strategy.all_gather_object(obj)
+        if all(isinstance(p, (list, tuple)) for p in parts):
+            return [x for p in parts for x in p]
+        return parts
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """Gather for evaluation, dropping the samples that even-batch padding repeated at the end."""
+        leaves: List[bool] = []
+        tree_map(lambda t: leaves.append(True) or t, input_data, lambda o: leaves.append(False) or o)
+        if use_gather_object or not all(leaves):
+            data = self.gather_object(input_data)
+        else:
+            data = self.gather(input_data)
+        state = self.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            if isinstance(data, list):
+                return data[: state.remainder]
+            return tree_map(lambda t: t[: state.remainder], data)
+        return data
+
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        """All-reduce tensors across processes with "sum", "mean" or "none"."""
+        if reduction == "none":
+            return tensor
+
+        def one(t: torch.Tensor) -> torch.Tensor:
+            out = self.strategy.all_reduce(t, reduction)
+            return out * scale if scale != 1.0 else out
+
+        return tree_map(one, tensor, _reject_non_tensor("reduce"))
+
+    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+        """Pad each tensor along `dim` to the largest size any process has, so it can be gathered."""
+
+        def one(t: torch.Tensor) -> torch.Tensor:
+            if t.dim() == 0 or dim >= t.dim():
+                return t
+            sizes = self.strategy.all_gather(torch.tensor([t.shape[dim]], device=t.device))
+            longest = int(sizes.max())
+            if longest == t.shape[dim]:
+                return t
+            shape = list(t.shape)
+            shape[dim] = longest
+            out = t.new_full(shape, pad_index)
+            index = slice(longest - t.shape[dim], longest) if pad_first else slice(0, t.shape[dim])
+            out[(slice(None),) * dim + (index,)] = t
+            return out
+
+        return tree_map(one, tensor)
+
+    def broadcast(self, tensor: Any, from_process: int = 0) -> Any:
+        return tree_map(lambda t: self.strategy.broadcast(t, from_process), tensor, _reject_non_tensor("broadcast"))
+
+    def wait_for_everyone(self) -> None:
+        self.strategy.barrier()
+
+    @contextlib.contextmanager
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
+        """Give each process its contiguous share of a list, tuple, tensor or dict of those."""
+        yield _split(inputs, self.num_processes, self.process_index, apply_padding)
+
+    @contextlib.contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        """The main process runs the block first (e.g. to download or cache), then the others."""
+        with self._first(self.is_main_process):
+            yield
+
+    @contextlib.contextmanager
+    def local_main_process_first(self) -> Iterator[None]:
+        with self._first(self.is_local_main_process):
+            yield
+
+    @contextlib.contextmanager
+    def _first(self, leader: bool) -> Iterator[None]:
+        if not leader:
+            self.wait_for_everyone()
+        yield
+        if leader:
+            self.wait_for_everyone()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """print() on the local main process only."""
+        if self.is_local_main_process:
+            print(*args, **kwargs)
+
+    def on_main_process(self, function: Callable) -> Callable:
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return function(*args, **kwargs) if self.is_main_process else None
+
+        return wrapper
+
+    def on_local_main_process(self, function: Callable) -> Callable:
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return function(*args, **kwargs) if self.is_local_main_process else None
+
+        return wrapper
+
+    # -- models and checkpoints --------------------------------------------------------------------
+    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True) -> nn.Module:
+        """The user's model without DDP (or other) wrappers; optionally without the autocast forward."""
+        inner = self.strategy.unwrap_module(model)
+        inner = getattr(inner, "_orig_mod", inner)  # torch.compile
+        if not keep_fp32_wrapper:
+            original = getattr(inner.forward, "_fabric_original_forward", None)
+            if original is not None:
+                if "forward" in inner.__dict__:
+                    del inner.forward
+                if getattr(inner.forward, "__func__", None) is not getattr(original, "__func__", original):
+                    inner.forward = original
+        return inner
+
+    def save(self, obj: Any, f: Union[str, os.PathLike], safe_serialization: bool = False) -> None:
+        """Save `obj` from the main process only, atomically (any fsspec URL)."""
+        if self.is_main_process:
+            state_io.save_object(obj, os.fspath(f), safe_serialization)
+        self.wait_for_everyone()
+
+    def save_model(
+        self, model: nn.Module, save_directory: Union[str, os.PathLike], max_shard_size: Union[int, str] = "10GB",
+        safe_serialization: bool = True,
+    ) -> None:
+        """Write the unwrapped model's weights (safetensors by default), sharded above `max_shard_size`."""
+        state = self.get_state_dict(model)
+        if self.is_main_process:
+            state_io.save_model_weights(state, os.fspath(save_directory), max_shard_size, safe_serialization)
+        self.wait_for_everyone()
+
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> Dict[str, torch.Tensor]:
+        return self.strategy.module_state_dict(model)
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Objects with `state_dict`/`load_state_dict` that `save_state`/`load_state` should include."""
+        bad = [o for o in objects if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))]
+        if bad:
+            raise ValueError(f"register_for_checkpointing needs state_dict/load_state_dict; these lack them: {bad}.")
+        self._custom_objects.extend(objects)
+
+    def save_state(self, output_dir: Optional[Union[str, os.PathLike]] = None, **kwargs: Any) -> str:
+        """Save everything needed to continue exactly; returns the checkpoint's location."""
+        return state_io.save_state(self, output_dir)
+
+    def load_state(self, input_dir: Optional[Union[str, os.PathLike]] = None, **kwargs: Any) -> str:
+        """Restore what `save_state` wrote: weights, optimizers, schedulers, scaler, RNGs, loader positions."""
+        return state_io.load_state(self, input_dir, **kwargs)
+
+    # -- trackers ----------------------------------------------------------------------------------
+    def init_trackers(self, project_name: str, config: Optional[Dict[str, Any]] = None,
+                      init_kwargs: Optional[Dict[str, Dict[str, Any]]] = None) -> None:
+        """Start the trackers named by `log_with` (main process only) and record `config`."""
+        if not self.is_main_process:
+            return
+        self.trackers = make_trackers(self._log_with, project_name, self.logging_dir, init_kwargs or {})
+        if config is not None:
+            for tracker in self.trackers:
+                tracker.store_init_configuration(config)
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        for tracker in self.trackers:
+            if tracker.name == name:
+                return tracker.tracker if unwrap else tracker
+        if self.is_main_process:
+            raise ValueError(f"No tracker named {name!r}; started: {[t.name for t in self.trackers]}.")
+        return GeneralTracker()
+
+    def log(self, values: Dict[str, Any], step: Optional[int] = None, log_kwargs: Optional[Dict[str, Any]] = None) -> None:
+        for tracker in self.trackers:
+            tracker.log(values, step=step, **(log_kwargs or {}).get(tracker.name, {}))
+
+    def end_training(self) -> None:
+        """Close trackers, wait for every process, and shut the process group down."""
+        for tracker in self.trackers:
+            tracker.finish()
+        self.trackers = []
+        self.wait_for_everyone()
+        self.strategy.teardown()
+
+    def free_memory(self, *objects: Any) -> List[Any]:
+        self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
+        self.step = 0
+        return [None] * len(objects)
+
+    clear = free_memory
+
+    def __repr__(self) -> str:
+        return f"Accelerator({self.strategy!r}, gradient_accumulation_steps={self.gradient_accumulation_steps})"
+
+
+def _autocast_forward(forward: Callable, autocast: Callable[[], Any]) -> Callable:
+    """Wrap a bound forward so it runs under autocast and returns fp32 floating outputs."""
+
+    @functools.wraps(forward)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with autocast():
+            out = forward(*args, **kwargs)
+        return tree_map(lambda t: t.float() if t.is_floating_point() else t, out)
+
+    wrapped._fabric_original_forward = forward  # type: ignore[attr-defined]
+    return wrapped
+
+
+def _reject_non_tensor(verb: str) -> Callable[[Any], Any]:
+    def reject(obj: Any) -> Any:
+        if obj is None or isinstance(obj, (int, float, bool, str)):
+            raise TypeError(
+                f"{verb}() works on tensors (or nested lists/dicts of tensors), got {type(obj).__name__}. "
+                f"Wrap numbers in torch.tensor(...) or use gather_object() for Python objects."
+            )
+        return obj
+
+    return reject
+
+
+def _split(inputs: Any, world: int, rank: int, apply_padding: bool) -> Any:
+    if isinstance(inputs, dict):
+        return {k: _split(v, world, rank, apply_padding) for k, v in inputs.items()}
+    n = len(inputs)
+    per, extra = divmod(n, world)
+    start = rank * per + min(rank, extra)
+    end = start + per + (1 if rank < extra else 0)
+    part = inputs[start:end]
+    if apply_padding and extra and len(part) < per + 1 and n:
+        last = inputs[-1:]
+        part = torch.cat([part, last]) if isinstance(part, torch.Tensor) else part + type(part)(last)
+    return part

@@ -1,0 +1,129 @@
+"""Checkpoint files on any fsspec storage, written so that a crash never replaces a good checkpoint.
+
+A checkpoint is a directory. Its files are written under a staging name next to it, each file's
+SHA-256 goes into ``manifest.json`` (written last), and only then is the staging directory moved
+into place. Loading reads the manifest and refuses a file whose bytes do not match.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import uuid
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+__all__ = ["CheckpointError", "CheckpointWriter", "read_manifest", "load_file", "save_file", "FORMAT_VERSION"]
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, partial, corrupt or from an incompatible format."""
+
+
+def _fs(url: str, storage_options: Optional[dict] = None) -> Tuple[Any, str]:
+    from fsspec.core import url_to_fs
+
+    return url_to_fs(os.fspath(url), **(storage_options or {}))
+
+
+def _join(fs: Any, *parts: str) -> str:
+    return "/".join(p.rstrip("/") if i == 0 else p.strip("/") for i, p in enumerate(parts))
+
+
+def _to_bytes(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def save_file(obj: Any, url: str, storage_options: Optional[dict] = None) -> None:
+    """torch.save `obj` to one fsspec URL, through a temporary name (atomic where the store renames)."""
+    fs, path = _fs(url, storage_options)
+    parent = path.rsplit("/", 1)[0] if "/" in path else ""
+    if parent:
+        fs.makedirs(parent, exist_ok=True)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with fs.open(tmp, "wb") as f:
+        f.write(_to_bytes(obj))
+    fs.mv(tmp, path)
+
+
+class CheckpointWriter:
+    """Write the files of one checkpoint directory; `commit` publishes them all at once.
+
+    In a multi-process job every rank opens a writer on the same `staging` name (rank 0 chooses it
+    and broadcasts it), writes its own files, and rank 0 commits with everyone's checksums.
+    """
+
+    def __init__(self, url: str, staging_token: Optional[str] = None, storage_options: Optional[dict] = None):
+        self.url = os.fspath(url)
+        self.fs, self.path = _fs(self.url, storage_options)
+        self.token = staging_token or uuid.uuid4().hex[:12]
+        self.staging = f"{self.path.rstrip('/')}.staging-{self.token}"
+        self.checksums: Dict[str, str] = {}
+        self.fs.makedirs(self.staging, exist_ok=True)
+
+    def write(self, name: str, obj: Any) -> None:
+        data = _to_bytes(obj)
+        with self.fs.open(_join(self.fs, self.staging, name), "wb") as f:
+            f.write(data)
+        self.checksums[name] = hashlib.sha256(data).hexdigest()
+
+    def commit(self, checksums: Dict[str, str], meta: Optional[Dict[str, Any]] = None) -> None:
+        manifest = {"format_version": FORMAT_VERSION, "files": checksums, "meta": meta or {}}
+        with self.fs.open(_join(self.fs, self.staging, MANIFEST), "w") as f:
+            json.dump(manifest, f, indent=1, sort_keys=True)
+        target = self.path.rstrip("/")
+        old = None
+        if self.fs.exists(target):
+            old = f"{target}.old-{self.token}"
+            self.fs.mv(target, old, recursive=True)
+        self.fs.mv(self.staging, target, recursive=True)
+        if old is not None:
+            self.fs.rm(old, recursive=True)
+
+    def abort(self) -> None:
+        if self.fs.exists(self.staging):
+            self.fs.rm(self.staging, recursive=True)
+
+
+def read_manifest(url: str, storage_options: Optional[dict] = None) -> Dict[str, Any]:
+    fs, path = _fs(url, storage_options)
+    manifest_path = _join(fs, path, MANIFEST)
+    if not fs.exists(manifest_path):
+        if fs.exists(path):
+            raise CheckpointError(
+                f"{url} has no {MANIFEST}: it is not a fabric_lite checkpoint, or its write did not finish. "
+                f"Load an earlier checkpoint."
+            )
+        raise CheckpointError(f"No checkpoint at {url}.")
+    with fs.open(manifest_path, "r") as f:
+        manifest = json.load(f)
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{url} has checkpoint format version {version}; this fabric_lite reads version {FORMAT_VERSION}."
+        )
+    return manifest
+
+
+def load_file(
+    url: str, name: str, manifest: Dict[str, Any], map_location: Any = "cpu",
+    weights_only: bool = True, storage_options: Optional[dict] = None,
+) -> Any:
+    """Load one file of a checkpoint after checking its SHA-256 against the manifest."""
+    fs, path = _fs(url, storage_options)
+    expected = manifest["files"].get(name)
+    if expected is None:
+        raise CheckpointError(f"{url} has no file {name!r} in its manifest (it holds {sorted(manifest['files'])}).")
+    with fs.open(_join(fs, path, name), "rb") as f:
+        data = f.read()
+    if hashlib.sha256(data).hexdigest() != expected:
+        raise CheckpointError(f"{url}/{name} does not match its checksum: the file is corrupt. Load an earlier checkpoint.")
+    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)

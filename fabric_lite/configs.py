@@ -1,0 +1,89 @@
+"""Configuration objects with Hugging Face Accelerate's names, so existing scripts keep working."""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, Optional
+
+__all__ = [
+    "KwargsHandler", "DistributedDataParallelKwargs", "GradScalerKwargs", "InitProcessGroupKwargs",
+    "DataLoaderConfiguration", "ProjectConfiguration", "GradientAccumulationPlugin",
+]
+
+
+class KwargsHandler:
+    """Base of the `kwargs_handlers` dataclasses: `to_kwargs()` returns only the fields changed from default."""
+
+    def to_kwargs(self) -> Dict[str, Any]:
+        default = type(self)()
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)}
+
+
+@dataclass
+class DistributedDataParallelKwargs(KwargsHandler):
+    """Keywords passed to `torch.nn.parallel.DistributedDataParallel`."""
+
+    dim: int = 0
+    broadcast_buffers: bool = True
+    bucket_cap_mb: int = 25
+    find_unused_parameters: bool = False
+    check_reduction: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+
+
+@dataclass
+class GradScalerKwargs(KwargsHandler):
+    """Keywords passed to `torch.amp.GradScaler` under fp16 mixed precision."""
+
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    enabled: bool = True
+
+
+@dataclass
+class InitProcessGroupKwargs(KwargsHandler):
+    """Process-group settings: backend (None picks gloo/nccl) and the collective timeout."""
+
+    backend: Optional[str] = None
+    init_method: Optional[str] = None
+    timeout: Optional[datetime.timedelta] = None
+
+
+@dataclass
+class DataLoaderConfiguration:
+    """How prepared dataloaders shard: split each batch or hand out whole ones; pad the last step or not."""
+
+    split_batches: bool = False
+    even_batches: bool = True
+    non_blocking: bool = False
+    use_seedable_sampler: bool = True  # accepted for compatibility: sampling is always seeded here
+
+
+@dataclass
+class ProjectConfiguration:
+    """Where a run writes: logs, and checkpoints with automatic naming and a limit on how many are kept."""
+
+    project_dir: Optional[str] = None
+    logging_dir: Optional[str] = None
+    automatic_checkpoint_naming: bool = False
+    total_limit: Optional[int] = None
+    iteration: int = 0
+    save_on_each_node: bool = False
+
+    def __post_init__(self) -> None:
+        if self.logging_dir is None:
+            self.logging_dir = self.project_dir
+
+
+@dataclass
+class GradientAccumulationPlugin(KwargsHandler):
+    """Accumulation settings: `num_steps` micro-batches per optimizer step; sync at the dataloader's end."""
+
+    num_steps: int = 1
+    adjust_scheduler: bool = True
+    sync_with_dataloader: bool = True
+    sync_each_batch: bool = False

@@ -1,0 +1,410 @@
+"""Dataloaders that shard by rank, reshuffle every epoch, resume mid-epoch and move batches to the device.
+
+The user's batch order is kept: their sampler draws the order (seeded from one seed shared by all
+ranks, plus the epoch), and global step k is made of the W consecutive batches kW ... kW+W-1, one
+per rank. So W processes with batch b see exactly the samples one process with batch W*b sees.
+Padding that makes every rank get the same number of full batches sits only in the final global
+step, where `remainder` says how many of its samples are real.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+
+from fabric_lite._tree import tree_map
+
+__all__ = [
+    "GradientState", "DataLoaderShard", "ShardedBatchSampler", "IterableDatasetShard",
+    "shard_dataloader", "skip_first_batches", "move_to_device",
+]
+
+
+def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    """Move every tensor (and anything with a ``.to``) in a nested batch to `device`."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if type(batch) in (list, tuple) and all(isinstance(t, torch.Tensor) for t in batch):  # the common case
+        return type(batch)(t.to(device, non_blocking=non_blocking) for t in batch)
+
+    def other(obj: Any) -> Any:
+        to = getattr(obj, "to", None)
+        return to(device) if callable(to) and not isinstance(obj, (str, bytes, type)) else obj
+
+    return tree_map(lambda t: t.to(device, non_blocking=non_blocking), batch, other)
+
+
+@dataclass
+class GradientState:
+    """Per-Accelerator facts the step needs: sync now? is the active loader at its last batch?"""
+
+    sync_gradients: bool = True
+    end_of_dataloader: bool = False
+    remainder: int = -1
+    active: List["DataLoaderShard"] = field(default_factory=list)
+
+    def _enter(self, loader: "DataLoaderShard") -> None:
+        self.active.append(loader)
+        self.end_of_dataloader = False
+        self.remainder = loader.remainder
+
+    def _mark_last(self) -> None:
+        self.end_of_dataloader = True
+
+    def _leave(self, loader: "DataLoaderShard") -> None:
+        if loader in self.active:
+            self.active.remove(loader)
+        outer = self.active[-1] if self.active else None
+        self.end_of_dataloader = outer._at_last if outer is not None else False
+        self.remainder = outer.remainder if outer is not None else -1
+
+
+class ShardedBatchSampler:
+    """This rank's share of the user's batch sampler (see the module docstring for the layout)."""
+
+    def __init__(
+        self, batch_sampler: Any, num_replicas: int, rank: int, batch_size: Optional[int],
+        split_batches: bool = False, even_batches: bool = True, drop_last: bool = False,
+    ) -> None:
+        if split_batches and batch_size is not None and batch_size % num_replicas != 0:
+            raise ValueError(
+                f"split_batches=True needs a batch size divisible by the number of processes; got "
+                f"batch_size={batch_size} for {num_replicas} processes. Use a batch size that is a "
+                f"multiple of {num_replicas}, or split_batches=False."
+            )
+        self.batch_sampler = batch_sampler
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.batch_size = batch_size
+        self.split_batches = split_batches
+        self.even_batches = even_batches
+        self.drop_last = drop_last
+        self.skip = 0  # batches of this rank to pass over at the start of the next iteration
+
+    def _groups(self) -> Iterator[List[List[int]]]:
+        """Yield lists of batches, each list making one global step (the last may be short)."""
+        W, b = self.num_replicas, self.batch_size
+        if self.split_batches:
+            for batch in self.batch_sampler:
+                yield [list(batch)]
+            return
+        group: List[List[int]] = []
+        for batch in self.batch_sampler:
+            group.append(list(batch))
+            if len(group) == W and (b is None or len(group[-1]) == b):
+                yield group
+                group = []
+        if group:
+            yield group
+
+    def _this_rank(self, group: List[List[int]], head: List[int]) -> Optional[List[int]]:
+        W, r = self.num_replicas, self.rank
+        flat = [i for batch in group for i in batch]
+        if self.split_batches:
+            full = self.batch_size or len(flat)
+        else:
+            full = W * self.batch_size if self.batch_size is not None else None
+        complete = (len(flat) == full) if full is not None else len(group) == W
+        if complete:
+            if self.split_batches:
+                per = full // W
+                return flat[r * per:(r + 1) * per]
+            return group[r]
+        if self.drop_last:
+            return None
+        if not self.even_batches:
+            if self.split_batches:
+                per = math.ceil(len(flat) / W)
+                part = flat[r * per:(r + 1) * per]
+                return part or None
+            return group[r] if r < len(group) else None
+        if full is None:  # variable-size batches: fill missing batches with the epoch's first ones
+            batches = group + [list(b) for b in itertools.islice(itertools.cycle([head]), W - len(group))]
+            return batches[r]
+        pad = list(itertools.islice(itertools.cycle(head or flat), full - len(flat)))
+        flat = flat + pad
+        per = full // W
+        return flat[r * per:(r + 1) * per]
+
+    def __iter__(self) -> Iterator[List[int]]:
+        skip, self.skip = self.skip, 0
+        head: List[int] = []
+        for n, group in enumerate(self._groups()):
+            if not head:
+                head = [i for batch in group for i in batch]
+            if n < skip:
+                continue
+            mine = self._this_rank(group, head)
+            if mine is not None:
+                yield mine
+
+    def __len__(self) -> int:
+        n = len(self.batch_sampler)
+        W = self.num_replicas
+        if self.split_batches:
+            return n
+        if self.drop_last:
+            return n // W
+        if self.even_batches:
+            return math.ceil(n / W)
+        return n // W + (1 if self.rank < n % W else 0)
+
+
+class IterableDatasetShard(IterableDataset):
+    """This rank's share of an IterableDataset: chunks of W*b samples, slice r of each."""
+
+    def __init__(
+        self, dataset: Any, batch_size: int, num_replicas: int, rank: int,
+        split_batches: bool = False, even_batches: bool = True, drop_last: bool = False,
+    ) -> None:
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.split_batches = split_batches
+        self.even_batches = even_batches
+        self.drop_last = drop_last
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        per = self.batch_size // self.num_replicas if self.split_batches else self.batch_size
+        chunk = per * self.num_replicas
+        lo, hi = self.rank * per, (self.rank + 1) * per
+        buffer: List[Any] = []
+        head: List[Any] = []
+        for item in self.dataset:
+            buffer.append(item)
+            if len(buffer) == chunk:
+                if not head:
+                    head = list(buffer)
+                yield from buffer[lo:hi]
+                buffer = []
+        if not buffer or self.drop_last:
+            return
+        if self.even_batches:
+            buffer += list(itertools.islice(itertools.cycle(head or buffer), chunk - len(buffer)))
+        yield from buffer[lo:hi]
+
+
+@dataclass
+class _Position:
+    """Where a loader is: shared by a loader and its `skip_first_batches` views."""
+
+    base_seed: int = 0
+    epoch: int = 0
+    batches_seen: int = 0  # batches of this rank yielded in the current epoch
+
+
+class DataLoaderShard:
+    """A prepared dataloader: this rank's batches, on the device, with a resumable position."""
+
+    def __init__(
+        self, loader: DataLoader, device: Optional[torch.device], gradient_state: GradientState,
+        sampler_generator: Optional[torch.Generator], batch_sampler: Optional[ShardedBatchSampler],
+        position: _Position, remainder: int, total_batch_size: Optional[int],
+        convert_batch: Optional[Callable[[Any], Any]] = None, non_blocking: bool = False,
+    ) -> None:
+        self.base_dataloader = loader
+        self.device = device
+        self.gradient_state = gradient_state
+        self._generator = sampler_generator
+        self._batch_sampler = batch_sampler
+        self._position = position
+        self.remainder = remainder
+        self.total_batch_size = total_batch_size
+        self._convert = convert_batch
+        self._non_blocking = non_blocking
+        self._skip_request = 0
+        self._at_last = False
+
+    # Attributes a user reads off a DataLoader keep working.
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name == "base_dataloader":
+            raise AttributeError(name)
+        return getattr(self.base_dataloader, name)
+
+    def __len__(self) -> int:
+        return len(self.base_dataloader)
+
+    @property
+    def end_of_dataloader(self) -> bool:
+        return self._at_last
+
+    @property
+    def epoch(self) -> int:
+        return self._position.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose which epoch's order the next iteration draws (done automatically each epoch)."""
+        if epoch != self._position.epoch:
+            self._position.epoch = epoch
+            self._position.batches_seen = 0
+
+    def _start_epoch(self) -> int:
+        pos = self._position
+        if self._generator is not None:
+            self._generator.manual_seed(pos.base_seed + pos.epoch)
+        for obj in (getattr(self.base_dataloader, "sampler", None), getattr(self.base_dataloader, "dataset", None)):
+            if hasattr(obj, "set_epoch"):
+                obj.set_epoch(pos.epoch)
+        skip = max(self._skip_request, pos.batches_seen)
+        if self._batch_sampler is not None:
+            self._batch_sampler.skip = skip
+            return 0
+        return skip  # no sampler to skip in: skip after loading
+
+    def __iter__(self) -> Iterator[Any]:
+        skip_loaded = self._start_epoch()
+        pos = self._position
+        pos.batches_seen = max(self._skip_request, pos.batches_seen)
+        state = self.gradient_state
+        self._at_last = False
+        state._enter(self)
+        device, convert, non_blocking = self.device, self._convert, self._non_blocking
+        try:
+            iterator = iter(self.base_dataloader)
+            if skip_loaded:
+                iterator = itertools.islice(iterator, skip_loaded, None)
+            sentinel = object()
+            current = next(iterator, sentinel)
+            while current is not sentinel:
+                if device is not None:
+                    current = move_to_device(current, device, non_blocking)
+                if convert is not None:
+                    current = convert(current)
+                upcoming = next(iterator, sentinel)
+                if upcoming is sentinel:
+                    self._at_last = True
+                    state._mark_last()
+                pos.batches_seen += 1
+                yield current
+                current = upcoming
+            pos.epoch += 1
+            pos.batches_seen = 0
+        finally:
+            self._at_last = False
+            state._leave(self)
+
+    def state_dict(self) -> Dict[str, int]:
+        return {"base_seed": self._position.base_seed, "epoch": self._position.epoch,
+                "batches_seen": self._position.batches_seen}
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        self._position.base_seed = int(state["base_seed"])
+        self._position.epoch = int(state["epoch"])
+        self._position.batches_seen = int(state["batches_seen"])
+
+    def _view_skipping(self, num_batches: int) -> "DataLoaderShard":
+        view = copy.copy(self)
+        view._skip_request = num_batches
+        return view
+
+
+def _loader_kwargs(loader: DataLoader) -> Dict[str, Any]:
+    kwargs: Dict[str, Any] = dict(
+        num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
+        timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context, persistent_workers=loader.persistent_workers,
+    )
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    if hasattr(loader, "in_order"):
+        kwargs["in_order"] = loader.in_order
+    return kwargs
+
+
+def _draw_seed(user_generator: Optional[torch.Generator]) -> int:
+    if user_generator is not None:
+        return int(user_generator.initial_seed())
+    return int(torch.empty((), dtype=torch.int64).random_().item()) & 0x7FFF_FFFF_FFFF
+
+
+def shard_dataloader(
+    loader: DataLoader, *, num_replicas: int, rank: int, device: Optional[torch.device],
+    gradient_state: GradientState, split_batches: bool = False, even_batches: bool = True,
+    broadcast_seed: Callable[[int], int] = lambda s: s, convert_batch: Optional[Callable[[Any], Any]] = None,
+    non_blocking: bool = False,
+) -> DataLoaderShard:
+    """Rebuild `loader` so this rank reads its shard of the user's order, reshuffled every epoch."""
+    if isinstance(loader, DataLoaderShard):
+        return loader
+    if not isinstance(loader, DataLoader):
+        raise TypeError(f"prepare() shards torch.utils.data.DataLoader objects, got {type(loader).__name__}.")
+    kwargs = _loader_kwargs(loader)
+    dataset = loader.dataset
+    batch_size = loader.batch_size
+    drop_last = loader.drop_last
+    generator = torch.Generator()
+    if isinstance(dataset, IterableDataset):
+        if batch_size is None:
+            raise ValueError("prepare() of an IterableDataset loader needs batch_size set on the DataLoader.")
+        shard = IterableDatasetShard(dataset, batch_size, num_replicas, rank, split_batches, even_batches, drop_last)
+        per_rank = batch_size // num_replicas if split_batches else batch_size
+        base_seed = broadcast_seed(_draw_seed(loader.generator))
+        new = DataLoader(shard, batch_size=per_rank, drop_last=False, generator=generator, **kwargs)
+        total = batch_size if split_batches else batch_size * num_replicas
+        remainder = -1
+        if not drop_last and hasattr(dataset, "__len__"):
+            remainder = len(dataset) % total
+        return DataLoaderShard(new, device, gradient_state, generator, None, _Position(base_seed), remainder,
+                               total, convert_batch, non_blocking)
+
+    batch_sampler = copy.copy(loader.batch_sampler)
+    user_generator = loader.generator
+    sampler = getattr(batch_sampler, "sampler", None)
+    if sampler is not None and hasattr(sampler, "generator"):
+        user_generator = sampler.generator or user_generator
+        sampler = copy.copy(sampler)
+        sampler.generator = generator  # every rank draws the same order from the shared seed
+        batch_sampler.sampler = sampler
+    base_seed = broadcast_seed(_draw_seed(user_generator))
+    sharded = ShardedBatchSampler(batch_sampler, num_replicas, rank, batch_size, split_batches, even_batches, drop_last)
+    new = DataLoader(dataset, batch_sampler=sharded, generator=generator, **kwargs)
+    total = None if batch_size is None else (batch_size if split_batches else batch_size * num_replicas)
+    remainder = -1
+    if total is not None and not drop_last and sampler is not None and hasattr(sampler, "__len__"):
+        remainder = len(sampler) % total
+    return DataLoaderShard(new, device, gradient_state, generator, sharded, _Position(base_seed), remainder,
+                           total, convert_batch, non_blocking)
+
+
+def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
+    """A loader whose next iteration starts after `num_batches` of this rank's batches.
+
+    For a prepared loader the skipped batches are never loaded, and the epoch's order is the same
+    one the original loader would draw. Counting is from the start of the epoch: after
+    ``load_state``, ``skip_first_batches(loader, saved_step)`` does not skip twice.
+    """
+    if num_batches < 0:
+        raise ValueError(f"num_batches={num_batches} must be >= 0.")
+    if isinstance(dataloader, DataLoaderShard):
+        return dataloader._view_skipping(num_batches)
+    return _SkipLoader(dataloader, num_batches)
+
+
+class _SkipLoader:
+    """Skip for a loader that was not prepared (its batches are loaded and dropped)."""
+
+    def __init__(self, loader: Any, num_batches: int) -> None:
+        self.base_dataloader = loader
+        self.num_batches = num_batches
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(iter(self.base_dataloader), self.num_batches, None)
+
+    def __len__(self) -> int:
+        return max(0, len(self.base_dataloader) - self.num_batches)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name == "base_dataloader":
+            raise AttributeError(name)
+        return getattr(self.base_dataloader, name)

@@ -1,0 +1,135 @@
+"""The prepared optimizer and scheduler: they step only when gradients are complete."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from fabric_lite.data import GradientState
+from fabric_lite.strategies.base import Strategy
+
+__all__ = ["AcceleratedOptimizer", "AcceleratedScheduler"]
+
+
+class AcceleratedOptimizer(torch.optim.Optimizer):
+    """Wraps the user's optimizer: `step`/`zero_grad` are no-ops on accumulation micro-steps, and
+    `step` goes through the strategy (loss-scale unscaling and inf/NaN skipping under fp16)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, strategy: Strategy, gradient_state: GradientState):
+        # No super().__init__: the wrapped optimizer owns the parameter groups and state.
+        self.optimizer = optimizer
+        self._strategy = strategy
+        self._gradient_state = gradient_state
+        self.step_was_skipped = False
+
+    @property
+    def state(self) -> Dict[Any, Any]:  # type: ignore[override]
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Dict[Any, Any]) -> None:
+        self.optimizer.state = value
+
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: List[Dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def defaults(self) -> Dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: Dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self._strategy.optimizer_state_dict(self.optimizer)
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self._strategy.load_optimizer_state_dict(self.optimizer, state_dict)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._gradient_state.sync_gradients:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Optional[Callable[[], float]] = None) -> None:  # type: ignore[override]
+        if not self._gradient_state.sync_gradients:
+            return
+        kwargs = {} if closure is None else {"closure": closure}
+        self.step_was_skipped = not self._strategy.optimizer_step(self.optimizer, **kwargs)
+
+    def train(self) -> None:  # schedule-free optimizers switch their weights between modes
+        if hasattr(self.optimizer, "train"):
+            self.optimizer.train()
+
+    def eval(self) -> None:
+        if hasattr(self.optimizer, "eval"):
+            self.optimizer.eval()
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return self.__dict__
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"AcceleratedOptimizer({self.optimizer!r})"
+
+
+class AcceleratedScheduler:
+    """Wraps an LR scheduler: it steps only after a real optimizer step, never after a skipped one.
+
+    As in Accelerate, without `split_batches` it steps once per process on each optimizer step: a
+    schedule written for the whole dataset in one process stays right when W processes each see
+    1/W of the batches.
+    """
+
+    def __init__(
+        self, scheduler: Any, optimizers: Sequence[AcceleratedOptimizer], gradient_state: GradientState,
+        step_with_optimizer: bool = True, split_batches: bool = False, num_processes: int = 1,
+    ):
+        self.scheduler = scheduler
+        self.optimizers = list(optimizers)
+        self._gradient_state = gradient_state
+        self.step_with_optimizer = step_with_optimizer
+        self._steps_per_call = 1 if split_batches else num_processes
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if not self.step_with_optimizer:
+            self.scheduler.step(*args, **kwargs)
+            return
+        if not self._gradient_state.sync_gradients:
+            return
+        for opt in self.optimizers:
+            if opt.step_was_skipped:
+                return
+        total = getattr(self.scheduler, "total_steps", None)  # OneCycleLR raises past its end
+        for _ in range(self._steps_per_call):
+            if total is not None and self.scheduler.last_epoch >= total:
+                break
+            self.scheduler.step(*args, **kwargs)
+
+    def get_last_lr(self) -> List[float]:
+        return self.scheduler.get_last_lr()
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state_dict)
+
+    def get_lr(self) -> Any:
+        return self.scheduler.get_lr()
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "scheduler":
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)

@@ -1,0 +1,127 @@
+"""Numeric precision plugins: full fp32, fp16 / bf16 autocast, and pure bf16 weights.
+
+A plugin owns everything precision-specific in a step: the autocast context around the forward,
+the loss scaling in backward, unscaling before clipping, and skipping an optimizer step whose
+gradients overflowed. Strategies call it; the front doors never branch on the precision.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, ContextManager, Dict, Optional
+
+import torch
+
+from fabric_lite._tree import tree_map
+
+__all__ = ["Precision", "resolve_precision", "PRECISION_ALIASES"]
+
+# Canonical name <- every spelling accepted (Lightning's and Accelerate's).
+PRECISION_ALIASES: Dict[str, str] = {
+    "32-true": "32-true", "32": "32-true", "no": "32-true", "fp32": "32-true",
+    "16-mixed": "16-mixed", "16": "16-mixed", "fp16": "16-mixed",
+    "bf16-mixed": "bf16-mixed", "bf16": "bf16-mixed",
+    "bf16-true": "bf16-true",
+}
+
+
+def _cast_floating(data: Any, dtype: torch.dtype) -> Any:
+    return tree_map(lambda t: t.to(dtype) if t.is_floating_point() else t, data)
+
+
+class Precision:
+    """One precision setting, bound to a device type ("cpu", "cuda", "mps")."""
+
+    def __init__(self, name: str = "32-true", device_type: str = "cpu", scaler_kwargs: Optional[dict] = None):
+        self.name = resolve_precision(name)
+        self.device_type = device_type
+        self.autocast_dtype: Optional[torch.dtype] = {
+            "16-mixed": torch.float16, "bf16-mixed": torch.bfloat16
+        }.get(self.name)
+        self.scaler: Optional[torch.amp.GradScaler] = None
+        if self.name == "16-mixed":
+            if device_type not in ("cpu", "cuda"):
+                raise ValueError(
+                    f"precision='16-mixed' needs loss scaling, which torch supports on 'cpu' and 'cuda', "
+                    f"not on {device_type!r}. Use precision='bf16-mixed' there."
+                )
+            self.scaler = torch.amp.GradScaler(device_type, **(scaler_kwargs or {}))
+        if self.name in ("bf16-mixed", "bf16-true") and device_type == "cuda":
+            if not torch.cuda.is_bf16_supported():
+                raise ValueError(
+                    f"precision={name!r} needs a GPU with bfloat16 support (Ampere or newer); this one has "
+                    f"none. Use precision='16-mixed'."
+                )
+
+    @property
+    def accelerate_name(self) -> str:
+        """The same setting in Accelerate's vocabulary: 'no', 'fp16' or 'bf16'."""
+        return {"32-true": "no", "16-mixed": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16"}[self.name]
+
+    @property
+    def is_mixed(self) -> bool:
+        return self.autocast_dtype is not None
+
+    def autocast(self) -> ContextManager:
+        """The context the forward pass runs in (autocast for mixed precision, else a no-op)."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=self.autocast_dtype)
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        if self.name == "bf16-true":
+            return module.to(torch.bfloat16)
+        return module
+
+    def convert_input(self, data: Any) -> Any:
+        """Cast floating inputs to the weights' dtype where weights are not fp32."""
+        if self.name == "bf16-true":
+            return _cast_floating(data, torch.bfloat16)
+        return data
+
+    @property
+    def input_converter(self) -> Optional[Callable[[Any], Any]]:
+        """`convert_input` where batches need converting, else None (so loaders skip the call)."""
+        return self.convert_input if self.name == "bf16-true" else None
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        loss.backward(**kwargs)
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Bring gradients back to their true scale (before clipping); idempotent within a step."""
+        if self.scaler is None:
+            return
+        state = self.scaler._per_optimizer_states[id(optimizer)]  # read-only peek to avoid a double unscale
+        if state["stage"].name != "UNSCALED":
+            self.scaler.unscale_(optimizer)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> bool:
+        """Step the optimizer; return False when the step was skipped for inf/NaN gradients."""
+        if self.scaler is None:
+            optimizer.step(**kwargs)
+            return True
+        scale_before = self.scaler.get_scale()
+        self.scaler.step(optimizer, **kwargs)
+        self.scaler.update()
+        return self.scaler.get_scale() >= scale_before
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
+
+
+def resolve_precision(name: Any) -> str:
+    """Map any accepted spelling to its canonical name, or raise naming the allowed values."""
+    key = str(name).lower() if name is not None else "32-true"
+    if key not in PRECISION_ALIASES:
+        allowed = ", ".join(repr(k) for k in PRECISION_ALIASES)
+        raise ValueError(
+            f"Unknown precision {name!r}. Allowed values: {allowed}. "
+            f"For mixed precision on a GPU use 'bf16-mixed' (or 'fp16'); on CPU use 'bf16-mixed'."
+        )
+    return PRECISION_ALIASES[key]

@@ -1,0 +1,57 @@
+"""Seeding and capturing every random number generator a training step touches."""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Dict, Optional
+
+import numpy as np
+import torch
+
+__all__ = ["set_seed", "seed_everything", "capture_rng_state", "restore_rng_state"]
+
+
+def set_seed(seed: int, deterministic: bool = False, device_specific: bool = False, process_index: int = 0) -> int:
+    """Seed python, numpy and torch (CPU and every CUDA device); returns the seed used.
+
+    `device_specific=True` offsets the seed by `process_index`, so ranks draw different numbers.
+    `deterministic=True` also asks torch for deterministic kernels.
+    """
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"seed must be an int, got {seed!r}.")
+    if device_specific:
+        seed += process_index
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+    return seed
+
+
+seed_everything = set_seed
+
+
+def capture_rng_state() -> Dict[str, Any]:
+    """Every RNG state of this process, in types `torch.load(weights_only=True)` accepts."""
+    np_state = np.random.get_state()
+    state: Dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
+                  "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: Dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    cuda: Optional[list] = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)

@@ -1,0 +1,225 @@
+"""What `Accelerator.save_state` / `load_state` / `save_model` write, on top of checkpoint_io.
+
+Layout of a state checkpoint (a directory, any fsspec URL):
+``model_{i}.pt``, ``optimizer_{i}.pt``, ``scheduler_{i}.pt``, ``dataloader_{i}.pt``, ``custom_{i}.pt``
+and ``precision.pt`` from the main process; ``rng_{rank}.pt`` from every process;
+``manifest.json`` (checksums, format version, step counters) written last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import warnings
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
+
+import torch
+
+from fabric_lite import checkpoint_io
+from fabric_lite.checkpoint_io import CheckpointError, CheckpointWriter
+from fabric_lite.seed import capture_rng_state, restore_rng_state
+
+if TYPE_CHECKING:
+    from fabric_lite.accelerator import Accelerator
+
+__all__ = ["save_state", "load_state", "save_object", "save_model_weights", "parse_size"]
+
+_CHECKPOINT_RE = re.compile(r"checkpoint_(\d+)$")
+
+
+def parse_size(size: Union[int, str]) -> int:
+    """'10GB' -> bytes (decimal units, as Accelerate's max_shard_size)."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*", str(size).upper())
+    if not match:
+        raise ValueError(f"max_shard_size={size!r} is not a size; write e.g. '500MB', '10GB' or a number of bytes.")
+    value, unit = float(match.group(1)), match.group(2)
+    factor = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    return int(value * factor)
+
+
+def save_object(obj: Any, url: str, safe_serialization: bool = False) -> None:
+    if safe_serialization:
+        from safetensors.torch import save as st_save
+
+        fs, path = checkpoint_io._fs(url)
+        tmp = f"{path}.tmp"
+        with fs.open(tmp, "wb") as f:
+            f.write(st_save(_unshare(obj)))
+        fs.mv(tmp, path)
+    else:
+        checkpoint_io.save_file(obj, url)
+
+
+def _unshare(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """safetensors refuses tensors sharing storage (tied weights): give each its own contiguous copy."""
+    seen: set = set()
+    out = {}
+    for name, tensor in state.items():
+        tensor = tensor.detach().cpu()
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        out[name] = tensor.clone().contiguous() if key in seen or not tensor.is_contiguous() else tensor
+        seen.add(key)
+    return out
+
+
+def save_model_weights(state: Dict[str, torch.Tensor], directory: str, max_shard_size: Union[int, str],
+                       safe_serialization: bool) -> None:
+    """Write weights as one file, or as shards plus an index above `max_shard_size` (Hugging Face layout)."""
+    if "://" not in directory and os.path.isfile(directory):
+        raise ValueError(f"save_model() needs a directory, but {directory} is a file.")
+    limit = parse_size(max_shard_size)
+    ext, stem = ("safetensors", "model") if safe_serialization else ("bin", "pytorch_model")
+    shards: List[Dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    fs, path = checkpoint_io._fs(directory)
+    fs.makedirs(path, exist_ok=True)
+    if len(shards) == 1:
+        save_object(shards[0], f"{directory.rstrip('/')}/{stem}.{ext}", safe_serialization)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        name = f"{stem}-{i:05d}-of-{len(shards):05d}.{ext}"
+        save_object(shard, f"{directory.rstrip('/')}/{name}", safe_serialization)
+        weight_map.update({k: name for k in shard})
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+             "weight_map": weight_map}
+    with fs.open(f"{path.rstrip('/')}/{stem}.{ext}.index.json", "w") as f:
+        json.dump(index, f, indent=2, sort_keys=True)
+
+
+def _checkpoints_root(acc: "Accelerator") -> str:
+    if acc.project_dir is None:
+        raise ValueError(
+            "save_state()/load_state() without a path need automatic_checkpoint_naming and a project_dir: "
+            "Accelerator(project_config=ProjectConfiguration(project_dir='runs', automatic_checkpoint_naming=True))."
+        )
+    return f"{os.fspath(acc.project_dir).rstrip('/')}/checkpoints"
+
+
+def _numbered_checkpoints(root: str) -> List[tuple]:
+    fs, path = checkpoint_io._fs(root)
+    if not fs.exists(path):
+        return []
+    found = []
+    for entry in fs.ls(path, detail=False):
+        match = _CHECKPOINT_RE.search(entry.rstrip("/"))
+        if match:
+            found.append((int(match.group(1)), f"{root}/checkpoint_{match.group(1)}"))
+    return sorted(found)
+
+
+def save_state(acc: "Accelerator", output_dir: Optional[Union[str, os.PathLike]]) -> str:
+    project = acc.project_configuration
+    automatic = project.automatic_checkpoint_naming
+    if automatic:  # as in Accelerate, automatic naming decides the location
+        output_dir = f"{_checkpoints_root(acc)}/checkpoint_{project.iteration}"
+    elif output_dir is None:
+        raise ValueError(
+            "save_state() needs a directory, or automatic naming: Accelerator(project_config="
+            "ProjectConfiguration(project_dir='runs', automatic_checkpoint_naming=True))."
+        )
+    url = os.fspath(output_dir)
+    strategy = acc.strategy
+    token = strategy.broadcast_object(os.urandom(6).hex())
+    writer = CheckpointWriter(url, staging_token=token)
+    # State dicts are built on every rank: sharded strategies need all ranks to assemble them.
+    files: Dict[str, Any] = {}
+    for i, model in enumerate(acc._models):
+        files[f"model_{i}.pt"] = strategy.module_state_dict(model)
+    for i, opt in enumerate(acc._optimizers):
+        files[f"optimizer_{i}.pt"] = opt.state_dict()
+    for i, sched in enumerate(acc._schedulers):
+        files[f"scheduler_{i}.pt"] = sched.state_dict()
+    for i, loader in enumerate(acc._dataloaders):
+        files[f"dataloader_{i}.pt"] = loader.state_dict()
+    for i, obj in enumerate(acc._custom_objects):
+        files[f"custom_{i}.pt"] = obj.state_dict()
+    files["precision.pt"] = strategy.precision.state_dict()
+    if strategy.is_global_zero:
+        for name, obj in files.items():
+            writer.write(name, obj)
+    writer.write(f"rng_{strategy.global_rank}.pt", capture_rng_state())
+    checksums: Dict[str, str] = {}
+    for part in strategy.all_gather_object(writer.checksums):
+        checksums.update(part)
+    if strategy.is_global_zero:
+        meta = {"step": acc.step, "world_size": strategy.world_size, "iteration": project.iteration}
+        writer.commit(checksums, meta)
+    strategy.barrier()
+    if automatic:
+        project.iteration += 1
+        if project.total_limit is not None and strategy.is_global_zero:
+            existing = _numbered_checkpoints(_checkpoints_root(acc))
+            for _, old in existing[: max(0, len(existing) - project.total_limit)]:
+                fs, path = checkpoint_io._fs(old)
+                fs.rm(path, recursive=True)
+        strategy.barrier()
+    return url
+
+
+def _load(url: str, name: str, manifest: Dict[str, Any], weights_only: bool) -> Any:
+    try:
+        return checkpoint_io.load_file(url, name, manifest, weights_only=weights_only)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(
+            f"{url}/{name} holds objects that safe loading (weights_only=True) refuses: {err}. If you trust "
+            f"this checkpoint, call load_state(..., weights_only=False)."
+        ) from err
+
+
+def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]], strict: bool = True,
+               weights_only: bool = True, **_: Any) -> str:
+    if input_dir is None:
+        existing = _numbered_checkpoints(_checkpoints_root(acc))
+        if not existing:
+            raise CheckpointError(f"No checkpoint under {_checkpoints_root(acc)} to load.")
+        number, url = existing[-1]
+        acc.project_configuration.iteration = number + 1
+    else:
+        url = os.fspath(input_dir)
+    manifest = checkpoint_io.read_manifest(url)
+    strategy = acc.strategy
+    expected = {"model": len(acc._models), "optimizer": len(acc._optimizers), "scheduler": len(acc._schedulers),
+                "dataloader": len(acc._dataloaders), "custom": len(acc._custom_objects)}
+    for kind, count in expected.items():
+        saved = sum(1 for f in manifest["files"] if re.fullmatch(rf"{kind}_\d+\.pt", f))
+        if saved != count:
+            raise CheckpointError(
+                f"{url} holds {saved} {kind}(s) but this Accelerator prepared {count}. Prepare (and register) the "
+                f"same objects, in the same order, as the run that saved it."
+            )
+    for i, model in enumerate(acc._models):
+        strategy.load_module_state_dict(model, _load(url, f"model_{i}.pt", manifest, weights_only), strict=strict)
+    for i, opt in enumerate(acc._optimizers):
+        opt.load_state_dict(_load(url, f"optimizer_{i}.pt", manifest, weights_only))
+    for i, sched in enumerate(acc._schedulers):
+        sched.load_state_dict(_load(url, f"scheduler_{i}.pt", manifest, weights_only))
+    for i, loader in enumerate(acc._dataloaders):
+        loader.load_state_dict(_load(url, f"dataloader_{i}.pt", manifest, weights_only))
+    for i, obj in enumerate(acc._custom_objects):
+        obj.load_state_dict(_load(url, f"custom_{i}.pt", manifest, weights_only))
+    strategy.precision.load_state_dict(_load(url, "precision.pt", manifest, weights_only))
+    rng_name = f"rng_{strategy.global_rank}.pt"
+    if rng_name in manifest["files"]:
+        restore_rng_state(_load(url, rng_name, manifest, weights_only=True))
+    else:
+        warnings.warn(
+            f"{url} has no random state for rank {strategy.global_rank} (it was saved by "
+            f"{manifest['meta'].get('world_size')} process(es)); training continues but will not repeat the "
+            f"uninterrupted run bit for bit.",
+            stacklevel=3,
+        )
+    acc.step = int(manifest["meta"].get("step", 0))
+    return url

@@ -1,0 +1,120 @@
+"""Data parallel training with torch's DistributedDataParallel (gloo on CPU, nccl on CUDA)."""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import contextlib
+from typing import Any, ClassVar, ContextManager, Optional, Tuple
+
+import torch
+from torch import nn
+
+from fabric_lite.strategies.base import Strategy
+
+__all__ = ["DDPStrategy"]
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+class DDPStrategy(Strategy):
+    """One process per device; gradients are averaged with an all-reduce during backward.
+
+    ``DDPStrategy(find_unused_parameters=True, timeout=timedelta(minutes=5))``; any keyword of
+    ``torch.nn.parallel.DistributedDataParallel`` may be given.
+    """
+
+    aliases: ClassVar[Tuple[str, ...]] = ("ddp",)
+    supports_no_sync: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[datetime.timedelta] = None,
+        **ddp_kwargs: Any,
+    ) -> None:
+        super().__init__()
+        self.process_group_backend = process_group_backend
+        self.timeout = timeout or DEFAULT_TIMEOUT
+        self.ddp_kwargs = ddp_kwargs
+        self._owns_process_group = False
+
+    @property
+    def backend(self) -> str:
+        if self.process_group_backend:
+            return self.process_group_backend
+        return "nccl" if self.root_device.type == "cuda" else "gloo"
+
+    def setup_environment(self) -> None:
+        import torch.distributed as dist
+
+        super().setup_environment()
+        if not dist.is_available():
+            raise RuntimeError("strategy='ddp' needs torch.distributed, which this torch build lacks.")
+        if dist.is_initialized():
+            if dist.get_world_size() != self.world_size:
+                raise RuntimeError(
+                    f"A process group of size {dist.get_world_size()} already exists, but the launch "
+                    f"environment says WORLD_SIZE={self.world_size}."
+                )
+            return
+        p = self.process
+        if p.master_port is None:
+            raise RuntimeError(
+                f"strategy='ddp' with WORLD_SIZE={p.world_size} needs MASTER_ADDR and MASTER_PORT. Launch "
+                f"with `fabric-lite launch` or `torchrun`, which set them."
+            )
+        # Workers of an elastic agent share its TCPStore, which outlives a restart; keys written by a
+        # dead attempt would be read by the new one. A prefix per restart keeps attempts apart.
+        base_store = dist.TCPStore(
+            p.master_addr, p.master_port, p.world_size,
+            is_master=(p.global_rank == 0 and not p.uses_agent_store),
+            timeout=self.timeout, multi_tenant=True,
+        )
+        store = dist.PrefixStore(f"fabric_lite/attempt_{p.restart_count}", base_store)
+        kwargs: dict = {}
+        if self.root_device.type == "cuda":
+            kwargs["device_id"] = self.root_device
+        dist.init_process_group(
+            self.backend, store=store, rank=p.global_rank, world_size=p.world_size, timeout=self.timeout, **kwargs
+        )
+        self._owns_process_group = True
+        # Scripts that never call end_training() must still leave cleanly: gloo aborts the process
+        # ("terminate called without an active exception") if its group is alive at interpreter exit.
+        atexit.register(self._teardown_at_exit)
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        from torch.nn.parallel import DistributedDataParallel
+
+        module = super().setup_module(module)
+        if self.world_size == 1 or not any(p.requires_grad for p in module.parameters()):
+            return module
+        device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
+        return DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
+
+    def unwrap_module(self, module: nn.Module) -> nn.Module:
+        from torch.nn.parallel import DistributedDataParallel
+
+        return module.module if isinstance(module, DistributedDataParallel) else module
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:
+        if enabled and hasattr(module, "no_sync"):
+            return module.no_sync()
+        return contextlib.nullcontext()
+
+    def _teardown_at_exit(self) -> None:
+        import torch.distributed as dist
+
+        if self._owns_process_group and dist.is_initialized():
+            try:  # leave together: a rank that tears down alone makes its peers' gloo threads abort
+                dist.barrier()
+            except Exception:  # a peer is already gone; nothing left to wait for
+                pass
+        self.teardown()
+
+    def teardown(self) -> None:
+        import torch.distributed as dist
+
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_process_group = False
