@@ -41,7 +41,12 @@ class DistributedType:
 
 
 def _is_scheduler(obj: Any) -> bool:
-    return hasattr(obj, "step") and isinstance(getattr(obj, "optimizer", None), torch.optim.Optimizer)
+    # Duck-typed (schedulers from other libraries exist), but a prepared optimizer also has `.optimizer`.
+    return (
+        not isinstance(obj, torch.optim.Optimizer)
+        and hasattr(obj, "step")
+        and isinstance(getattr(obj, "optimizer", None), torch.optim.Optimizer)
+    )
 
 
 class Accelerator:

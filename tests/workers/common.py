@@ -1,0 +1,45 @@
+"""Shared bits of the worker scripts that the multi-process tests start."""
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+
+def parse(extra=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    for name, kwargs in (extra or {}).items():
+        parser.add_argument(name, **kwargs)
+    return parser.parse_args()
+
+
+def write_result(out, rank, result):
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+class IndexDataset(Dataset):
+    """Sample i is (features derived from i, i), so gathered labels tell which samples were seen."""
+
+    def __init__(self, n, dim=4):
+        g = torch.Generator().manual_seed(1234)
+        self.x = torch.randn(n, dim, generator=g)
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return self.x[i], torch.tensor(i)
+
+
+def make_model(seed=0, dim=4):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(dim, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def flat_weights(model):
+    return torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
