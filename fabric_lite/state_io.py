@@ -150,7 +150,7 @@ def save_state(acc: "Accelerator", output_dir: Optional[Union[str, os.PathLike]]
     if strategy.is_global_zero:
         for name, obj in files.items():
             writer.write(name, obj)
-    writer.write(f"rng_{strategy.global_rank}.pt", capture_rng_state())
+    writer.write(f"rng_{strategy.global_rank}.pt", _process_local_state(acc))
     checksums: Dict[str, str] = {}
     for part in strategy.all_gather_object(writer.checksums):
         checksums.update(part)
@@ -167,6 +167,26 @@ def save_state(acc: "Accelerator", output_dir: Optional[Union[str, os.PathLike]]
                 fs.rm(path, recursive=True)
         strategy.barrier()
     return url
+
+
+def _process_local_state(acc: "Accelerator") -> Dict[str, Any]:
+    """What differs between processes: RNG states, and mid-accumulation gradients (not yet all-reduced)."""
+    state: Dict[str, Any] = {"rng": capture_rng_state()}
+    if not acc.gradient_state.sync_gradients:
+        state["partial_grads"] = [
+            {name: p.grad for name, p in acc.unwrap_model(m).named_parameters() if p.grad is not None}
+            for m in acc._models
+        ]
+    return state
+
+
+def _restore_process_local_state(acc: "Accelerator", state: Dict[str, Any]) -> None:
+    restore_rng_state(state["rng"])
+    grads = state.get("partial_grads")
+    acc.gradient_state.sync_gradients = grads is None
+    for model, saved in zip(acc._models, grads or []):
+        for name, p in acc.unwrap_model(model).named_parameters():
+            p.grad = saved[name].to(p.device) if name in saved else None
 
 
 def _load(url: str, name: str, manifest: Dict[str, Any], weights_only: bool) -> Any:
@@ -213,7 +233,7 @@ def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]],
     strategy.precision.load_state_dict(_load(url, "precision.pt", manifest, weights_only))
     rng_name = f"rng_{strategy.global_rank}.pt"
     if rng_name in manifest["files"]:
-        restore_rng_state(_load(url, rng_name, manifest, weights_only=True))
+        _restore_process_local_state(acc, _load(url, rng_name, manifest, weights_only=True))
     else:
         warnings.warn(
             f"{url} has no random state for rank {strategy.global_rank} (it was saved by "

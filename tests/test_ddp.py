@@ -64,3 +64,12 @@ def test_collectives_and_process_control(launch):
     assert r0["split_padded"] == [0, 1, 2, 3] and r1["split_padded"] == [4, 5, 6, 6]
     assert r0["split_dict"] == {"a": [0, 1, 2], "b": [0, 1, 2]} and r1["split_dict"] == {"a": [3, 4], "b": [3, 4]}
     assert r1["marker_seen"] is True
+
+
+@pytest.mark.parametrize("nproc,precision,workers", [(2, "no", 0), (2, "fp16", 0), (1, "bf16", 2)])
+def test_save_state_load_state_resumes_bit_for_bit(launch, tmp_path, nproc, precision, workers):
+    results = launch("resume", nproc, "--ckpt", tmp_path / "ckpt", "--precision", precision, "--workers", workers)
+    for r in results:
+        assert r["equal"], r
+    assert (tmp_path / "ckpt" / "manifest.json").exists()
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("rng_*.pt")) == [f"rng_{i}.pt" for i in range(nproc)]
