@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import socket
 import uuid
@@ -90,6 +91,7 @@ class _Entrypoint:
     def __init__(self, function: Callable[..., Any], env: Dict[str, str]):
         self.function = function
         self.env = env
+        functools.update_wrapper(self, function)  # torch elastic reads the entrypoint's names
 
     def __call__(self, *args: Any) -> Any:
         os.environ.update(self.env)

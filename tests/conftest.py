@@ -30,14 +30,14 @@ def run_command(cmd, timeout=180, env=None, cwd=None):
     return proc
 
 
-def torchrun(script, nproc, *args, out_dir, timeout=180, env=None, launcher="torchrun"):
+def torchrun(script, nproc, *args, out_dir, timeout=180, env=None, launcher="torchrun", launcher_args=()):
     """Start `script` on `nproc` processes; return each rank's JSON result from out_dir/rank{r}.json."""
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run"]
     else:
         cmd = [sys.executable, "-m", "fabric_lite.cli", "launch"]
     cmd += ["--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-            str(script), "--out", str(out_dir), *map(str, args)]
+            *launcher_args, str(script), "--out", str(out_dir), *map(str, args)]
     proc = run_command(cmd, timeout=timeout, env=env)
     if proc.returncode != 0:
         pytest.fail(f"launch failed ({proc.returncode}):\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-8000:]}")

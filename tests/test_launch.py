@@ -1,0 +1,63 @@
+"""The launcher front doors: fabric-lite launch, torchrun, notebook_launcher, and the README example."""
+
+import sys
+import textwrap
+
+import pytest
+
+from conftest import ROOT, free_port, run_command
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def test_fabric_lite_launch_passes_settings_to_the_accelerator(launch):
+    # flags placed before the script reach each worker's Accelerator()
+    flags = ("--mixed-precision", "bf16", "--gradient-accumulation-steps", "3", "--cpu")
+    results = launch("launch_settings", 2, launcher="fabric-lite", launcher_args=flags)
+    for r in results:
+        assert r["mixed_precision"] == "bf16" and r["accum"] == 3 and r["world"] == 2 and r["device"] == "cpu"
+        assert "strategy='single'" in r["single_error"] and "rank" in r["single_error"]
+        assert "devices=3" in r["devices_error"] and "launcher" in r["devices_error"]
+        assert r["other"] == ["no", 1, "bf16"]
+
+
+NOTEBOOK_CELL = textwrap.dedent('''
+    import torch
+    from fabric_lite import Accelerator, notebook_launcher
+
+    def training_function(scale):
+        accelerator = Accelerator()
+        total = accelerator.reduce(torch.tensor([float(accelerator.process_index + 1)]))
+        return {"rank": accelerator.process_index, "world": accelerator.num_processes,
+                "sum": total.item() * scale, "precision": accelerator.mixed_precision}
+
+    results = notebook_launcher(training_function, args=(10,), num_processes=2, mixed_precision="fp16")
+    print("RESULTS", results)
+''')
+
+
+def test_notebook_launcher_runs_a_function_defined_in_a_cell(tmp_path):
+    # A notebook's functions live in an interactive namespace nothing can import: run the cell with
+    # exec() in a fresh namespace, which is what a notebook kernel does.
+    script = tmp_path / "kernel.py"
+    script.write_text(f"exec(compile({NOTEBOOK_CELL!r}, '<cell>', 'exec'), {{'__name__': '__main__'}})\n")
+    proc = run_command([sys.executable, str(script)], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULTS"))
+    results = eval(line[len("RESULTS "):])
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(r["world"] == 2 and r["sum"] == 30.0 and r["precision"] == "fp16" for r in results)
+
+
+def test_readme_example_runs_alone_and_under_torchrun(tmp_path):
+    alone = run_command([sys.executable, "examples/migration_digits.py", "--epochs", "3",
+                         "--project-dir", str(tmp_path / "one")], timeout=120)
+    assert alone.returncode == 0, alone.stderr[-4000:]
+    accuracy = float(alone.stdout.strip().splitlines()[-1].split("valid accuracy ")[1].split()[0])
+    assert accuracy > 0.85
+    assert list((tmp_path / "one" / "migration_digits").glob("events.out.tfevents.*"))
+    two = run_command([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                       str(free_port()), "examples/migration_digits.py", "--epochs", "2",
+                       "--project-dir", str(tmp_path / "two")], timeout=180)
+    assert two.returncode == 0, two.stderr[-4000:]
+    assert "(297 samples)" in two.stdout  # gather_for_metrics counted the validation set exactly once
