@@ -202,6 +202,7 @@ class _Position:
     base_seed: int = 0
     epoch: int = 0
     batches_seen: int = 0  # batches of this rank yielded in the current epoch
+    restored: bool = False  # set by load_state: the next iteration continues at batches_seen
 
 
 class DataLoaderShard:
@@ -251,6 +252,12 @@ class DataLoaderShard:
 
     def _start_epoch(self) -> int:
         pos = self._position
+        if pos.batches_seen and not pos.restored:
+            # The last iteration was abandoned part-way (a `break`): like a plain DataLoader, a new
+            # iteration is a new epoch. Only a restored position is continued.
+            pos.epoch += 1
+            pos.batches_seen = 0
+        pos.restored = False
         if self._generator is not None:
             self._generator.manual_seed(pos.base_seed + pos.epoch)
         for obj in (getattr(self.base_dataloader, "sampler", None), getattr(self.base_dataloader, "dataset", None)):
@@ -302,6 +309,7 @@ class DataLoaderShard:
         self._position.base_seed = int(state["base_seed"])
         self._position.epoch = int(state["epoch"])
         self._position.batches_seen = int(state["batches_seen"])
+        self._position.restored = True
 
     def _view_skipping(self, num_batches: int) -> "DataLoaderShard":
         view = copy.copy(self)
