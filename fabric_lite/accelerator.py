@@ -303,7 +303,8 @@ class Accelerator:
         shard_kwargs = self.strategy.distributed_sampler_kwargs or {"num_replicas": 1, "rank": 0}
         loader = shard_dataloader(
             data_loader, num_replicas=shard_kwargs["num_replicas"], rank=shard_kwargs["rank"],
-            device=self.device if place else None, gradient_state=self.gradient_state,
+            # DataLoader batches are already on the CPU: moving them there would only cost time.
+            device=self.device if place and self.device.type != "cpu" else None, gradient_state=self.gradient_state,
             split_batches=self.split_batches, even_batches=self.even_batches,
             broadcast_seed=self.strategy.broadcast_object, convert_batch=self.strategy.precision.input_converter,
             non_blocking=self.dataloader_config.non_blocking,

@@ -133,7 +133,12 @@ class ShardedBatchSampler:
         return flat[r * per:(r + 1) * per]
 
     def __iter__(self) -> Iterator[List[int]]:
+        # A generator, so nothing runs until the first batch is asked for: a DataLoader with workers
+        # calls iter() on its sampler twice and uses only the second iterator.
         skip, self.skip = self.skip, 0
+        if self.num_replicas == 1:  # one process: the user's batches exactly as their sampler makes them
+            yield from itertools.islice(iter(self.batch_sampler), skip, None)
+            return
         head: List[int] = []
         for n, group in enumerate(self._groups()):
             if not head:
@@ -147,7 +152,7 @@ class ShardedBatchSampler:
     def __len__(self) -> int:
         n = len(self.batch_sampler)
         W = self.num_replicas
-        if self.split_batches:
+        if self.split_batches or W == 1:
             return n
         if self.drop_last:
             return n // W
@@ -176,6 +181,9 @@ class IterableDatasetShard(IterableDataset):
             self.dataset.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
+        if self.num_replicas == 1:
+            yield from self.dataset
+            return
         per = self.batch_size // self.num_replicas if self.split_batches else self.batch_size
         chunk = per * self.num_replicas
         lo, hi = self.rank * per, (self.rank + 1) * per
@@ -361,7 +369,7 @@ def shard_dataloader(
         new = DataLoader(shard, batch_size=per_rank, drop_last=False, generator=generator, **kwargs)
         total = batch_size if split_batches else batch_size * num_replicas
         remainder = -1
-        if not drop_last and hasattr(dataset, "__len__"):
+        if num_replicas > 1 and not drop_last and hasattr(dataset, "__len__"):
             remainder = len(dataset) % total
         return DataLoaderShard(new, device, gradient_state, generator, None, _Position(base_seed), remainder,
                                total, convert_batch, non_blocking)
@@ -379,7 +387,7 @@ def shard_dataloader(
     new = DataLoader(dataset, batch_sampler=sharded, generator=generator, **kwargs)
     total = None if batch_size is None else (batch_size if split_batches else batch_size * num_replicas)
     remainder = -1
-    if total is not None and not drop_last and sampler is not None and hasattr(sampler, "__len__"):
+    if num_replicas > 1 and total is not None and not drop_last and sampler is not None and hasattr(sampler, "__len__"):
         remainder = len(sampler) % total
     return DataLoaderShard(new, device, gradient_state, generator, sharded, _Position(base_seed), remainder,
                            total, convert_batch, non_blocking)
