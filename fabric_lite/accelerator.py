@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import types
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
@@ -107,6 +108,7 @@ class Accelerator:
         )
         if project_dir is not None and project_config is not None:
             self.project_configuration.project_dir = os.fspath(project_dir)
+            self.project_configuration.logging_dir = self.project_configuration.logging_dir or os.fspath(project_dir)
 
         if isinstance(strategy, str):
             strategy = self._strategy_from_handlers(strategy, handlers, process.world_size)
@@ -215,6 +217,11 @@ class Accelerator:
         return self.dataloader_config.even_batches
 
     @property
+    def scaler(self) -> Optional[torch.amp.GradScaler]:
+        """The fp16 loss scaler (None in other precisions)."""
+        return self.strategy.precision.scaler
+
+    @property
     def optimizer_step_was_skipped(self) -> bool:
         return any(o.step_was_skipped for o in self._optimizers)
 
@@ -273,10 +280,10 @@ class Accelerator:
     def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None, evaluation_mode: bool = False) -> nn.Module:
         """Move the model to the device, give it mixed precision, and wrap it for the strategy."""
         precision = self.strategy.precision
-        if precision.is_mixed and not hasattr(model.forward, "_fabric_original_forward"):
-            model.forward = _autocast_forward(model.forward, precision.autocast)
+        if precision.wraps_forward and not isinstance(getattr(model.forward, "__func__", None), _PrecisionForward):
+            _PrecisionForward.install(model, precision)
         if evaluation_mode or (device_placement is False and not self.use_distributed):
-            prepared = model
+            prepared = precision.convert_module(model)
         else:
             prepared = self.strategy.setup_module(model)
         self._models.append(prepared)
@@ -306,7 +313,7 @@ class Accelerator:
             # DataLoader batches are already on the CPU: moving them there would only cost time.
             device=self.device if place and self.device.type != "cpu" else None, gradient_state=self.gradient_state,
             split_batches=self.split_batches, even_batches=self.even_batches,
-            broadcast_seed=self.strategy.broadcast_object, convert_batch=self.strategy.precision.input_converter,
+            broadcast_seed=self.strategy.broadcast_object,
             non_blocking=self.dataloader_config.non_blocking,
         )
         loader = self.strategy.process_dataloader(loader)
@@ -499,12 +506,7 @@ class Accelerator:
         inner = self.strategy.unwrap_module(model)
         inner = getattr(inner, "_orig_mod", inner)  # torch.compile
         if not keep_fp32_wrapper:
-            original = getattr(inner.forward, "_fabric_original_forward", None)
-            if original is not None:
-                if "forward" in inner.__dict__:
-                    del inner.forward
-                if getattr(inner.forward, "__func__", None) is not getattr(original, "__func__", original):
-                    inner.forward = original
+            _PrecisionForward.remove(inner)
         return inner
 
     def save(self, obj: Any, f: Union[str, os.PathLike], safe_serialization: bool = False) -> None:
@@ -583,17 +585,44 @@ class Accelerator:
         return f"Accelerator({self.strategy!r}, gradient_accumulation_steps={self.gradient_accumulation_steps})"
 
 
-def _autocast_forward(forward: Callable, autocast: Callable[[], Any]) -> Callable:
-    """Wrap a bound forward so it runs under autocast and returns fp32 floating outputs."""
+class _PrecisionForward:
+    """The function behind a prepared model's `forward`: inputs converted, autocast on, fp32 outputs.
 
-    @functools.wraps(forward)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        with autocast():
-            out = forward(*args, **kwargs)
+    It is bound to the module with MethodType (not a closure over the module), so `copy.deepcopy`
+    of a prepared model gives a copy that runs its own weights.
+    """
+
+    def __init__(self, func: Callable, precision: Any, previous: Any) -> None:
+        self.func = func
+        self.precision = precision
+        self.previous = previous  # an instance-level forward the user had set, restored by remove()
+        functools.update_wrapper(self, func)
+
+    def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        precision = self.precision
+        if precision.converts_input:
+            args, kwargs = precision.convert_input(args), precision.convert_input(kwargs)
+        with precision.autocast():
+            out = self.func(module, *args, **kwargs)
         return tree_map(lambda t: t.float() if t.is_floating_point() else t, out)
 
-    wrapped._fabric_original_forward = forward  # type: ignore[attr-defined]
-    return wrapped
+    @classmethod
+    def install(cls, module: nn.Module, precision: Any) -> None:
+        previous = module.__dict__.get("forward")
+        current = module.forward
+        func = getattr(current, "__func__", None)
+        if func is None or getattr(current, "__self__", None) is not module:
+            func = lambda _module, *a, **k: current(*a, **k)  # noqa: E731 (a plain callable set by the user)
+        module.forward = types.MethodType(cls(func, precision, previous), module)
+
+    @staticmethod
+    def remove(module: nn.Module) -> None:
+        bound = module.__dict__.get("forward")
+        wrapper = getattr(bound, "__func__", None)
+        if isinstance(wrapper, _PrecisionForward):
+            del module.forward
+            if wrapper.previous is not None:
+                module.forward = wrapper.previous
 
 
 def _reject_non_tensor(verb: str) -> Callable[[Any], Any]:

@@ -103,7 +103,7 @@ class ShardedBatchSampler:
         if group:
             yield group
 
-    def _this_rank(self, group: List[List[int]], head: List[int]) -> Optional[List[int]]:
+    def _this_rank(self, group: List[List[int]], head: List[List[int]]) -> Optional[List[int]]:
         W, r = self.num_replicas, self.rank
         flat = [i for batch in group for i in batch]
         if self.split_batches:
@@ -125,9 +125,9 @@ class ShardedBatchSampler:
                 return part or None
             return group[r] if r < len(group) else None
         if full is None:  # variable-size batches: fill missing batches with the epoch's first ones
-            batches = group + [list(b) for b in itertools.islice(itertools.cycle([head]), W - len(group))]
+            batches = group + [list(b) for b in itertools.islice(itertools.cycle(head), W - len(group))]
             return batches[r]
-        pad = list(itertools.islice(itertools.cycle(head or flat), full - len(flat)))
+        pad = list(itertools.islice(itertools.cycle([i for b in head for i in b] or flat), full - len(flat)))
         flat = flat + pad
         per = full // W
         return flat[r * per:(r + 1) * per]
@@ -139,10 +139,10 @@ class ShardedBatchSampler:
         if self.num_replicas == 1:  # one process: the user's batches exactly as their sampler makes them
             yield from itertools.islice(iter(self.batch_sampler), skip, None)
             return
-        head: List[int] = []
+        head: List[List[int]] = []  # the epoch's first global step: what padding repeats
         for n, group in enumerate(self._groups()):
             if not head:
-                head = [i for batch in group for i in batch]
+                head = group
             if n < skip:
                 continue
             mine = self._this_rank(group, head)
@@ -152,6 +152,12 @@ class ShardedBatchSampler:
     def __len__(self) -> int:
         n = len(self.batch_sampler)
         W = self.num_replicas
+        if self.split_batches and W > 1 and not self.even_batches and not self.drop_last and n:
+            # the short last batch is cut in ceil(L/W) pieces: the last ranks may get none
+            sampler = getattr(self.batch_sampler, "sampler", None)
+            last = len(sampler) % self.batch_size if self.batch_size and hasattr(sampler, "__len__") else 0
+            if last:
+                return n - 1 + (1 if self.rank * math.ceil(last / W) < last else 0)
         if self.split_batches or W == 1:
             return n
         if self.drop_last:
@@ -234,6 +240,10 @@ class DataLoaderShard:
         self._non_blocking = non_blocking
         self._skip_request = 0
         self._at_last = False
+        # The user's sampler, batch sampler and dataset hear the epoch, as under a plain DistributedSampler.
+        inner = batch_sampler.batch_sampler if batch_sampler is not None else None
+        candidates = [inner, getattr(inner, "sampler", None), loader.dataset]
+        self._epoch_listeners = [o for o in candidates if o is not None and callable(getattr(o, "set_epoch", None))]
 
     # Attributes a user reads off a DataLoader keep working.
     def __getattr__(self, name: str) -> Any:
@@ -268,9 +278,8 @@ class DataLoaderShard:
         pos.restored = False
         if self._generator is not None:
             self._generator.manual_seed(pos.base_seed + pos.epoch)
-        for obj in (getattr(self.base_dataloader, "sampler", None), getattr(self.base_dataloader, "dataset", None)):
-            if hasattr(obj, "set_epoch"):
-                obj.set_epoch(pos.epoch)
+        for obj in self._epoch_listeners:
+            obj.set_epoch(pos.epoch)
         skip = max(self._skip_request, pos.batches_seen)
         if self._batch_sampler is not None:
             self._batch_sampler.skip = skip
@@ -366,7 +375,9 @@ def shard_dataloader(
         shard = IterableDatasetShard(dataset, batch_size, num_replicas, rank, split_batches, even_batches, drop_last)
         per_rank = batch_size // num_replicas if split_batches else batch_size
         base_seed = broadcast_seed(_draw_seed(loader.generator))
-        new = DataLoader(shard, batch_size=per_rank, drop_last=False, generator=generator, **kwargs)
+        # Several processes: the shard drops or pads the tail itself. One process: the loader does.
+        new = DataLoader(shard, batch_size=per_rank, drop_last=drop_last and num_replicas == 1,
+                         generator=generator, **kwargs)
         total = batch_size if split_batches else batch_size * num_replicas
         remainder = -1
         if num_replicas > 1 and not drop_last and hasattr(dataset, "__len__"):
@@ -374,17 +385,29 @@ def shard_dataloader(
         return DataLoaderShard(new, device, gradient_state, generator, None, _Position(base_seed), remainder,
                                total, convert_batch, non_blocking)
 
-    batch_sampler = copy.copy(loader.batch_sampler)
+    unbatched = loader.batch_sampler is None  # DataLoader(batch_size=None): one sample at a time
+    if unbatched and num_replicas > 1:
+        raise ValueError(
+            "prepare() shards batches, but this DataLoader has batch_size=None (no automatic batching). "
+            "Give it a batch_size, or batch inside the dataset and shard it yourself with split_between_processes."
+        )
     user_generator = loader.generator
-    sampler = getattr(batch_sampler, "sampler", None)
+    sampler = loader.sampler if unbatched else getattr(loader.batch_sampler, "sampler", None)
     if sampler is not None and hasattr(sampler, "generator"):
         user_generator = sampler.generator or user_generator
         sampler = copy.copy(sampler)
         sampler.generator = generator  # every rank draws the same order from the shared seed
-        batch_sampler.sampler = sampler
+    if unbatched:
+        sharded = ShardedBatchSampler(sampler, 1, 0, None)  # one process: passes samples through, can skip
+        new = DataLoader(dataset, sampler=sharded, batch_size=None, generator=generator, **kwargs)
+    else:
+        batch_sampler = copy.copy(loader.batch_sampler)
+        if sampler is not None and hasattr(batch_sampler, "sampler"):
+            batch_sampler.sampler = sampler
+        sharded = ShardedBatchSampler(batch_sampler, num_replicas, rank, batch_size, split_batches, even_batches,
+                                      drop_last)
+        new = DataLoader(dataset, batch_sampler=sharded, generator=generator, **kwargs)
     base_seed = broadcast_seed(_draw_seed(user_generator))
-    sharded = ShardedBatchSampler(batch_sampler, num_replicas, rank, batch_size, split_batches, even_batches, drop_last)
-    new = DataLoader(dataset, batch_sampler=sharded, generator=generator, **kwargs)
     total = None if batch_size is None else (batch_size if split_batches else batch_size * num_replicas)
     remainder = -1
     if num_replicas > 1 and total is not None and not drop_last and sampler is not None and hasattr(sampler, "__len__"):

@@ -8,7 +8,7 @@ gradients overflowed. Strategies call it; the front doors never branch on the pr
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Dict, Optional
+from typing import Any, ContextManager, Dict, Optional
 
 import torch
 
@@ -80,9 +80,14 @@ class Precision:
         return data
 
     @property
-    def input_converter(self) -> Optional[Callable[[Any], Any]]:
-        """`convert_input` where batches need converting, else None (so loaders skip the call)."""
-        return self.convert_input if self.name == "bf16-true" else None
+    def converts_input(self) -> bool:
+        """Whether floating inputs must be cast to the weights' dtype before the forward."""
+        return self.name == "bf16-true"
+
+    @property
+    def wraps_forward(self) -> bool:
+        """Whether a prepared model's forward needs wrapping (autocast, input casting)."""
+        return self.autocast_dtype is not None or self.converts_input
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         if self.scaler is not None:

@@ -59,6 +59,18 @@ def test_alias_resolution(spelling, canonical, accelerate):
     assert acc.mixed_precision == accelerate
 
 
+@pytest.mark.parametrize("value, canonical", [(16, "16-mixed"), (32, "32-true")])
+def test_lightning_integer_precisions(value, canonical):
+    assert resolve_precision(value) == canonical
+
+
+def test_fp16_refused_where_torch_cannot_scale_losses():
+    with pytest.raises(ValueError, match="'mps'"):
+        Precision("fp16", "mps")
+    assert Precision("fp16", "cpu").scaler is not None
+    assert Precision("bf16", "cpu").scaler is None and Precision("no", "cpu").scaler is None
+
+
 def test_none_means_full_precision():
     assert resolve_precision(None) == "32-true"
     assert Accelerator().mixed_precision == "no"
@@ -201,11 +213,10 @@ def test_bf16_true_converts_weights_and_float_inputs_and_trains():
     losses = []
     for epoch in range(8):  # 4 batches per epoch -> 32 steps
         for xb, yb in loader:
-            assert xb.dtype == torch.bfloat16
             assert yb.dtype == torch.int64  # integer tensors are left alone
-            out = model(xb)
-            assert out.dtype == torch.bfloat16
-            loss = nn.functional.cross_entropy(out.float(), yb)
+            out = model(xb)  # the prepared forward casts float inputs to bf16 itself
+            assert out.dtype == torch.float32  # and hands back fp32 outputs, as under mixed precision
+            loss = nn.functional.cross_entropy(out, yb)
             opt.zero_grad()
             acc.backward(loss)
             opt.step()
