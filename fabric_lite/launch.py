@@ -76,8 +76,12 @@ def launch_command_parser() -> argparse.ArgumentParser:
 def launch_command(argv: Sequence[str]) -> int:
     from torch.distributed.run import run
 
-    args = launch_command_parser().parse_args(list(argv))
-    env = _settings_env(args.mixed_precision, args.gradient_accumulation_steps, args.cpu)
+    parser = launch_command_parser()
+    args = parser.parse_args(list(argv))
+    try:
+        env = _settings_env(args.mixed_precision, args.gradient_accumulation_steps, args.cpu)
+    except ValueError as err:
+        parser.error(str(err))  # exits 2 with the message, no traceback
     for name in ("cpu", "mixed_precision", "gradient_accumulation_steps"):
         delattr(args, name)
     with _patched_environ(env):

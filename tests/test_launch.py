@@ -61,3 +61,11 @@ def test_readme_example_runs_alone_and_under_torchrun(tmp_path):
                        "--project-dir", str(tmp_path / "two")], timeout=180)
     assert two.returncode == 0, two.stderr[-4000:]
     assert "(297 samples)" in two.stdout  # gather_for_metrics counted the validation set exactly once
+
+
+def test_launch_refuses_a_bad_flag_before_starting_anything():
+    proc = run_command([sys.executable, "-m", "fabric_lite.cli", "launch", "--mixed-precision", "fp17", "x.py"], timeout=60)
+    assert proc.returncode == 2
+    assert "Unknown precision 'fp17'" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_command([sys.executable, "-m", "fabric_lite.cli", "frobnicate"], timeout=60)
+    assert proc.returncode == 2 and "unknown command 'frobnicate'" in proc.stderr
