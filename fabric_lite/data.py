@@ -219,16 +219,21 @@ class _Position:
     restored: bool = False  # set by load_state: the next iteration continues at batches_seen
 
 
-class DataLoaderShard:
-    """A prepared dataloader: this rank's batches, on the device, with a resumable position."""
+class DataLoaderShard(DataLoader):
+    """A prepared dataloader: this rank's batches, on the device, with a resumable position.
+
+    It is a real DataLoader (built over the sharded sampler), so code that checks the type or
+    reads `dataset`, `batch_size`, `num_workers` keeps working.
+    """
 
     def __init__(
-        self, loader: DataLoader, device: Optional[torch.device], gradient_state: GradientState,
-        sampler_generator: Optional[torch.Generator], batch_sampler: Optional[ShardedBatchSampler],
+        self, dataset: Any, *, device: Optional[torch.device], gradient_state: GradientState,
+        sampler_generator: Optional[torch.Generator], sharded_sampler: Optional[ShardedBatchSampler],
         position: _Position, remainder: int, total_batch_size: Optional[int],
-        convert_batch: Optional[Callable[[Any], Any]] = None, non_blocking: bool = False,
+        convert_batch: Optional[Callable[[Any], Any]] = None, non_blocking: bool = False, **loader_kwargs: Any,
     ) -> None:
-        self.base_dataloader = loader
+        super().__init__(dataset, generator=sampler_generator, **loader_kwargs)
+        batch_sampler = sharded_sampler
         self.device = device
         self.gradient_state = gradient_state
         self._generator = sampler_generator
@@ -242,17 +247,8 @@ class DataLoaderShard:
         self._at_last = False
         # The user's sampler, batch sampler and dataset hear the epoch, as under a plain DistributedSampler.
         inner = batch_sampler.batch_sampler if batch_sampler is not None else None
-        candidates = [inner, getattr(inner, "sampler", None), loader.dataset]
+        candidates = [inner, getattr(inner, "sampler", None), dataset]
         self._epoch_listeners = [o for o in candidates if o is not None and callable(getattr(o, "set_epoch", None))]
-
-    # Attributes a user reads off a DataLoader keep working.
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_") or name == "base_dataloader":
-            raise AttributeError(name)
-        return getattr(self.base_dataloader, name)
-
-    def __len__(self) -> int:
-        return len(self.base_dataloader)
 
     @property
     def end_of_dataloader(self) -> bool:
@@ -295,7 +291,7 @@ class DataLoaderShard:
         state._enter(self)
         device, convert, non_blocking = self.device, self._convert, self._non_blocking
         try:
-            iterator = iter(self.base_dataloader)
+            iterator = super().__iter__()
             if skip_loaded:
                 iterator = itertools.islice(iterator, skip_loaded, None)
             sentinel = object()
@@ -369,6 +365,8 @@ def shard_dataloader(
     batch_size = loader.batch_size
     drop_last = loader.drop_last
     generator = torch.Generator()
+    common = dict(device=device, gradient_state=gradient_state, sampler_generator=generator,
+                  convert_batch=convert_batch, non_blocking=non_blocking)
     if isinstance(dataset, IterableDataset):
         if batch_size is None:
             raise ValueError("prepare() of an IterableDataset loader needs batch_size set on the DataLoader.")
@@ -376,14 +374,14 @@ def shard_dataloader(
         per_rank = batch_size // num_replicas if split_batches else batch_size
         base_seed = broadcast_seed(_draw_seed(loader.generator))
         # Several processes: the shard drops or pads the tail itself. One process: the loader does.
-        new = DataLoader(shard, batch_size=per_rank, drop_last=drop_last and num_replicas == 1,
-                         generator=generator, **kwargs)
         total = batch_size if split_batches else batch_size * num_replicas
         remainder = -1
         if num_replicas > 1 and not drop_last and hasattr(dataset, "__len__"):
             remainder = len(dataset) % total
-        return DataLoaderShard(new, device, gradient_state, generator, None, _Position(base_seed), remainder,
-                               total, convert_batch, non_blocking)
+        return DataLoaderShard(
+            shard, batch_size=per_rank, drop_last=drop_last and num_replicas == 1, sharded_sampler=None,
+            position=_Position(base_seed), remainder=remainder, total_batch_size=total, **common, **kwargs,
+        )
 
     unbatched = loader.batch_sampler is None  # DataLoader(batch_size=None): one sample at a time
     if unbatched and num_replicas > 1:
@@ -399,21 +397,23 @@ def shard_dataloader(
         sampler.generator = generator  # every rank draws the same order from the shared seed
     if unbatched:
         sharded = ShardedBatchSampler(sampler, 1, 0, None)  # one process: passes samples through, can skip
-        new = DataLoader(dataset, sampler=sharded, batch_size=None, generator=generator, **kwargs)
+        kwargs.update(sampler=sharded, batch_size=None)
     else:
         batch_sampler = copy.copy(loader.batch_sampler)
         if sampler is not None and hasattr(batch_sampler, "sampler"):
             batch_sampler.sampler = sampler
         sharded = ShardedBatchSampler(batch_sampler, num_replicas, rank, batch_size, split_batches, even_batches,
                                       drop_last)
-        new = DataLoader(dataset, batch_sampler=sharded, generator=generator, **kwargs)
+        kwargs.update(batch_sampler=sharded)
     base_seed = broadcast_seed(_draw_seed(user_generator))
     total = None if batch_size is None else (batch_size if split_batches else batch_size * num_replicas)
     remainder = -1
     if num_replicas > 1 and total is not None and not drop_last and sampler is not None and hasattr(sampler, "__len__"):
         remainder = len(sampler) % total
-    return DataLoaderShard(new, device, gradient_state, generator, sharded, _Position(base_seed), remainder,
-                           total, convert_batch, non_blocking)
+    return DataLoaderShard(
+        dataset, sharded_sampler=sharded, position=_Position(base_seed),
+        remainder=remainder, total_batch_size=total, **common, **kwargs,
+    )
 
 
 def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
