@@ -39,6 +39,12 @@ class DistributedType:
     NO = "NO"
     MULTI_CPU = "MULTI_CPU"
     MULTI_GPU = "MULTI_GPU"
+    MULTI_XPU = "MULTI_XPU"
+    MULTI_NPU = "MULTI_NPU"
+    MULTI_MLU = "MULTI_MLU"
+    FSDP = "FSDP"
+    DEEPSPEED = "DEEPSPEED"
+    XLA = "XLA"
 
 
 def _is_scheduler(obj: Any) -> bool:
@@ -73,6 +79,7 @@ class Accelerator:
         kwargs_handlers: Optional[Sequence[KwargsHandler]] = None,
         even_batches: Optional[bool] = None,
         rng_types: Any = None,  # accepted for compatibility: dataloader order is always seeded and synced
+        dynamo_backend: Optional[str] = None,
         *,
         strategy: Union[str, Strategy] = "auto",
         devices: Union[int, str, None] = None,
@@ -133,6 +140,10 @@ class Accelerator:
         self._custom_objects: List[Any] = []
         self._log_with = log_with
         self.trackers: List[GeneralTracker] = []
+        self.dynamo_backend = None if dynamo_backend in (None, "no", "NO") else str(dynamo_backend).lower()
+        self._save_state_pre_hooks: Dict[int, Callable] = {}
+        self._load_state_pre_hooks: Dict[int, Callable] = {}
+        self._trigger = torch.zeros(1, device=self.device)
 
     @staticmethod
     def _strategy_from_handlers(name: str, handlers: Dict[type, Any], world_size: int) -> Union[str, Strategy]:
@@ -286,6 +297,8 @@ class Accelerator:
             prepared = precision.convert_module(model)
         else:
             prepared = self.strategy.setup_module(model)
+        if self.dynamo_backend is not None:
+            prepared = torch.compile(prepared, backend=self.dynamo_backend)
         self._models.append(prepared)
         return prepared
 
@@ -344,7 +357,7 @@ class Accelerator:
             self.gradient_state.sync_gradients = True
             return
         self.step += 1
-        self.gradient_state.sync_gradients = plugin.sync_each_batch or self.step % plugin.num_steps == 0
+        self.gradient_state.sync_gradients = self.step % plugin.num_steps == 0
 
     @contextlib.contextmanager
     def accumulate(self, *models: nn.Module) -> Iterator[None]:
@@ -352,7 +365,8 @@ class Accelerator:
         last batch of the dataloader."""
         self._do_sync()
         with contextlib.ExitStack() as stack:
-            if not self.gradient_state.sync_gradients:
+            # sync_each_batch all-reduces every micro-step (saves memory) but still steps every N
+            if not (self.gradient_state.sync_gradients or self.gradient_accumulation_plugin.sync_each_batch):
                 for m in models:
                     stack.enter_context(self.strategy.no_backward_sync(m))
             yield
@@ -364,7 +378,8 @@ class Accelerator:
             yield
 
     def trigger_sync_in_backward(self, model: nn.Module) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
+        """Inside `no_sync`, make the next backward all-reduce gradients after all."""
+        return self.strategy.force_backward_sync(model)
 
     @contextlib.contextmanager
     def autocast(self, autocast_handler: Any = None) -> Iterator[None]:
@@ -436,17 +451,18 @@ class Accelerator:
         """Pad each tensor along `dim` to the largest size any process has, so it can be gathered."""
 
         def one(t: torch.Tensor) -> torch.Tensor:
-            if t.dim() == 0 or dim >= t.dim():
+            if t.dim() == 0 or not -t.dim() <= dim < t.dim():
                 return t
-            sizes = self.strategy.all_gather(torch.tensor([t.shape[dim]], device=t.device))
+            d = dim % t.dim()
+            sizes = self.strategy.all_gather(torch.tensor([t.shape[d]], device=t.device))
             longest = int(sizes.max())
-            if longest == t.shape[dim]:
+            if longest == t.shape[d]:
                 return t
             shape = list(t.shape)
-            shape[dim] = longest
+            shape[d] = longest
             out = t.new_full(shape, pad_index)
-            index = slice(longest - t.shape[dim], longest) if pad_first else slice(0, t.shape[dim])
-            out[(slice(None),) * dim + (index,)] = t
+            index = slice(longest - t.shape[d], longest) if pad_first else slice(0, t.shape[d])
+            out[(slice(None),) * d + (index,)] = t
             return out
 
         return tree_map(one, tensor)
@@ -493,6 +509,60 @@ class Accelerator:
 
         return wrapper
 
+    def on_process(self, function: Optional[Callable] = None, process_index: Optional[int] = None) -> Callable:
+        """Decorator: run only on global process `process_index`."""
+        if function is None:
+            return functools.partial(self.on_process, process_index=process_index)
+
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return function(*args, **kwargs) if self.process_index == process_index else None
+
+        return wrapper
+
+    def on_last_process(self, function: Callable) -> Callable:
+        return self.on_process(function, process_index=self.num_processes - 1)
+
+    def set_trigger(self) -> None:
+        """Raise a flag on this process that `check_trigger` will see on every process (e.g. early stop)."""
+        self._trigger.fill_(1)
+
+    def check_trigger(self) -> bool:
+        """True on every process if any process called `set_trigger` since the last check (one all-reduce)."""
+        raised = bool(self.strategy.all_reduce(self._trigger, "sum").item() > 0)
+        if raised:
+            self._trigger.zero_()
+        return raised
+
+    @contextlib.contextmanager
+    def join_uneven_inputs(self, joinables: Sequence[Any], even_batches: Optional[bool] = None) -> Iterator[None]:
+        """Let processes with fewer batches finish without hanging (torch's Join), for even_batches=False."""
+        if self.num_processes == 1 or not all(hasattr(j, "join_hook") for j in joinables):
+            yield
+            return
+        from torch.distributed.algorithms.join import Join
+
+        saved = self.dataloader_config.even_batches
+        if even_batches is not None:
+            self.dataloader_config.even_batches = even_batches
+        try:
+            with Join(list(joinables)):
+                yield
+        finally:
+            self.dataloader_config.even_batches = saved
+
+    def register_save_state_pre_hook(self, hook: Callable) -> Any:
+        """`hook(models, weights, output_dir)` runs before `save_state` writes; weights may be edited."""
+        return _HookHandle(self._save_state_pre_hooks, hook)
+
+    def register_load_state_pre_hook(self, hook: Callable) -> Any:
+        """`hook(models, input_dir)` runs before `load_state` reads."""
+        return _HookHandle(self._load_state_pre_hooks, hook)
+
+    @property
+    def native_amp(self) -> bool:
+        return self.strategy.precision.is_mixed
+
     def on_local_main_process(self, function: Callable) -> Callable:
         @functools.wraps(function)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -510,20 +580,22 @@ class Accelerator:
         return inner
 
     def save(self, obj: Any, f: Union[str, os.PathLike], safe_serialization: bool = False) -> None:
-        """Save `obj` from the main process only, atomically (any fsspec URL)."""
+        """Save `obj` from the main process only, atomically (any fsspec URL). No collective inside,
+        so ``if accelerator.is_main_process: accelerator.save(...)`` is fine."""
         if self.is_main_process:
             state_io.save_object(obj, os.fspath(f), safe_serialization)
-        self.wait_for_everyone()
 
     def save_model(
         self, model: nn.Module, save_directory: Union[str, os.PathLike], max_shard_size: Union[int, str] = "10GB",
         safe_serialization: bool = True,
     ) -> None:
-        """Write the unwrapped model's weights (safetensors by default), sharded above `max_shard_size`."""
+        """Write the unwrapped model's weights (safetensors by default), sharded above `max_shard_size`.
+
+        The main process writes; no collective is involved for unsharded strategies.
+        """
         state = self.get_state_dict(model)
         if self.is_main_process:
             state_io.save_model_weights(state, os.fspath(save_directory), max_shard_size, safe_serialization)
-        self.wait_for_everyone()
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> Dict[str, torch.Tensor]:
         return self.strategy.module_state_dict(model)
@@ -583,6 +655,21 @@ class Accelerator:
 
     def __repr__(self) -> str:
         return f"Accelerator({self.strategy!r}, gradient_accumulation_steps={self.gradient_accumulation_steps})"
+
+
+class _HookHandle:
+    """What `register_*_hook` returns: `.remove()` takes the hook out again."""
+
+    _next_id = 0
+
+    def __init__(self, hooks: Dict[int, Callable], hook: Callable) -> None:
+        _HookHandle._next_id += 1
+        self.id = _HookHandle._next_id
+        self._hooks = hooks
+        hooks[self.id] = hook
+
+    def remove(self) -> None:
+        self._hooks.pop(self.id, None)
 
 
 class _PrecisionForward:

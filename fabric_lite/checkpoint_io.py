@@ -69,6 +69,18 @@ class CheckpointWriter:
         self.checksums: Dict[str, str] = {}
         self.fs.makedirs(self.staging, exist_ok=True)
 
+    def clean_up_interrupted(self) -> None:
+        """Recover or delete what an earlier, interrupted save left next to the target (main process)."""
+        target = self.path.rstrip("/")
+        if not self.fs.exists(target):
+            _recover(self.fs, target)
+        parent, name = target.rsplit("/", 1) if "/" in target else (".", target)
+        for p in self.fs.ls(parent, detail=False):
+            base = p.rstrip("/").rsplit("/", 1)[-1]
+            mine = base == f"{name}.staging-{self.token}"
+            if not mine and (base.startswith(f"{name}.staging-") or base.startswith(f"{name}.old-")):
+                self.fs.rm(p, recursive=True)
+
     def write(self, name: str, obj: Any) -> None:
         data = _to_bytes(obj)
         with self.fs.open(_join(self.fs, self.staging, name), "wb") as f:
@@ -93,8 +105,28 @@ class CheckpointWriter:
             self.fs.rm(self.staging, recursive=True)
 
 
+def _recover(fs: Any, path: str) -> None:
+    """Finish a publish that a crash interrupted between its two moves (see `CheckpointWriter.commit`)."""
+    target = path.rstrip("/")
+    parent = target.rsplit("/", 1)[0] if "/" in target else "."
+    name = target.rsplit("/", 1)[-1]
+    try:
+        siblings = fs.ls(parent, detail=False)
+    except FileNotFoundError:
+        return
+    staged = [p for p in siblings if p.rstrip("/").rsplit("/", 1)[-1].startswith(f"{name}.staging-")]
+    complete = [p for p in staged if fs.exists(_join(fs, p, MANIFEST))]  # the manifest is written last
+    old = [p for p in siblings if p.rstrip("/").rsplit("/", 1)[-1].startswith(f"{name}.old-")]
+    if complete:
+        fs.mv(complete[0], target, recursive=True)
+    elif old:
+        fs.mv(old[0], target, recursive=True)
+
+
 def read_manifest(url: str, storage_options: Optional[dict] = None) -> Dict[str, Any]:
     fs, path = _fs(url, storage_options)
+    if not fs.exists(path):
+        _recover(fs, path)
     manifest_path = _join(fs, path, MANIFEST)
     if not fs.exists(manifest_path):
         if fs.exists(path):

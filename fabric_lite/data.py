@@ -72,6 +72,11 @@ class ShardedBatchSampler:
         self, batch_sampler: Any, num_replicas: int, rank: int, batch_size: Optional[int],
         split_batches: bool = False, even_batches: bool = True, drop_last: bool = False,
     ) -> None:
+        if split_batches and num_replicas > 1 and batch_size is None:
+            raise ValueError(
+                "split_batches=True needs the DataLoader's batch_size to split each batch evenly; this loader "
+                "uses a batch_sampler of its own. Use split_batches=False, or a DataLoader with batch_size."
+            )
         if split_batches and batch_size is not None and batch_size % num_replicas != 0:
             raise ValueError(
                 f"split_batches=True needs a batch size divisible by the number of processes; got "
@@ -230,9 +235,14 @@ class DataLoaderShard(DataLoader):
         self, dataset: Any, *, device: Optional[torch.device], gradient_state: GradientState,
         sampler_generator: Optional[torch.Generator], sharded_sampler: Optional[ShardedBatchSampler],
         position: _Position, remainder: int, total_batch_size: Optional[int],
-        convert_batch: Optional[Callable[[Any], Any]] = None, non_blocking: bool = False, **loader_kwargs: Any,
+        convert_batch: Optional[Callable[[Any], Any]] = None, non_blocking: bool = False,
+        draws_before_sampler: int = 0, **loader_kwargs: Any,
     ) -> None:
-        super().__init__(dataset, generator=sampler_generator, **loader_kwargs)
+        # The DataLoader draws worker seeds from its own generator, and only when it builds a new
+        # iterator (not every epoch with persistent workers): it must not share the sampler's.
+        self._loader_generator = torch.Generator()
+        self._draws_before_sampler = draws_before_sampler
+        super().__init__(dataset, generator=self._loader_generator, **loader_kwargs)
         batch_sampler = sharded_sampler
         self.device = device
         self.gradient_state = gradient_state
@@ -249,6 +259,9 @@ class DataLoaderShard(DataLoader):
         inner = batch_sampler.batch_sampler if batch_sampler is not None else None
         candidates = [inner, getattr(inner, "sampler", None), dataset]
         self._epoch_listeners = [o for o in candidates if o is not None and callable(getattr(o, "set_epoch", None))]
+
+    def __len__(self) -> int:
+        return max(0, super().__len__() - self._skip_request)
 
     @property
     def end_of_dataloader(self) -> bool:
@@ -274,6 +287,9 @@ class DataLoaderShard(DataLoader):
         pos.restored = False
         if self._generator is not None:
             self._generator.manual_seed(pos.base_seed + pos.epoch)
+            for _ in range(self._draws_before_sampler):
+                torch.empty((), dtype=torch.int64).random_(generator=self._generator)
+        self._loader_generator.manual_seed(pos.base_seed + pos.epoch + (1 << 40))
         for obj in self._epoch_listeners:
             obj.set_epoch(pos.epoch)
         skip = max(self._skip_request, pos.batches_seen)
@@ -316,13 +332,14 @@ class DataLoaderShard(DataLoader):
 
     def state_dict(self) -> Dict[str, int]:
         return {"base_seed": self._position.base_seed, "epoch": self._position.epoch,
-                "batches_seen": self._position.batches_seen}
+                "batches_seen": self._position.batches_seen, "draws_before_sampler": self._draws_before_sampler}
 
     def load_state_dict(self, state: Dict[str, int]) -> None:
         self._position.base_seed = int(state["base_seed"])
         self._position.epoch = int(state["epoch"])
         self._position.batches_seen = int(state["batches_seen"])
         self._position.restored = True
+        self._draws_before_sampler = int(state.get("draws_before_sampler", self._draws_before_sampler))
 
     def _view_skipping(self, num_batches: int) -> "DataLoaderShard":
         view = copy.copy(self)
@@ -392,6 +409,9 @@ def shard_dataloader(
     user_generator = loader.generator
     sampler = loader.sampler if unbatched else getattr(loader.batch_sampler, "sampler", None)
     if sampler is not None and hasattr(sampler, "generator"):
+        # DataLoader(shuffle=True, generator=g): the loader draws a worker seed from g before the
+        # sampler draws its order; the prepared loader repeats that draw so epoch 0 matches a plain one.
+        common["draws_before_sampler"] = int(loader.generator is not None and sampler.generator is loader.generator)
         user_generator = sampler.generator or user_generator
         sampler = copy.copy(sampler)
         sampler.generator = generator  # every rank draws the same order from the shared seed

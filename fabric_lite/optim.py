@@ -21,7 +21,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self._strategy = strategy
         self._gradient_state = gradient_state
-        self.step_was_skipped = False
+        self._stepped: Any = True  # a bool, or a device tensor read only when someone asks
 
     @property
     def state(self) -> Dict[Any, Any]:  # type: ignore[override]
@@ -47,6 +47,15 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def defaults(self, value: Dict[str, Any]) -> None:
         self.optimizer.defaults = value
 
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last optimizer step was skipped because fp16 gradients overflowed."""
+        return not bool(self._stepped)
+
+    @step_was_skipped.setter
+    def step_was_skipped(self, value: bool) -> None:
+        self._stepped = not value
+
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
 
@@ -64,7 +73,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         if not self._gradient_state.sync_gradients:
             return
         kwargs = {} if closure is None else {"closure": closure}
-        self.step_was_skipped = not self._strategy.optimizer_step(self.optimizer, **kwargs)
+        self._stepped = self._strategy.optimizer_step(self.optimizer, **kwargs)
 
     def train(self) -> None:  # schedule-free optimizers switch their weights between modes
         if hasattr(self.optimizer, "train"):

@@ -8,7 +8,7 @@ gradients overflowed. Strategies call it; the front doors never branch on the pr
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Dict, Optional
+from typing import Any, ContextManager, Dict, Optional, Union
 
 import torch
 
@@ -102,15 +102,20 @@ class Precision:
         if state["stage"].name != "UNSCALED":
             self.scaler.unscale_(optimizer)
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> bool:
-        """Step the optimizer; return False when the step was skipped for inf/NaN gradients."""
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Union[bool, torch.Tensor]:
+        """Step the optimizer; the result is falsy when the step was skipped for inf/NaN gradients.
+
+        Under fp16 the result is a 0-dim bool tensor on the device, so nothing waits for the GPU
+        unless someone asks whether the step happened.
+        """
         if self.scaler is None:
             optimizer.step(**kwargs)
             return True
-        scale_before = self.scaler.get_scale()
         self.scaler.step(optimizer, **kwargs)
+        found_inf = self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]  # reset by update()
+        stepped = sum(found_inf.values()) == 0 if found_inf else True
         self.scaler.update()
-        return self.scaler.get_scale() >= scale_before
+        return stepped
 
     def state_dict(self) -> Dict[str, Any]:
         return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}

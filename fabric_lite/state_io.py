@@ -133,11 +133,48 @@ def save_state(acc: "Accelerator", output_dir: Optional[Union[str, os.PathLike]]
     url = os.fspath(output_dir)
     strategy = acc.strategy
     token = strategy.broadcast_object(os.urandom(6).hex())
-    writer = CheckpointWriter(url, staging_token=token)
+    writer: Optional[CheckpointWriter] = None
+    error: Optional[BaseException] = None
+    try:
+        writer = CheckpointWriter(url, staging_token=token)
+        if strategy.is_global_zero:
+            writer.clean_up_interrupted()
+        _write_files(acc, writer, url)
+    except Exception as err:  # every rank must reach the gather below, or the others hang
+        error = err
+    reports = strategy.all_gather_object((repr(error) if error else None, writer.checksums if writer else {}))
+    _raise_if_any_failed(reports, "save_state", url, error, writer if strategy.is_global_zero else None)
+    if strategy.is_global_zero:
+        try:
+            checksums: Dict[str, str] = {}
+            for _, part in reports:
+                checksums.update(part)
+            meta = {"step": acc.step, "world_size": strategy.world_size, "iteration": project.iteration}
+            assert writer is not None
+            writer.commit(checksums, meta)
+        except Exception as err:
+            error = err
+    commit_error = strategy.broadcast_object(repr(error) if error else None)
+    if commit_error is not None:
+        raise CheckpointError(f"save_state({url}) could not publish the checkpoint: {commit_error}") from error
+    if automatic:
+        project.iteration += 1
+        if project.total_limit is not None and strategy.is_global_zero:
+            existing = _numbered_checkpoints(_checkpoints_root(acc))
+            for _, old in existing[: max(0, len(existing) - project.total_limit)]:
+                fs, path = checkpoint_io._fs(old)
+                fs.rm(path, recursive=True)
+        strategy.barrier()
+    return url
+
+
+def _write_files(acc: "Accelerator", writer: CheckpointWriter, url: str) -> None:
+    strategy = acc.strategy
     # State dicts are built on every rank: sharded strategies need all ranks to assemble them.
-    files: Dict[str, Any] = {}
-    for i, model in enumerate(acc._models):
-        files[f"model_{i}.pt"] = strategy.module_state_dict(model)
+    weights = [strategy.module_state_dict(model) for model in acc._models]
+    for hook in acc._save_state_pre_hooks.values():
+        hook(acc._models, weights, url)
+    files: Dict[str, Any] = {f"model_{i}.pt": w for i, w in enumerate(weights)}
     for i, opt in enumerate(acc._optimizers):
         files[f"optimizer_{i}.pt"] = opt.state_dict()
     for i, sched in enumerate(acc._schedulers):
@@ -151,22 +188,19 @@ def save_state(acc: "Accelerator", output_dir: Optional[Union[str, os.PathLike]]
         for name, obj in files.items():
             writer.write(name, obj)
     writer.write(f"rng_{strategy.global_rank}.pt", _process_local_state(acc))
-    checksums: Dict[str, str] = {}
-    for part in strategy.all_gather_object(writer.checksums):
-        checksums.update(part)
-    if strategy.is_global_zero:
-        meta = {"step": acc.step, "world_size": strategy.world_size, "iteration": project.iteration}
-        writer.commit(checksums, meta)
-    strategy.barrier()
-    if automatic:
-        project.iteration += 1
-        if project.total_limit is not None and strategy.is_global_zero:
-            existing = _numbered_checkpoints(_checkpoints_root(acc))
-            for _, old in existing[: max(0, len(existing) - project.total_limit)]:
-                fs, path = checkpoint_io._fs(old)
-                fs.rm(path, recursive=True)
-        strategy.barrier()
-    return url
+
+
+def _raise_if_any_failed(reports: List[Any], verb: str, url: str, error: Optional[BaseException],
+                         writer: Optional[CheckpointWriter]) -> None:
+    failed = {rank: msg for rank, (msg, _) in enumerate(reports) if msg is not None}
+    if not failed:
+        return
+    if writer is not None:
+        writer.abort()  # the previous checkpoint at `url`, if any, is untouched
+    detail = "; ".join(f"rank {rank}: {msg}" for rank, msg in failed.items())
+    raise CheckpointError(
+        f"{verb}({url}) failed and wrote nothing ({detail}). The previous checkpoint there, if any, is intact."
+    ) from error
 
 
 def _process_local_state(acc: "Accelerator") -> Dict[str, Any]:
@@ -209,6 +243,8 @@ def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]],
         acc.project_configuration.iteration = number + 1
     else:
         url = os.fspath(input_dir)
+    for hook in acc._load_state_pre_hooks.values():
+        hook(acc._models, url)
     manifest = checkpoint_io.read_manifest(url)
     strategy = acc.strategy
     expected = {"model": len(acc._models), "optimizer": len(acc._optimizers), "scheduler": len(acc._schedulers),

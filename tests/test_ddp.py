@@ -73,3 +73,34 @@ def test_save_state_load_state_resumes_bit_for_bit(launch, tmp_path, nproc, prec
         assert r["equal"], r
     assert (tmp_path / "ckpt" / "manifest.json").exists()
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("rng_*.pt")) == [f"rng_{i}.pt" for i in range(nproc)]
+
+
+def test_failures_are_errors_on_every_rank_not_hangs(launch, tmp_path):
+    results = launch("robustness", 2, "--ckpt", tmp_path / "ckpt")
+    for r in results:
+        assert r["save_error"] is not None and "rank 1" in r["save_error"] and "disk full" in r["save_error"]
+        assert r["save_error_seconds"] < 30
+        assert r["previous_intact"] is True
+        assert r["after_main_only_save"] == 2.0
+        assert r["pad_neg_shape"] == [2, 5]
+        assert r["trigger"] is True and r["trigger_again"] is False
+    assert results[0]["grad"] == results[1]["grad"]  # synced despite no_sync
+    assert not list(tmp_path.glob("ckpt.staging-*"))  # the failed save left nothing behind
+
+
+def test_a_crash_on_one_rank_ends_the_job_quickly(tmp_path):
+    import time
+
+    from conftest import free_port, run_command, sys
+
+    script = tmp_path / "crash.py"
+    script.write_text(
+        "import torch\nfrom fabric_lite import Accelerator\nacc = Accelerator()\n"
+        "if acc.process_index == 1:\n    raise RuntimeError('boom on rank 1')\n"
+        "acc.gather(torch.ones(1))\n"
+    )
+    start = time.time()
+    proc = run_command([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        "--master-port", str(free_port()), str(script)], timeout=120)
+    assert proc.returncode != 0 and "boom on rank 1" in proc.stderr
+    assert time.time() - start < 60

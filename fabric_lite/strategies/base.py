@@ -116,12 +116,17 @@ class Strategy:
     def backward(self, loss: torch.Tensor, module: Optional[nn.Module] = None, **kwargs: Any) -> None:
         self.precision.backward(loss, **kwargs)
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> bool:
-        """Step through the precision plugin; False when the step was skipped (inf/NaN gradients)."""
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
+        """Step through the precision plugin; the result is falsy when the step was skipped (inf/NaN
+        gradients). It may be a device tensor, so that reading it is the caller's choice."""
         return self.precision.optimizer_step(optimizer, **kwargs)
 
     def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:
         """Skip the gradient all-reduce inside this context (accumulation micro-steps)."""
+        return contextlib.nullcontext()
+
+    def force_backward_sync(self, module: nn.Module) -> ContextManager:
+        """Inside `no_backward_sync`, make the next backward synchronise after all."""
         return contextlib.nullcontext()
 
     def clip_gradients_norm(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import contextlib
+import sys
 from typing import Any, ClassVar, ContextManager, Optional, Tuple
 
 import torch
@@ -105,12 +106,28 @@ class DDPStrategy(Strategy):
     def _teardown_at_exit(self) -> None:
         import torch.distributed as dist
 
+        if getattr(sys, "last_value", None) is not None:  # the script died of an exception: don't wait
+            self.teardown()
+            return
         if self._owns_process_group and dist.is_initialized():
             try:  # leave together: a rank that tears down alone makes its peers' gloo threads abort
                 dist.barrier()
             except Exception:  # a peer is already gone; nothing left to wait for
                 pass
         self.teardown()
+
+    @contextlib.contextmanager
+    def force_backward_sync(self, module: nn.Module):  # type: ignore[override]
+        if not hasattr(module, "require_backward_grad_sync"):
+            yield
+            return
+        saved = module.require_backward_grad_sync, module.require_forward_param_sync
+        module.require_backward_grad_sync = module.require_forward_param_sync = True
+        module.reducer.prepare_for_backward([])
+        try:
+            yield
+        finally:
+            module.require_backward_grad_sync, module.require_forward_param_sync = saved
 
     def teardown(self) -> None:
         import torch.distributed as dist
