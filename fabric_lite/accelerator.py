@@ -340,15 +340,19 @@ class Accelerator:
     # -- the step ----------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """`loss.backward()` with loss scaling, divided by `gradient_accumulation_steps`."""
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise ValueError(
-                f"backward() needs a scalar loss, got {shape}. Reduce it first, e.g. loss.mean() or loss.sum()."
-            )
         steps = self.gradient_accumulation_plugin.num_steps
         if steps > 1 and not self.strategy.handles_gradient_accumulation:
             loss = loss / steps
-        self.strategy.backward(loss, self._models[0] if self._models else None, **kwargs)
+        try:
+            self.strategy.backward(loss, self._models[0] if self._models else None, **kwargs)
+        except (RuntimeError, AttributeError) as err:  # checked only on failure: nothing on the hot path
+            if not isinstance(loss, torch.Tensor) or (loss.numel() != 1 and "gradient" not in kwargs):
+                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+                raise ValueError(
+                    f"backward() needs a scalar loss tensor, got {shape}. Reduce it first, e.g. loss.mean() "
+                    f"or loss.sum()."
+                ) from err
+            raise
 
     def _do_sync(self) -> None:
         plugin = self.gradient_accumulation_plugin

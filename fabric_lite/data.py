@@ -13,10 +13,10 @@ import copy
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from fabric_lite._tree import tree_map
 
@@ -92,21 +92,41 @@ class ShardedBatchSampler:
         self.drop_last = drop_last
         self.skip = 0  # batches of this rank to pass over at the start of the next iteration
 
-    def _groups(self) -> Iterator[List[List[int]]]:
-        """Yield lists of batches, each list making one global step (the last may be short)."""
+    def _user_batches(self) -> Iterator[List[int]]:
+        """The user's batches for this epoch. For torch's own BatchSampler over a RandomSampler or
+        SequentialSampler they are cut from one permutation drawn exactly as the sampler would draw
+        it (same generator, same call), instead of pulling the indices one by one. A generator, so
+        nothing is drawn until the first batch is asked for (DataLoader may call iter() twice)."""
+        bs = self.batch_sampler
+        sampler = getattr(bs, "sampler", None)
+        order: Optional[List[int]] = None
+        if type(bs) is BatchSampler and type(sampler) is SequentialSampler:
+            order = list(range(len(sampler.data_source)))
+        elif (type(bs) is BatchSampler and type(sampler) is RandomSampler and not sampler.replacement
+              and sampler.generator is not None and sampler.num_samples == len(sampler.data_source)):
+            order = torch.randperm(sampler.num_samples, generator=sampler.generator).tolist()
+        if order is None:
+            yield from bs
+            return
+        b, n = bs.batch_size, len(order)
+        for i in range(0, n - n % b if bs.drop_last else n, b):
+            yield order[i:i + b]
+
+    def _groups(self) -> Iterator[Tuple[List[List[int]], bool]]:
+        """Yield (batches making one global step, whether that step is complete); only the last may not be."""
         W, b = self.num_replicas, self.batch_size
         if self.split_batches:
-            for batch in self.batch_sampler:
-                yield [list(batch)]
+            for batch in self._user_batches():
+                yield [batch], len(batch) == b
             return
         group: List[List[int]] = []
-        for batch in self.batch_sampler:
-            group.append(list(batch))
-            if len(group) == W and (b is None or len(group[-1]) == b):
-                yield group
+        for batch in self._user_batches():
+            group.append(batch)
+            if len(group) == W and (b is None or len(batch) == b):
+                yield group, True
                 group = []
         if group:
-            yield group
+            yield group, False
 
     def _this_rank(self, group: List[List[int]], head: List[List[int]]) -> Optional[List[int]]:
         W, r = self.num_replicas, self.rank
@@ -138,17 +158,22 @@ class ShardedBatchSampler:
         return flat[r * per:(r + 1) * per]
 
     def __iter__(self) -> Iterator[List[int]]:
-        # A generator, so nothing runs until the first batch is asked for: a DataLoader with workers
-        # calls iter() on its sampler twice and uses only the second iterator.
-        skip, self.skip = self.skip, 0
+        # `skip` is read now but not cleared: a DataLoader with workers calls iter() twice and uses the
+        # second iterator, so the prepared loader clears it once its own iter() has returned.
         if self.num_replicas == 1:  # one process: the user's batches exactly as their sampler makes them
-            yield from itertools.islice(iter(self.batch_sampler), skip, None)
-            return
+            return itertools.islice(self._user_batches(), self.skip, None)
+        return self._iter_sharded(self.skip)
+
+    def _iter_sharded(self, skip: int) -> Iterator[List[int]]:
+        r = self.rank
         head: List[List[int]] = []  # the epoch's first global step: what padding repeats
-        for n, group in enumerate(self._groups()):
+        for n, (group, complete) in enumerate(self._groups()):
             if not head:
                 head = group
             if n < skip:
+                continue
+            if complete and not self.split_batches:
+                yield group[r]
                 continue
             mine = self._this_rank(group, head)
             if mine is not None:
@@ -308,6 +333,8 @@ class DataLoaderShard(DataLoader):
         device, convert, non_blocking = self.device, self._convert, self._non_blocking
         try:
             iterator = super().__iter__()
+            if self._batch_sampler is not None:
+                self._batch_sampler.skip = 0
             if skip_loaded:
                 iterator = itertools.islice(iterator, skip_loaded, None)
             sentinel = object()

@@ -70,10 +70,11 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Optional[Callable[[], float]] = None) -> None:  # type: ignore[override]
-        if not self._gradient_state.sync_gradients:
-            return
-        kwargs = {} if closure is None else {"closure": closure}
-        self._stepped = self._strategy.optimizer_step(self.optimizer, **kwargs)
+        if self._gradient_state.sync_gradients:
+            if closure is None:
+                self._stepped = self._strategy.optimizer_step(self.optimizer)
+            else:
+                self._stepped = self._strategy.optimizer_step(self.optimizer, closure=closure)
 
     def train(self) -> None:  # schedule-free optimizers switch their weights between modes
         if hasattr(self.optimizer, "train"):
