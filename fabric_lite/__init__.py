@@ -26,6 +26,9 @@ _EXPORTS = {
     "Strategy": "fabric_lite.strategies",
     "SingleDeviceStrategy": "fabric_lite.strategies",
     "DDPStrategy": "fabric_lite.strategies",
+    "Trainer": "fabric_lite.trainer",
+    "TrainModule": "fabric_lite.module",
+    "DataModule": "fabric_lite.module",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -83,6 +83,7 @@ class Accelerator:
         *,
         strategy: Union[str, Strategy] = "auto",
         devices: Union[int, str, None] = None,
+        accelerator: str = "auto",
     ) -> None:
         launch = read_launch_settings()
         process = detect_process()
@@ -122,7 +123,7 @@ class Accelerator:
         scaler = handlers.get(GradScalerKwargs)
         self.strategy: Strategy = connect(
             strategy,
-            accelerator="cpu" if (cpu or launch.use_cpu) else "auto",
+            accelerator="cpu" if (cpu or launch.use_cpu) else accelerator,
             devices=devices,
             precision=mixed_precision or launch.mixed_precision or "no",
             process=process,
@@ -317,15 +318,20 @@ class Accelerator:
         self._schedulers.append(wrapped)
         return wrapped
 
-    def prepare_data_loader(self, data_loader: DataLoader, device_placement: Optional[bool] = None) -> DataLoaderShard:
-        """Shard by rank (keeping the loader's order and generator), place batches on the device."""
+    def prepare_data_loader(self, data_loader: DataLoader, device_placement: Optional[bool] = None,
+                            even_batches: Optional[bool] = None) -> DataLoaderShard:
+        """Shard by rank (keeping the loader's order and generator), place batches on the device.
+
+        `even_batches=False` here (for one loader) gives each sample to exactly one process, with no
+        padding: right for evaluation, where no gradient all-reduce needs every rank in step.
+        """
         place = self.device_placement if device_placement is None else device_placement
         shard_kwargs = self.strategy.distributed_sampler_kwargs or {"num_replicas": 1, "rank": 0}
         loader = shard_dataloader(
             data_loader, num_replicas=shard_kwargs["num_replicas"], rank=shard_kwargs["rank"],
             # DataLoader batches are already on the CPU: moving them there would only cost time.
             device=self.device if place and self.device.type != "cpu" else None, gradient_state=self.gradient_state,
-            split_batches=self.split_batches, even_batches=self.even_batches,
+            split_batches=self.split_batches, even_batches=self.even_batches if even_batches is None else even_batches,
             broadcast_seed=self.strategy.broadcast_object,
             non_blocking=self.dataloader_config.non_blocking,
         )

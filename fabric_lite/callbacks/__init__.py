@@ -1,0 +1,11 @@
+"""Hooks into the Trainer: checkpoints, early stopping, loggers, progress, learning-rate monitor."""
+
+from fabric_lite.callbacks.base import Callback
+from fabric_lite.callbacks.checkpoint import ModelCheckpoint
+from fabric_lite.callbacks.early_stopping import EarlyStopping
+from fabric_lite.callbacks.loggers import CSVLogger, TensorBoardLogger
+from fabric_lite.callbacks.lr_monitor import LearningRateMonitor
+from fabric_lite.callbacks.progress import ProgressBar
+
+__all__ = ["Callback", "ModelCheckpoint", "EarlyStopping", "TensorBoardLogger", "CSVLogger",
+           "LearningRateMonitor", "ProgressBar"]

@@ -1,0 +1,157 @@
+"""ModelCheckpoint: save full checkpoints by epoch/step, keep the best k by a monitored metric, and `last`."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+
+from fabric_lite.callbacks.base import Callback
+
+if TYPE_CHECKING:
+    from fabric_lite.module import TrainModule
+    from fabric_lite.trainer import Trainer
+
+__all__ = ["ModelCheckpoint"]
+
+
+class ModelCheckpoint(Callback):
+    """Save checkpoints (directories, any fsspec URL) at epoch ends or every N steps.
+
+    `filename` is a template over `epoch`, `step` and logged metrics, e.g. ``"{epoch}-{val/acc:.3f}"``
+    (a `/` in a metric name becomes `_` in the file name). With `monitor`, the best `save_top_k` stay.
+    """
+
+    def __init__(self, dirpath: Optional[str] = None, filename: Optional[str] = None, monitor: Optional[str] = None,
+                 mode: str = "min", save_top_k: int = 1, save_last: Optional[bool] = None,
+                 every_n_train_steps: Optional[int] = None, every_n_epochs: Optional[int] = None) -> None:
+        if mode not in ("min", "max"):
+            raise ValueError(f"ModelCheckpoint(mode={mode!r}): allowed values are 'min' and 'max'.")
+        if save_top_k < -1:
+            raise ValueError(f"ModelCheckpoint(save_top_k={save_top_k}) must be -1 (keep all), 0 or more.")
+        self.dirpath = dirpath
+        self.filename = filename or "{epoch}-{step}"
+        self.monitor = monitor
+        self.mode = mode
+        self.save_top_k = save_top_k
+        self.save_last = save_last
+        self.every_n_train_steps = every_n_train_steps
+        self.every_n_epochs = every_n_epochs if every_n_epochs is not None else (0 if every_n_train_steps else 1)
+        self.best_k_models: Dict[str, float] = {}
+        self.best_model_path = ""
+        self.last_model_path = ""
+
+    @property
+    def state_key(self) -> str:
+        return f"ModelCheckpoint[{self.monitor}]"
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"best_k_models": dict(self.best_k_models), "best_model_path": self.best_model_path,
+                "last_model_path": self.last_model_path}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.best_k_models = dict(state.get("best_k_models", {}))
+        self.best_model_path = state.get("best_model_path", "")
+        self.last_model_path = state.get("last_model_path", "")
+
+    def setup(self, trainer: "Trainer", module: "TrainModule", stage: str) -> None:
+        if self.dirpath is None:
+            self.dirpath = f"{trainer.default_root_dir.rstrip('/')}/checkpoints"
+
+    def last_checkpoint(self, trainer: "Trainer") -> Optional[str]:
+        """The `last` checkpoint, else the newest one this callback wrote, else None."""
+        from fabric_lite import checkpoint_io
+
+        self.setup(trainer, trainer.module, "fit")  # type: ignore[arg-type]
+        fs, path = checkpoint_io._fs(self.dirpath)
+        last = f"{self.dirpath.rstrip('/')}/last"
+        try:
+            checkpoint_io.read_manifest(last)
+            return last
+        except checkpoint_io.CheckpointError:
+            pass
+        if not fs.exists(path):
+            return None
+        candidates = []
+        for entry in fs.ls(path, detail=True):
+            if entry["type"] == "directory" and fs.exists(f"{entry['name'].rstrip('/')}/manifest.json"):
+                candidates.append((entry.get("mtime") or entry.get("LastModified") or 0, entry["name"]))
+        return sorted(candidates)[-1][1] if candidates else None
+
+    # -- when to save ------------------------------------------------------------------------------
+    def on_train_batch_end(self, trainer: "Trainer", module: "TrainModule", outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        n = self.every_n_train_steps
+        if n and trainer.global_step > 0 and trainer.global_step % n == 0 and trainer.global_step != getattr(self, "_last_step", -1):
+            self._last_step = trainer.global_step
+            self._save(trainer)
+
+    def on_train_epoch_end(self, trainer: "Trainer", module: "TrainModule") -> None:
+        if self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
+            self._save(trainer)
+
+    # -- saving ------------------------------------------------------------------------------------
+    def _format(self, trainer: "Trainer") -> str:
+        values = {"epoch": trainer.current_epoch, "step": trainer.global_step}
+        values.update({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+        def fill(match: "re.Match[str]") -> str:
+            key, spec = match.group(1), match.group(2) or ""
+            if key not in values:
+                raise KeyError(f"ModelCheckpoint filename uses {{{key}}}, which was never logged; logged: {sorted(values)}.")
+            return f"{key.replace('/', '_')}={format(values[key], spec.lstrip(':'))}"
+
+        return re.sub(r"\{([^}:]+)(:[^}]*)?\}", fill, self.filename)
+
+    def _current(self, trainer: "Trainer") -> Optional[float]:
+        if self.monitor is None:
+            return None
+        if self.monitor not in trainer.callback_metrics:
+            raise KeyError(
+                f"ModelCheckpoint(monitor={self.monitor!r}) found no such logged metric. Logged: "
+                f"{sorted(trainer.callback_metrics)}. Log it with self.log({self.monitor!r}, ...), or fix the name."
+            )
+        return float(trainer.callback_metrics[self.monitor])
+
+    def _save(self, trainer: "Trainer") -> None:
+        if trainer.sanity_checking or trainer.fast_dev_run:
+            return
+        current = self._current(trainer)
+        base = self.dirpath.rstrip("/")
+        if self.save_top_k != 0:
+            path = f"{base}/{self._format(trainer)}"
+            if self.monitor is None or self.save_top_k == -1 or self._is_top_k(current):
+                trainer.save_checkpoint(path)
+                self.best_k_models[path] = current if current is not None else float(trainer.global_step)
+                self._prune(trainer)
+        if self.save_last or (self.save_last is None and self.monitor is None and self.save_top_k != 0):
+            self.last_model_path = f"{base}/last"
+            trainer.save_checkpoint(self.last_model_path)
+
+    def _is_top_k(self, current: Optional[float]) -> bool:
+        if current is None or math.isnan(current):
+            return False
+        if len(self.best_k_models) < self.save_top_k:
+            return True
+        worst = self._worst()[1]
+        return current < worst if self.mode == "min" else current > worst
+
+    def _worst(self) -> Tuple[str, float]:
+        items = sorted(self.best_k_models.items(), key=lambda kv: kv[1], reverse=(self.mode == "min"))
+        return items[0]
+
+    def _prune(self, trainer: "Trainer") -> None:
+        from fabric_lite import checkpoint_io
+
+        keep = self.save_top_k if self.monitor is not None else -1
+        while keep != -1 and len(self.best_k_models) > keep:
+            path, _ = self._worst()
+            del self.best_k_models[path]
+            if trainer.is_global_zero:
+                fs, p = checkpoint_io._fs(path)
+                if fs.exists(p):
+                    fs.rm(p, recursive=True)
+            trainer.strategy.barrier()
+        if self.best_k_models:
+            best = sorted(self.best_k_models.items(), key=lambda kv: kv[1], reverse=(self.mode == "max"))[0]
+            self.best_model_path = best[0]

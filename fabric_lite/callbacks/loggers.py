@@ -1,0 +1,119 @@
+"""Loggers are callbacks: TensorBoardLogger writes event files, CSVLogger a metrics.csv (rank 0 only)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+from fabric_lite.callbacks.base import Callback
+
+if TYPE_CHECKING:
+    from fabric_lite.module import TrainModule
+    from fabric_lite.trainer import Trainer
+
+__all__ = ["TensorBoardLogger", "CSVLogger"]
+
+
+def _version_dir(root: str, name: str, version: Optional[int]) -> str:
+    from fabric_lite import checkpoint_io
+
+    base = f"{root.rstrip('/')}/{name}" if name else root.rstrip("/")
+    if version is None:
+        fs, path = checkpoint_io._fs(base)
+        existing = []
+        if fs.exists(path):
+            for entry in fs.ls(path, detail=False):
+                tail = entry.rstrip("/").rsplit("/", 1)[-1]
+                if tail.startswith("version_") and tail[8:].isdigit():
+                    existing.append(int(tail[8:]))
+        version = max(existing) + 1 if existing else 0
+    return f"{base}/version_{version}"
+
+
+class TensorBoardLogger(Callback):
+    """Scalars at every `log_every_n_steps` and epoch end, hyperparameters as text, under save_dir/name/version_N."""
+
+    def __init__(self, save_dir: str = "runs", name: str = "", version: Optional[int] = None, **writer_kwargs: Any):
+        self.save_dir, self.name, self.version = os.fspath(save_dir), name, version
+        self.writer_kwargs = writer_kwargs
+        self.log_dir: Optional[str] = None
+        self._writer: Any = None
+
+    def setup(self, trainer: "Trainer", module: "TrainModule", stage: str) -> None:
+        if self.log_dir is None:
+            version = trainer.strategy.broadcast_object(self.version if self.version is not None else
+                                                        int(_version_dir(self.save_dir, self.name, None).rsplit("_", 1)[-1])
+                                                        if trainer.is_global_zero else None)
+            self.log_dir = _version_dir(self.save_dir, self.name, version)
+
+    @property
+    def writer(self) -> Any:
+        if self._writer is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as err:
+                raise ImportError("TensorBoardLogger needs tensorboard: pip install 'fabric-lite[tensorboard]'") from err
+            self._writer = SummaryWriter(self.log_dir, **self.writer_kwargs)
+        return self._writer
+
+    def on_log(self, trainer: "Trainer", metrics: Dict[str, float], step: int) -> None:
+        if trainer.is_global_zero:
+            for key, value in metrics.items():
+                self.writer.add_scalar(key, value, global_step=step)
+
+    def on_hyperparameters(self, trainer: "Trainer", params: Dict[str, Any]) -> None:
+        if trainer.is_global_zero and params:
+            self.writer.add_text("hparams", "```\n" + json.dumps(params, indent=2, default=str) + "\n```")
+
+    def on_train_epoch_end(self, trainer: "Trainer", module: "TrainModule") -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
+    def teardown(self, trainer: "Trainer", module: "TrainModule", stage: str) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+class CSVLogger(Callback):
+    """Rows of `step` plus every metric logged at that step, in save_dir/name/version_N/metrics.csv."""
+
+    def __init__(self, save_dir: str = "runs", name: str = "", version: Optional[int] = None):
+        self.save_dir, self.name, self.version = os.fspath(save_dir), name, version
+        self.log_dir: Optional[str] = None
+        self.rows: List[Dict[str, Any]] = []
+
+    def setup(self, trainer: "Trainer", module: "TrainModule", stage: str) -> None:
+        if self.log_dir is None:
+            version = trainer.strategy.broadcast_object(self.version if self.version is not None else
+                                                        int(_version_dir(self.save_dir, self.name, None).rsplit("_", 1)[-1])
+                                                        if trainer.is_global_zero else None)
+            self.log_dir = _version_dir(self.save_dir, self.name, version)
+
+    def on_log(self, trainer: "Trainer", metrics: Dict[str, float], step: int) -> None:
+        if trainer.is_global_zero:
+            self.rows.append({"step": step, **metrics})
+
+    def on_train_epoch_end(self, trainer: "Trainer", module: "TrainModule") -> None:
+        self._write(trainer)
+
+    def teardown(self, trainer: "Trainer", module: "TrainModule", stage: str) -> None:
+        self._write(trainer)
+
+    def _write(self, trainer: "Trainer") -> None:
+        if not trainer.is_global_zero or not self.rows:
+            return
+        from fabric_lite import checkpoint_io
+
+        columns = ["step"] + sorted({k for row in self.rows for k in row if k != "step"})
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(self.rows)
+        fs, path = checkpoint_io._fs(self.log_dir)
+        fs.makedirs(path, exist_ok=True)
+        with fs.open(f"{path}/metrics.csv", "w") as f:
+            f.write(buffer.getvalue())

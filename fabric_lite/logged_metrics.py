@@ -1,0 +1,166 @@
+"""What `TrainModule.log` records: step values and epoch aggregates, kept on the device.
+
+Nothing here reads a value back to the host; the Trainer converts to floats only when a logger
+writes (every `log_every_n_steps`) or at an epoch end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from fabric_lite.strategies.base import Strategy
+
+__all__ = ["MetricStore"]
+
+_REDUCE = ("mean", "sum", "max", "min")
+
+
+def _is_metric(value: Any) -> bool:  # a torchmetrics Metric, without importing torchmetrics
+    return callable(getattr(value, "compute", None)) and callable(getattr(value, "reset", None)) and hasattr(value, "update")
+
+
+@dataclass
+class _Entry:
+    on_step: bool
+    on_epoch: bool
+    prog_bar: bool
+    logger: bool
+    reduce_fx: str
+    sync_dist: bool
+    metric: Any = None
+    total: Optional[torch.Tensor] = None
+    weight: Optional[torch.Tensor] = None
+    last: Optional[torch.Tensor] = None
+
+
+class MetricStore:
+    """Per-stage store of logged values. `stage` and `epoch_end_hook` pick `on_step`/`on_epoch` defaults."""
+
+    def __init__(self, strategy: Strategy) -> None:
+        self.strategy = strategy
+        self.stage = "train"
+        self.in_epoch_end_hook = False
+        self.batch_size: Optional[int] = None
+        self._entries: Dict[str, _Entry] = {}
+        self.callback_metrics: Dict[str, torch.Tensor] = {}
+        self.progress_bar_metrics: Dict[str, torch.Tensor] = {}
+
+    def reset_stage(self, stage: str) -> None:
+        self.stage = stage
+        self._entries = {k: v for k, v in self._entries.items() if not k.startswith(f"{stage}\0")}
+
+    def log(self, name: str, value: Any, *, prog_bar: bool, logger: bool, on_step: Optional[bool],
+            on_epoch: Optional[bool], reduce_fx: str, sync_dist: bool, batch_size: Optional[int]) -> None:
+        step_default = self.stage == "train" and not self.in_epoch_end_hook
+        on_step = step_default if on_step is None else on_step
+        on_epoch = (not step_default) if on_epoch is None else on_epoch
+        if self.in_epoch_end_hook or self.stage != "train":
+            if on_step and self.stage != "train":
+                raise ValueError(f"self.log({name!r}, on_step=True) is only allowed during training steps.")
+            on_step = on_step and not self.in_epoch_end_hook
+        if reduce_fx not in _REDUCE:
+            raise ValueError(f"self.log({name!r}, reduce_fx={reduce_fx!r}): allowed values are {', '.join(_REDUCE)}.")
+        key = f"{self.stage}\0{name}"
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = _Entry(on_step, on_epoch, prog_bar, logger, reduce_fx, sync_dist)
+        if _is_metric(value):
+            entry.metric = value
+            cached = getattr(value, "_forward_cache", None)
+            if on_step and isinstance(cached, torch.Tensor):
+                entry.last = cached.detach()
+            return
+        tensor = self._as_tensor(name, value)
+        if on_step and sync_dist:
+            tensor = self.strategy.all_reduce(tensor, "mean" if reduce_fx == "mean" else reduce_fx)
+        entry.last = tensor
+        if on_epoch:
+            weight = float(batch_size or self.batch_size or 1) if reduce_fx == "mean" else 1.0
+            if entry.total is None:
+                entry.total = tensor * weight if reduce_fx in ("mean", "sum") else tensor.clone()
+                entry.weight = torch.tensor(weight, device=tensor.device)
+            elif reduce_fx in ("mean", "sum"):
+                entry.total = entry.total + tensor * weight
+                entry.weight = entry.weight + weight
+            else:
+                entry.total = torch.maximum(entry.total, tensor) if reduce_fx == "max" else torch.minimum(entry.total, tensor)
+
+    def _as_tensor(self, name: str, value: Any) -> torch.Tensor:
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise ValueError(
+                    f"self.log({name!r}) got a tensor of shape {tuple(value.shape)}; log scalars (e.g. .mean()), "
+                    f"or a torchmetrics Metric."
+                )
+            return value.detach().reshape(()).float()
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return torch.tensor(float(value), device=self.strategy.root_device)
+        raise ValueError(
+            f"self.log({name!r}) got {type(value).__name__}; log a number, a one-element tensor or a torchmetrics Metric."
+        )
+
+    def _names(self, entry: _Entry, name: str) -> Tuple[str, str]:
+        both = entry.on_step and entry.on_epoch
+        return (f"{name}_step" if both else name), (f"{name}_epoch" if both else name)
+
+    def step_values(self) -> Dict[str, torch.Tensor]:
+        """The latest per-step values of this stage (tensors; nothing is read back)."""
+        out: Dict[str, torch.Tensor] = {}
+        prefix = f"{self.stage}\0"
+        for key, entry in self._entries.items():
+            if key.startswith(prefix) and entry.on_step and entry.last is not None:
+                step_name, _ = self._names(entry, key[len(prefix):])
+                out[step_name] = entry.last
+                self.callback_metrics[step_name] = entry.last
+                if entry.prog_bar:
+                    self.progress_bar_metrics[step_name] = entry.last
+        return out
+
+    def loggable_step_values(self) -> Dict[str, torch.Tensor]:
+        prefix = f"{self.stage}\0"
+        names = {self._names(e, k[len(prefix):])[0] for k, e in self._entries.items()
+                 if k.startswith(prefix) and e.on_step and e.logger}
+        return {k: v for k, v in self.step_values().items() if k in names}
+
+    def epoch_end(self) -> Dict[str, torch.Tensor]:
+        """Reduce this stage's epoch values (syncing where asked), reset them, return the loggable ones."""
+        prefix = f"{self.stage}\0"
+        items = [(k[len(prefix):], e) for k, e in self._entries.items() if k.startswith(prefix) and e.on_epoch]
+        self._check_same_sync_keys([n for n, e in items if e.sync_dist and e.metric is None])
+        loggable: Dict[str, torch.Tensor] = {}
+        for name, entry in items:
+            if entry.metric is not None:
+                value = entry.metric.compute()  # torchmetrics syncs across processes itself
+                entry.metric.reset()
+                value = value.detach().float().reshape(()) if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+            elif entry.total is None:
+                continue
+            else:
+                total, weight = entry.total, entry.weight
+                if entry.sync_dist and self.strategy.world_size > 1:
+                    op = entry.reduce_fx if entry.reduce_fx in ("max", "min") else "sum"
+                    total = self.strategy.all_reduce(total, op)
+                    weight = self.strategy.all_reduce(weight, "sum") if entry.reduce_fx == "mean" else weight
+                value = total / weight if entry.reduce_fx == "mean" else total
+                entry.total = entry.weight = None
+            _, epoch_name = self._names(entry, name)
+            self.callback_metrics[epoch_name] = value
+            if entry.prog_bar:
+                self.progress_bar_metrics[epoch_name] = value
+            if entry.logger:
+                loggable[epoch_name] = value
+        return loggable
+
+    def _check_same_sync_keys(self, names: List[str]) -> None:
+        if self.strategy.world_size == 1:
+            return
+        everyone = self.strategy.all_gather_object(sorted(names))
+        if any(keys != everyone[0] for keys in everyone):
+            detail = "; ".join(f"rank {r}: {keys}" for r, keys in enumerate(everyone))
+            raise RuntimeError(
+                f"self.log(..., sync_dist=True) was called for different names on different processes in stage "
+                f"{self.stage!r} ({detail}). Every process must log the same synced names, or a collective would hang."
+            )

@@ -1,0 +1,257 @@
+"""The Trainer's loops: fit (train epochs with validation), evaluation, prediction.
+
+Every device, precision and gradient decision goes through `trainer.strategy`; these functions
+only decide *when* things happen.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+import torch
+
+from fabric_lite._tree import first_tensor
+
+if TYPE_CHECKING:
+    from fabric_lite.trainer import Trainer
+
+__all__ = ["run_fit", "run_evaluation", "run_predict"]
+
+
+def _limit(limit: Any, length: Optional[int]) -> Optional[int]:
+    """How many batches to run: `limit` as a count (int) or a fraction of the loader (float)."""
+    if limit is None:
+        return length
+    if isinstance(limit, float) and 0.0 <= limit <= 1.0:
+        if length is None:
+            raise ValueError(f"A fractional batch limit ({limit}) needs a dataloader with a length.")
+        return int(length * limit)
+    if isinstance(limit, int) and limit >= 0:
+        return limit if length is None else min(limit, length)
+    raise ValueError(f"Batch limit {limit!r} must be an int >= 0 or a float in [0.0, 1.0].")
+
+
+def _length(loader: Any) -> Optional[int]:
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+def _batch_size(batch: Any) -> Optional[int]:
+    t = first_tensor(batch)
+    return int(t.shape[0]) if t is not None and t.dim() > 0 else None
+
+
+def _extract_loss(out: Any, batch_idx: int) -> torch.Tensor:
+    loss = out.get("loss") if isinstance(out, dict) else out
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        got = "nothing" if out is None else (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+                                             else type(out).__name__)
+        raise ValueError(
+            f"training_step returned {got} at batch {batch_idx}; with automatic optimization it must return the "
+            f"loss (a scalar tensor) or a dict with a 'loss' key. For loops that step themselves, set "
+            f"`automatic_optimization = False`."
+        )
+    return loss
+
+
+def _flush_step_metrics(trainer: "Trainer") -> None:
+    values = trainer._metrics.loggable_step_values()
+    if values:
+        trainer.log_metrics(values, trainer.global_step)
+
+
+def run_fit(trainer: "Trainer") -> None:
+    trainer._start_time = time.monotonic()
+    trainer.should_stop = False
+    module = trainer.module
+    trainer._call("on_fit_start")
+    if trainer._val_loaders and trainer.num_sanity_val_steps > 0 and trainer.global_step == 0:
+        trainer.sanity_checking = True
+        for loader in trainer._val_loaders:
+            run_evaluation(trainer, "validate", loader, limit=trainer.num_sanity_val_steps, log=False)
+        trainer.sanity_checking = False
+    for cb in trainer.callbacks:
+        cb.on_hyperparameters(trainer, dict(module.hparams))
+    trainer._call("on_train_start")
+    while not trainer.should_stop and (trainer.max_epochs == -1 or trainer.current_epoch < trainer.max_epochs):
+        if 0 <= trainer.max_steps <= trainer.global_step:
+            break
+        _train_epoch(trainer)
+        if trainer.should_stop and trainer._time_is_up():
+            break
+        trainer.current_epoch += 1
+        trainer._epoch_finished = False
+    trainer._call("on_train_end")
+    trainer._call("on_fit_end")
+
+
+def _should_validate_in_epoch(trainer: "Trainer", batch_idx: int, limit: Optional[int]) -> bool:
+    interval = trainer.val_check_interval
+    if not trainer._val_loaders or (trainer.current_epoch + 1) % trainer.check_val_every_n_epoch:
+        return False
+    if isinstance(interval, float):
+        if interval >= 1.0 or limit is None:
+            return False
+        every = max(1, int(limit * interval))
+    else:
+        every = interval
+    return (batch_idx + 1) % every == 0 and (limit is None or batch_idx + 1 < limit)
+
+
+def _train_epoch(trainer: "Trainer") -> None:
+    module, model, strategy, metrics = trainer.module, trainer.model, trainer.strategy, trainer._metrics
+    loader = trainer._train_loader
+    limit = _limit(trainer.limits["train"], _length(loader))
+    accumulate = trainer.accumulate_grad_batches
+    metrics.reset_stage("train")
+    metrics.in_epoch_end_hook = False
+    module.train()
+    trainer._call("on_train_epoch_start")
+    start = loader.state_dict()["batches_seen"] if loader.state_dict()["epoch"] == trainer.current_epoch else 0
+    batch_idx = start - 1
+    for batch_idx, batch in enumerate(loader, start=start):
+        if limit is not None and batch_idx >= limit:
+            break
+        if module.on_train_batch_start(batch, batch_idx) == -1:
+            break
+        for cb in trainer.callbacks:
+            cb.on_train_batch_start(trainer, module, batch, batch_idx)
+        metrics.batch_size = _batch_size(batch)
+        if module.automatic_optimization:
+            window_start = batch_idx - batch_idx % accumulate
+            window = accumulate if limit is None else min(accumulate, limit - window_start)
+            last_micro = batch_idx - window_start == window - 1
+            with strategy.no_backward_sync(model, enabled=not last_micro):
+                out = model(batch, batch_idx)
+                loss = _extract_loss(out, batch_idx)
+                module.on_before_backward(loss)
+                # The last, shorter window of an epoch is scaled by its real size.
+                strategy.backward(loss / window if window > 1 else loss, model)
+                module.on_after_backward()
+            if last_micro:
+                _optimizer_step(trainer)
+        else:
+            out = model(batch, batch_idx)
+            trainer.global_step += 1
+        if trainer.global_step % trainer.log_every_n_steps == 0 or batch_idx + 1 == limit:
+            _flush_step_metrics(trainer)
+        else:
+            metrics.step_values()  # keeps callback_metrics / progress bar current, still on device
+        module.on_train_batch_end(out, batch, batch_idx)
+        for cb in trainer.callbacks:
+            cb.on_train_batch_end(trainer, module, out, batch, batch_idx)
+        if _should_validate_in_epoch(trainer, batch_idx, limit):
+            _validate(trainer)
+        if 0 <= trainer.max_steps <= trainer.global_step or trainer._time_is_up():
+            trainer.should_stop = True
+        if trainer.should_stop:
+            break
+    trainer._epoch_finished = True
+    for sched in trainer._schedulers:
+        if sched.interval == "epoch" and (trainer.current_epoch + 1) % sched.frequency == 0:
+            _step_scheduler(trainer, sched)
+    if trainer._val_loaders and (trainer.current_epoch + 1) % trainer.check_val_every_n_epoch == 0 \
+            and not isinstance(trainer.val_check_interval, int) and not trainer.should_stop:
+        _validate(trainer)
+    metrics.stage = "train"
+    metrics.in_epoch_end_hook = True
+    module.on_train_epoch_end()
+    trainer.log_metrics(metrics.epoch_end(), trainer.global_step)
+    for cb in trainer.callbacks:
+        cb.on_train_epoch_end(trainer, module)
+    metrics.in_epoch_end_hook = False
+    # every process must agree to stop, or one would wait in a collective the others never reach
+    trainer.should_stop = bool(strategy.all_reduce(torch.tensor(float(trainer.should_stop)), "max").item())
+
+
+def _optimizer_step(trainer: "Trainer") -> None:
+    strategy, module = trainer.strategy, trainer.module
+    params = [p for p in module.parameters() if p.grad is not None]
+    for opt in trainer._optimizers:
+        if trainer.gradient_clip_val is not None:
+            if trainer.gradient_clip_algorithm == "norm":
+                strategy.clip_gradients_norm(params, opt.optimizer, trainer.gradient_clip_val)
+            else:
+                strategy.clip_gradients_value(params, opt.optimizer, trainer.gradient_clip_val)
+        module.on_before_optimizer_step(opt)
+        for cb in trainer.callbacks:
+            cb.on_before_optimizer_step(trainer, module, opt)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    trainer.global_step += 1
+    for sched in trainer._schedulers:
+        if sched.interval == "step" and trainer.global_step % sched.frequency == 0:
+            _step_scheduler(trainer, sched)
+
+
+def _step_scheduler(trainer: "Trainer", sched: Any) -> None:
+    if sched.optimizer is not None and sched.optimizer.step_was_skipped:
+        return
+    if sched.needs_metric:
+        if sched.monitor not in trainer.callback_metrics:
+            raise KeyError(
+                f"The scheduler monitors {sched.monitor!r}, which was never logged. Logged: "
+                f"{sorted(trainer.callback_metrics)}."
+            )
+        sched.scheduler.step(trainer.callback_metrics[sched.monitor])
+    else:
+        sched.scheduler.step()
+
+
+def _validate(trainer: "Trainer") -> None:
+    for loader in trainer._val_loaders:
+        run_evaluation(trainer, "validate", loader)
+    trainer.module.train()
+
+
+def run_evaluation(trainer: "Trainer", stage: str, loader: Any, limit: Optional[int] = None,
+                   log: bool = True) -> Dict[str, float]:
+    """Run validation or test over `loader`; returns the epoch metrics as floats."""
+    module, model, metrics = trainer.module, trainer.eval_model, trainer._metrics
+    hook = "validation" if stage == "validate" else "test"
+    limit = _limit(trainer.limits[stage] if limit is None else limit, _length(loader))
+    saved_stage = metrics.stage
+    metrics.reset_stage(stage)
+    module.eval()
+    trainer._call(f"on_{hook}_epoch_start")
+    with torch.no_grad():
+        for batch_idx, batch in enumerate(loader):
+            if limit is not None and batch_idx >= limit:
+                break
+            metrics.batch_size = _batch_size(batch)
+            out = model(batch, batch_idx, stage)
+            for cb in trainer.callbacks:
+                getattr(cb, f"on_{hook}_batch_end")(trainer, module, out, batch, batch_idx)
+    metrics.in_epoch_end_hook = True
+    getattr(module, f"on_{hook}_epoch_end")()
+    values = metrics.epoch_end()
+    metrics.in_epoch_end_hook = False
+    if log and not trainer.sanity_checking:
+        trainer.log_metrics(values, trainer.global_step)
+        for cb in trainer.callbacks:
+            getattr(cb, f"on_{hook}_epoch_end")(trainer, module)
+    metrics.stage = saved_stage
+    return {k: float(v) for k, v in values.items()}
+
+
+def run_predict(trainer: "Trainer", loaders: List[Any]) -> List[Any]:
+    module, model = trainer.module, trainer.eval_model
+    module.eval()
+    results: List[Any] = []
+    with torch.no_grad():
+        for loader in loaders:
+            limit = _limit(trainer.limits["predict"], _length(loader))
+            outputs = []
+            for batch_idx, batch in enumerate(loader):
+                if limit is not None and batch_idx >= limit:
+                    break
+                out = model(batch, batch_idx, "predict")
+                for cb in trainer.callbacks:
+                    cb.on_predict_batch_end(trainer, module, out, batch, batch_idx)
+                outputs.append(out)
+            results.append(outputs)
+    return results[0] if len(results) == 1 else results

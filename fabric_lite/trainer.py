@@ -1,0 +1,328 @@
+"""The trainer door: `Trainer` holds the settings and entry points; the loops live in `loops.py`.
+
+Built on the Accelerator: device placement, sharding, precision and backward go through the same
+Strategy the raw door uses. The Trainer owns the loop (epochs, steps, validation, accumulation,
+clipping, logging, checkpoints, callbacks) and nothing else.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import os
+import time
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from fabric_lite.accelerator import Accelerator
+from fabric_lite.callbacks.base import Callback
+from fabric_lite.logged_metrics import MetricStore
+from fabric_lite.module import DataModule, TrainModule
+from fabric_lite.optimizers import SchedulerConfig, parse_optimizers
+
+__all__ = ["Trainer"]
+
+
+class _StepRunner(nn.Module):
+    """Routes the strategy's wrapped forward to the module's step methods (so DDP sees a forward)."""
+
+    def __init__(self, module: TrainModule) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, batch: Any, batch_idx: int, stage: str = "train") -> Any:
+        step = {"train": self.module.training_step, "validate": self.module.validation_step,
+                "test": self.module.test_step, "predict": self.module.predict_step}[stage]
+        return step(batch, batch_idx)
+
+
+class _TrainerState:
+    """The Trainer's part of a checkpoint: counters, callback states, hyperparameters."""
+
+    def __init__(self, trainer: "Trainer") -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> Dict[str, Any]:
+        t = self.trainer
+        extra: Dict[str, Any] = {}
+        t.module.on_save_checkpoint(extra)
+        for cb in t.callbacks:
+            cb.on_save_checkpoint(t, t.module, extra)
+        return {
+            "epoch": t.current_epoch, "global_step": t.global_step, "epoch_finished": t._epoch_finished,
+            "callbacks": {cb.state_key: cb.state_dict() for cb in t.callbacks},
+            "hyper_parameters": dict(t.module.hparams), "extra": extra,
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        t = self.trainer
+        t.current_epoch = int(state["epoch"]) + (1 if state.get("epoch_finished") else 0)
+        t.global_step = int(state["global_step"])
+        for cb in t.callbacks:
+            if cb.state_key in state["callbacks"]:
+                cb.load_state_dict(state["callbacks"][cb.state_key])
+        extra = state.get("extra", {})
+        t.module.on_load_checkpoint(extra)
+        for cb in t.callbacks:
+            cb.on_load_checkpoint(t, t.module, extra)
+
+
+class Trainer:
+    """Fit a TrainModule: `Trainer(max_epochs=3, precision="bf16-mixed").fit(module, train_loader, val_loader)`."""
+
+    def __init__(
+        self, *, max_epochs: Optional[int] = None, max_steps: int = -1, max_time: Optional[float] = None,
+        accelerator: str = "auto", devices: Union[int, str] = "auto", num_nodes: int = 1,
+        strategy: Any = "auto", precision: Any = "32-true", callbacks: Optional[Sequence[Callback]] = None,
+        gradient_clip_val: Optional[float] = None, gradient_clip_algorithm: str = "norm",
+        accumulate_grad_batches: int = 1, val_check_interval: Union[int, float] = 1.0,
+        check_val_every_n_epoch: int = 1, limit_train_batches: Union[int, float, None] = None,
+        limit_val_batches: Union[int, float, None] = None, limit_test_batches: Union[int, float, None] = None,
+        limit_predict_batches: Union[int, float, None] = None, fast_dev_run: Union[bool, int] = False,
+        num_sanity_val_steps: int = 2, log_every_n_steps: int = 50, default_root_dir: Optional[str] = None,
+        enable_progress_bar: bool = True, enable_checkpointing: bool = True, deterministic: bool = False,
+        **unknown: Any,
+    ) -> None:
+        if unknown:
+            known = list(inspect.signature(Trainer.__init__).parameters)[1:-1]
+            hints = {k: difflib.get_close_matches(k, known, n=1) for k in unknown}
+            detail = ", ".join(f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in hints.items())
+            raise TypeError(f"Unknown Trainer argument(s): {detail}. Known arguments: {', '.join(known)}.")
+        if gradient_clip_algorithm not in ("norm", "value"):
+            raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}: allowed values are 'norm', 'value'.")
+        if not isinstance(accumulate_grad_batches, int) or accumulate_grad_batches < 1:
+            raise ValueError(f"accumulate_grad_batches={accumulate_grad_batches!r} must be an integer >= 1.")
+        if fast_dev_run:
+            n = 1 if fast_dev_run is True else int(fast_dev_run)
+            max_epochs, max_steps, num_sanity_val_steps = 1, n, 0
+            limit_train_batches = limit_val_batches = limit_test_batches = limit_predict_batches = n
+            enable_checkpointing = False
+        if deterministic:
+            torch.use_deterministic_algorithms(True)
+        self.accelerator = Accelerator(
+            strategy=strategy, devices=None if devices == "auto" else devices, mixed_precision=str(precision),
+            accelerator=accelerator,
+        )
+        self.strategy = self.accelerator.strategy
+        if num_nodes != self.strategy.process.num_nodes:
+            raise ValueError(
+                f"num_nodes={num_nodes} disagrees with the launch environment, which has "
+                f"{self.strategy.process.num_nodes} node(s). Launch with `fabric-lite launch --nnodes {num_nodes}`."
+            )
+        self.max_epochs = max_epochs if max_epochs is not None else (1000 if max_steps == -1 else -1)
+        self.max_steps = max_steps
+        self.max_time = max_time
+        self.gradient_clip_val = gradient_clip_val
+        self.gradient_clip_algorithm = gradient_clip_algorithm
+        self.accumulate_grad_batches = accumulate_grad_batches
+        self.val_check_interval = val_check_interval
+        self.check_val_every_n_epoch = check_val_every_n_epoch
+        self.limits = {"train": limit_train_batches, "validate": limit_val_batches, "test": limit_test_batches,
+                       "predict": limit_predict_batches}
+        self.num_sanity_val_steps = num_sanity_val_steps
+        self.log_every_n_steps = log_every_n_steps
+        self.default_root_dir = os.fspath(default_root_dir) if default_root_dir is not None else os.getcwd()
+        self.fast_dev_run = fast_dev_run
+        self.callbacks: List[Callback] = list(callbacks or [])
+        self._add_default_callbacks(enable_progress_bar, enable_checkpointing)
+        self.current_epoch = 0
+        self.global_step = 0
+        self.should_stop = False
+        self.sanity_checking = False
+        self._epoch_finished = False
+        self._metrics = MetricStore(self.strategy)
+        self.logged_metrics: Dict[str, float] = {}
+        self._optimizers: List[Any] = []
+        self._schedulers: List[SchedulerConfig] = []
+        self._start_time: Optional[float] = None
+        self.module: Optional[TrainModule] = None
+        self.model: Optional[nn.Module] = None
+        self.eval_model: Optional[nn.Module] = None
+
+    def _add_default_callbacks(self, progress_bar: bool, checkpointing: bool) -> None:
+        from fabric_lite.callbacks.checkpoint import ModelCheckpoint
+        from fabric_lite.callbacks.progress import ProgressBar
+
+        if progress_bar and not any(isinstance(c, ProgressBar) for c in self.callbacks):
+            self.callbacks.append(ProgressBar())
+        if not checkpointing:
+            if any(isinstance(c, ModelCheckpoint) for c in self.callbacks):
+                raise ValueError("enable_checkpointing=False, but a ModelCheckpoint is in callbacks; drop one of them.")
+        elif not any(isinstance(c, ModelCheckpoint) for c in self.callbacks):
+            self.callbacks.append(ModelCheckpoint())
+
+    # -- what callbacks and modules read -----------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.strategy.is_global_zero
+
+    @property
+    def world_size(self) -> int:
+        return self.strategy.world_size
+
+    @property
+    def callback_metrics(self) -> Dict[str, torch.Tensor]:
+        return self._metrics.callback_metrics
+
+    @property
+    def progress_bar_metrics(self) -> Dict[str, torch.Tensor]:
+        return self._metrics.progress_bar_metrics
+
+    @property
+    def optimizers(self) -> List[Any]:
+        return self._optimizers
+
+    @property
+    def checkpoint_callback(self) -> Optional[Callback]:
+        from fabric_lite.callbacks.checkpoint import ModelCheckpoint
+
+        return next((c for c in self.callbacks if isinstance(c, ModelCheckpoint)), None)
+
+    def log_metrics(self, metrics: Dict[str, Any], step: Optional[int] = None) -> None:
+        """Send values to every logger callback (floats; tensors are read here, once)."""
+        values = {k: float(v) for k, v in metrics.items()}
+        if not values:
+            return
+        self.logged_metrics.update(values)
+        for cb in self.callbacks:
+            cb.on_log(self, values, self.global_step if step is None else step)
+
+    def _call(self, hook: str, *args: Any) -> None:
+        """Run a hook on the module, then on every callback."""
+        fn = getattr(self.module, hook, None)
+        if fn is not None:
+            fn(*args)
+        for cb in self.callbacks:
+            getattr(cb, hook)(self, self.module, *args)
+
+    def _backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        self.strategy.backward(loss, self.model, **kwargs)
+
+    def _time_is_up(self) -> bool:
+        return self.max_time is not None and self._start_time is not None and \
+            time.monotonic() - self._start_time >= self.max_time
+
+    # -- entry points ------------------------------------------------------------------------------
+    def fit(self, module: TrainModule, train_dataloaders: Any = None, val_dataloaders: Any = None,
+            datamodule: Optional[DataModule] = None, ckpt_path: Optional[str] = None) -> None:
+        """Train `module`; `ckpt_path="last"` resumes from the newest checkpoint if there is one."""
+        from fabric_lite import loops
+
+        train, val = self._loaders(module, datamodule, "fit", train_dataloaders, val_dataloaders)
+        if train is None:
+            raise ValueError("fit() needs train_dataloaders, or a datamodule with train_dataloader().")
+        self._attach(module)
+        self._optimizers, self._schedulers = parse_optimizers(module.configure_optimizers(), self.accelerator)
+        for sched in self._schedulers:
+            self.accelerator.register_for_checkpointing(sched.scheduler)
+        self._train_loader = self.accelerator.prepare_data_loader(train)
+        self._val_loaders = [self._prepare_eval_loader(v) for v in _as_list(val)]
+        self.accelerator.register_for_checkpointing(_TrainerState(self))
+        for cb in self.callbacks:
+            cb.setup(self, module, "fit")
+        if ckpt_path is not None:
+            self._restore(ckpt_path)
+        try:
+            loops.run_fit(self)
+        except BaseException as err:
+            for cb in self.callbacks:
+                cb.on_exception(self, module, err)
+            raise
+        finally:
+            for cb in self.callbacks:
+                cb.teardown(self, module, "fit")
+
+    def validate(self, module: Optional[TrainModule] = None, dataloaders: Any = None,
+                 datamodule: Optional[DataModule] = None) -> List[Dict[str, float]]:
+        return self._evaluate("validate", module, dataloaders, datamodule)
+
+    def test(self, module: Optional[TrainModule] = None, dataloaders: Any = None,
+             datamodule: Optional[DataModule] = None) -> List[Dict[str, float]]:
+        return self._evaluate("test", module, dataloaders, datamodule)
+
+    def predict(self, module: Optional[TrainModule] = None, dataloaders: Any = None,
+                datamodule: Optional[DataModule] = None) -> List[Any]:
+        from fabric_lite import loops
+
+        module = module or self.module
+        if module is None:
+            raise ValueError("predict() needs a module (or a Trainer that has already fit one).")
+        loaders = self._eval_loaders(module, datamodule, "predict", dataloaders)
+        return loops.run_predict(self, loaders)
+
+    def _evaluate(self, stage: str, module: Optional[TrainModule], dataloaders: Any,
+                  datamodule: Optional[DataModule]) -> List[Dict[str, float]]:
+        from fabric_lite import loops
+
+        module = module or self.module
+        if module is None:
+            raise ValueError(f"{stage}() needs a module (or a Trainer that has already fit one).")
+        loaders = self._eval_loaders(module, datamodule, stage, dataloaders)
+        return [loops.run_evaluation(self, stage, loader) for loader in loaders]
+
+    def _eval_loaders(self, module: TrainModule, datamodule: Optional[DataModule], stage: str,
+                      dataloaders: Any) -> List[Any]:
+        loaders, _ = self._loaders(module, datamodule, stage, dataloaders, None)
+        if loaders is None:
+            raise ValueError(f"{stage}() needs dataloaders, or a datamodule with {stage}_dataloader().")
+        if self.module is not module:
+            self._attach(module)
+        return [self._prepare_eval_loader(d) for d in _as_list(loaders)]
+
+    def _prepare_eval_loader(self, loader: Any) -> Any:
+        # Every sample exactly once (no even-batch padding), so metrics over the whole set are exact.
+        return self.accelerator.prepare_data_loader(loader, even_batches=False)
+
+    # -- plumbing ----------------------------------------------------------------------------------
+    def _loaders(self, module: TrainModule, datamodule: Optional[DataModule], stage: str, first: Any,
+                 second: Any) -> tuple:
+        if datamodule is None:
+            return first, second
+        if first is not None or second is not None:
+            raise ValueError(f"Pass dataloaders or a datamodule to {stage}(), not both.")
+        with self.accelerator.main_process_first():
+            if self.is_global_zero:
+                datamodule.prepare_data()
+        datamodule.setup(stage)
+        module.hparams.setdefault("datamodule", dict(datamodule.hparams)) if datamodule.hparams else None
+        if stage == "fit":
+            return datamodule.train_dataloader(), datamodule.val_dataloader()
+        name = {"validate": "val_dataloader", "test": "test_dataloader", "predict": "predict_dataloader"}[stage]
+        return getattr(datamodule, name)(), None
+
+    def _attach(self, module: TrainModule) -> None:
+        if not isinstance(module, TrainModule):
+            raise TypeError(f"Trainer runs TrainModule subclasses, got {type(module).__name__}.")
+        module._trainer = self
+        self.module = module
+        self.model = self.accelerator.prepare_model(_StepRunner(module))
+        # Evaluation runs without the DDP wrapper: no gradients to sync, and no per-forward buffer
+        # broadcast that would wait for a process that has run out of (unpadded) batches.
+        self.eval_model = self.accelerator.unwrap_model(self.model)
+
+    def save_checkpoint(self, path: str) -> None:
+        """Write a full checkpoint (weights, optimizers, schedulers, RNG, loop position, callbacks)."""
+        self.accelerator.save_state(path)
+
+    def _restore(self, ckpt_path: str) -> None:
+        if ckpt_path == "last":
+            callback = self.checkpoint_callback
+            found = callback.last_checkpoint(self) if callback is not None else None
+            if found is None:
+                return  # nothing saved yet: a fresh start, as Lightning does
+            ckpt_path = found
+        self.accelerator.load_state(ckpt_path)
+
+
+def _as_list(loaders: Any) -> List[Any]:
+    if loaders is None:
+        return []
+    if isinstance(loaders, (list, tuple)):
+        return list(loaders)
+    return [loaders]
