@@ -16,7 +16,8 @@ venv: $(STAMP)
 
 example: $(STAMP)
 	$(BIN)/python examples/migration_digits.py --project-dir runs/digits
-	@echo "TensorBoard logs: runs/digits  (view: $(BIN)/tensorboard --logdir runs/digits)"
+	$(BIN)/python examples/trainer_digits.py --root runs/trainer_digits
+	@echo "TensorBoard logs: runs/digits and runs/trainer_digits/logs  (view: $(BIN)/tensorboard --logdir runs)"
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra

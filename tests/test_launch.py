@@ -69,3 +69,17 @@ def test_launch_refuses_a_bad_flag_before_starting_anything():
     assert "Unknown precision 'fp17'" in proc.stderr and "Traceback" not in proc.stderr
     proc = run_command([sys.executable, "-m", "fabric_lite.cli", "frobnicate"], timeout=60)
     assert proc.returncode == 2 and "unknown command 'frobnicate'" in proc.stderr
+
+
+def test_trainer_example_writes_logs_and_checkpoints_and_resumes(tmp_path):
+    root = tmp_path / "run"
+    first = run_command([sys.executable, "examples/trainer_digits.py", "--epochs", "2", "--root", str(root)], timeout=120)
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert list((root / "logs" / "version_0").glob("events.out.tfevents.*"))
+    assert (root / "csv" / "version_0" / "metrics.csv").exists()
+    assert (root / "checkpoints" / "last" / "manifest.json").exists()
+    assert "after 94 steps" in first.stdout  # 1500 samples / batch 32 = 47 steps an epoch
+    # ckpt_path="last": a second run with more epochs continues where the first stopped
+    second = run_command([sys.executable, "examples/trainer_digits.py", "--epochs", "3", "--root", str(root)], timeout=120)
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert "after 141 steps" in second.stdout
