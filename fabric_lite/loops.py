@@ -41,7 +41,9 @@ def _length(loader: Any) -> Optional[int]:
 
 
 def _batch_size(batch: Any) -> Optional[int]:
-    t = first_tensor(batch)
+    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor):  # the common case
+        return int(batch[0].shape[0]) if batch[0].dim() > 0 else None
+    t = batch if isinstance(batch, torch.Tensor) else first_tensor(batch)
     return int(t.shape[0]) if t is not None and t.dim() > 0 else None
 
 
@@ -139,8 +141,6 @@ def _train_epoch(trainer: "Trainer") -> None:
             trainer.global_step += 1
         if trainer.global_step % trainer.log_every_n_steps == 0 or batch_idx + 1 == limit:
             _flush_step_metrics(trainer)
-        else:
-            metrics.step_values()  # keeps callback_metrics / progress bar current, still on device
         module.on_train_batch_end(out, batch, batch_idx)
         for cb in trainer.callbacks:
             cb.on_train_batch_end(trainer, module, out, batch, batch_idx)
@@ -170,9 +170,9 @@ def _train_epoch(trainer: "Trainer") -> None:
 
 def _optimizer_step(trainer: "Trainer") -> None:
     strategy, module = trainer.strategy, trainer.module
-    params = [p for p in module.parameters() if p.grad is not None]
     for opt in trainer._optimizers:
         if trainer.gradient_clip_val is not None:
+            params = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
             if trainer.gradient_clip_algorithm == "norm":
                 strategy.clip_gradients_norm(params, opt.optimizer, trainer.gradient_clip_val)
             else:

@@ -168,10 +168,13 @@ class Trainer:
 
     @property
     def callback_metrics(self) -> Dict[str, torch.Tensor]:
+        """Latest step values and epoch results, as device tensors (brought up to date when read)."""
+        self._metrics.step_values()
         return self._metrics.callback_metrics
 
     @property
     def progress_bar_metrics(self) -> Dict[str, torch.Tensor]:
+        self._metrics.step_values()
         return self._metrics.progress_bar_metrics
 
     @property

@@ -34,14 +34,16 @@ class ProgressBar(Callback):
 
     def on_train_batch_end(self, trainer: "Trainer", module: "TrainModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if self._bar is None:
+        if self._bar is None or (batch_idx + 1) % self.refresh_rate:
             return
-        self._bar.update(1)
-        if (batch_idx + 1) % self.refresh_rate == 0:
-            self._bar.set_postfix({k: f"{float(v):.4g}" for k, v in trainer.progress_bar_metrics.items()}, refresh=False)
+        # Once every `refresh_rate` steps: tqdm's bookkeeping and reading metrics off the device both cost.
+        self._bar.update(batch_idx + 1 - self._bar.n)
+        self._bar.set_postfix({k: f"{float(v):.4g}" for k, v in trainer.progress_bar_metrics.items()}, refresh=False)
 
     def on_train_epoch_end(self, trainer: "Trainer", module: "TrainModule") -> None:
         if self._bar is not None:
+            if self._bar.total is not None:
+                self._bar.update(self._bar.total - self._bar.n)
             self._bar.set_postfix({k: f"{float(v):.4g}" for k, v in trainer.progress_bar_metrics.items()})
             self._bar.close()
             self._bar = None
