@@ -124,7 +124,7 @@ class ModelCheckpoint(Callback):
                 trainer.save_checkpoint(path)
                 self.best_k_models[path] = current if current is not None else float(trainer.global_step)
                 self._prune(trainer)
-        if self.save_last or (self.save_last is None and self.monitor is None and self.save_top_k != 0):
+        if self.save_last:
             self.last_model_path = f"{base}/last"
             trainer.save_checkpoint(self.last_model_path)
 
@@ -136,14 +136,18 @@ class ModelCheckpoint(Callback):
         worst = self._worst()[1]
         return current < worst if self.mode == "min" else current > worst
 
+    @property
+    def _mode(self) -> str:
+        return self.mode if self.monitor is not None else "max"  # no monitor: the score is the step, newest wins
+
     def _worst(self) -> Tuple[str, float]:
-        items = sorted(self.best_k_models.items(), key=lambda kv: kv[1], reverse=(self.mode == "min"))
+        items = sorted(self.best_k_models.items(), key=lambda kv: kv[1], reverse=(self._mode == "min"))
         return items[0]
 
     def _prune(self, trainer: "Trainer") -> None:
         from fabric_lite import checkpoint_io
 
-        keep = self.save_top_k if self.monitor is not None else -1
+        keep = self.save_top_k
         while keep != -1 and len(self.best_k_models) > keep:
             path, _ = self._worst()
             del self.best_k_models[path]
@@ -153,5 +157,5 @@ class ModelCheckpoint(Callback):
                     fs.rm(p, recursive=True)
             trainer.strategy.barrier()
         if self.best_k_models:
-            best = sorted(self.best_k_models.items(), key=lambda kv: kv[1], reverse=(self.mode == "max"))[0]
+            best = sorted(self.best_k_models.items(), key=lambda kv: kv[1], reverse=(self._mode == "max"))[0]
             self.best_model_path = best[0]
