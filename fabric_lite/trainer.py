@@ -101,6 +101,7 @@ class Trainer:
             enable_checkpointing = False
         if deterministic:
             torch.use_deterministic_algorithms(True)
+        _relaunch_if_needed(devices, num_nodes)
         self.accelerator = Accelerator(
             strategy=strategy, devices=None if devices == "auto" else devices, mixed_precision=str(precision),
             accelerator=accelerator,
@@ -321,6 +322,32 @@ class Trainer:
                 return  # nothing saved yet: a fresh start, as Lightning does
             ckpt_path = found
         self.accelerator.load_state(ckpt_path)
+
+
+def _relaunch_if_needed(devices: Union[int, str], num_nodes: int) -> None:
+    """`Trainer(devices=N)` in a script started with plain `python train.py`: start the script again
+    under torch's elastic launcher on N processes (this process waits for them and exits with their code)."""
+    import sys
+
+    from fabric_lite.environments import detect_process
+
+    if not isinstance(devices, int) or devices <= 1 or detect_process().is_distributed:
+        return
+    main = sys.modules.get("__main__")
+    script = getattr(main, "__file__", None)
+    if script is None or not script.endswith(".py") or os.path.basename(sys.argv[0]) != os.path.basename(script):
+        raise RuntimeError(
+            f"Trainer(devices={devices}) needs {devices} processes, and this process was not started from a script "
+            f"it can start again (a notebook or an interactive session). Use notebook_launcher(fn, "
+            f"num_processes={devices}), or run `fabric-lite launch --nproc-per-node {devices} train.py`."
+        )
+    import subprocess
+
+    from fabric_lite.launch import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(devices), "--nnodes", str(num_nodes),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), script, *sys.argv[1:]]
+    raise SystemExit(subprocess.call(cmd))
 
 
 def _as_list(loaders: Any) -> List[Any]:

@@ -83,3 +83,30 @@ def test_trainer_example_writes_logs_and_checkpoints_and_resumes(tmp_path):
     second = run_command([sys.executable, "examples/trainer_digits.py", "--epochs", "3", "--root", str(root)], timeout=120)
     assert second.returncode == 0, second.stderr[-4000:]
     assert "after 141 steps" in second.stdout
+
+
+def test_trainer_with_devices_2_starts_its_own_processes(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent('''
+        import torch, torch.nn.functional as F
+        from torch.utils.data import DataLoader, TensorDataset
+        from fabric_lite import Trainer, TrainModule
+
+        class M(TrainModule):
+            def __init__(self):
+                super().__init__()
+                self.layer = torch.nn.Linear(4, 2)
+            def training_step(self, batch, batch_idx):
+                x, y = batch
+                return F.cross_entropy(self.layer(x), y)
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), 0.1)
+
+        trainer = Trainer(max_epochs=1, devices=2, accelerator="cpu", strategy="ddp",
+                          enable_progress_bar=False, enable_checkpointing=False)
+        trainer.fit(M(), DataLoader(TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,))), batch_size=4))
+        print(f"RANK {trainer.strategy.global_rank} OF {trainer.world_size} STEPS {trainer.global_step}")
+    '''))
+    proc = run_command([sys.executable, str(script)], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert sorted(l for l in proc.stdout.splitlines() if l.startswith("RANK")) == ["RANK 0 OF 2 STEPS 4", "RANK 1 OF 2 STEPS 4"]
