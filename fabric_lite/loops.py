@@ -76,6 +76,8 @@ def run_fit(trainer: "Trainer") -> None:
         for loader in trainer._val_loaders:
             run_evaluation(trainer, "validate", loader, limit=trainer.num_sanity_val_steps, log=False)
         trainer.sanity_checking = False
+        trainer._metrics.callback_metrics.clear()
+        trainer._metrics.progress_bar_metrics.clear()
     for cb in trainer.callbacks:
         cb.on_hyperparameters(trainer, dict(module.hparams))
     trainer._call("on_train_start")
@@ -101,7 +103,9 @@ def _should_validate_in_epoch(trainer: "Trainer", batch_idx: int, limit: Optiona
         every = max(1, int(limit * interval))
     else:
         every = interval
-    return (batch_idx + 1) % every == 0 and (limit is None or batch_idx + 1 < limit)
+    # a fraction never fires on the last batch: the end-of-epoch validation covers it
+    last = limit is not None and batch_idx + 1 >= limit
+    return (batch_idx + 1) % every == 0 and not (last and isinstance(interval, float))
 
 
 def _train_epoch(trainer: "Trainer") -> None:
@@ -115,6 +119,7 @@ def _train_epoch(trainer: "Trainer") -> None:
     trainer._call("on_train_epoch_start")
     start = loader.state_dict()["batches_seen"] if loader.state_dict()["epoch"] == trainer.current_epoch else 0
     batch_idx = start - 1
+    cut_short = False
     for batch_idx, batch in enumerate(loader, start=start):
         if limit is not None and batch_idx >= limit:
             break
@@ -123,6 +128,7 @@ def _train_epoch(trainer: "Trainer") -> None:
         for cb in trainer.callbacks:
             cb.on_train_batch_start(trainer, module, batch, batch_idx)
         metrics.batch_size = _batch_size(batch)
+        steps_before = trainer.global_step
         if module.automatic_optimization:
             window_start = batch_idx - batch_idx % accumulate
             window = accumulate if limit is None else min(accumulate, limit - window_start)
@@ -137,9 +143,9 @@ def _train_epoch(trainer: "Trainer") -> None:
             if last_micro:
                 _optimizer_step(trainer)
         else:
-            out = model(batch, batch_idx)
-            trainer.global_step += 1
-        if trainer.global_step % trainer.log_every_n_steps == 0 or batch_idx + 1 == limit:
+            out = model(batch, batch_idx)  # optimizer steps count themselves (Trainer._count_manual_steps)
+        if trainer.global_step != steps_before and (trainer.global_step % trainer.log_every_n_steps == 0
+                                                    or batch_idx + 1 == limit):
             _flush_step_metrics(trainer)
         module.on_train_batch_end(out, batch, batch_idx)
         for cb in trainer.callbacks:
@@ -149,18 +155,21 @@ def _train_epoch(trainer: "Trainer") -> None:
         if 0 <= trainer.max_steps <= trainer.global_step or trainer._time_is_up():
             trainer.should_stop = True
         if trainer.should_stop:
+            cut_short = limit is None or batch_idx + 1 < limit
             break
+    else:
+        cut_short = False
     trainer._epoch_finished = True
-    for sched in trainer._schedulers:
-        if sched.interval == "epoch" and (trainer.current_epoch + 1) % sched.frequency == 0:
-            _step_scheduler(trainer, sched)
     if trainer._val_loaders and (trainer.current_epoch + 1) % trainer.check_val_every_n_epoch == 0 \
-            and not isinstance(trainer.val_check_interval, int) and not trainer.should_stop:
+            and not isinstance(trainer.val_check_interval, int) and not cut_short:
         _validate(trainer)
     metrics.stage = "train"
     metrics.in_epoch_end_hook = True
     module.on_train_epoch_end()
     trainer.log_metrics(metrics.epoch_end(), trainer.global_step)
+    for sched in trainer._schedulers:  # after validation, so a monitored val metric is this epoch's
+        if sched.interval == "epoch" and (trainer.current_epoch + 1) % sched.frequency == 0:
+            _step_scheduler(trainer, sched)
     for cb in trainer.callbacks:
         cb.on_train_epoch_end(trainer, module)
     metrics.in_epoch_end_hook = False
@@ -217,6 +226,9 @@ def run_evaluation(trainer: "Trainer", stage: str, loader: Any, limit: Optional[
     saved_stage = metrics.stage
     metrics.reset_stage(stage)
     module.eval()
+    if hook == "validation":
+        for cb in trainer.callbacks:
+            cb.on_validation_start(trainer, module)
     trainer._call(f"on_{hook}_epoch_start")
     with torch.no_grad():
         for batch_idx, batch in enumerate(loader):
@@ -234,6 +246,9 @@ def run_evaluation(trainer: "Trainer", stage: str, loader: Any, limit: Optional[
         trainer.log_metrics(values, trainer.global_step)
         for cb in trainer.callbacks:
             getattr(cb, f"on_{hook}_epoch_end")(trainer, module)
+    if hook == "validation":
+        for cb in trainer.callbacks:
+            cb.on_validation_end(trainer, module)
     metrics.stage = saved_stage
     return {k: float(v) for k, v in values.items()}
 

@@ -128,7 +128,20 @@ class TrainModule(nn.Module):
         caller = frame.f_back if frame is not None else None
         if caller is None:
             return
-        args = {k: v for k, v in caller.f_locals.items() if k not in ("self", "__class__") and not k.startswith("_")}
+        code = caller.f_code
+        n = code.co_argcount + code.co_kwonlyargcount
+        params = list(code.co_varnames[:n])
+        if code.co_flags & inspect.CO_VARKEYWORDS:
+            params.append(code.co_varnames[n + (1 if code.co_flags & inspect.CO_VARARGS else 0)])
+        local = caller.f_locals
+        args = {}
+        for p in params:
+            if p in ("self", "__class__") or p not in local:
+                continue
+            if code.co_flags & inspect.CO_VARKEYWORDS and p == params[-1] and isinstance(local[p], dict):
+                args.update(local[p])  # **kwargs are recorded by their own names
+            else:
+                args[p] = local[p]
         if names:
             args = {k: v for k, v in args.items() if k in names}
         self.hparams.update({k: v for k, v in args.items() if k not in set(ignore)})

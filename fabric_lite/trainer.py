@@ -205,6 +205,9 @@ class Trainer:
         for cb in self.callbacks:
             getattr(cb, hook)(self, self.module, *args)
 
+    def _count_manual_step(self, *_: Any) -> None:
+        self.global_step += 1
+
     def _backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         self.strategy.backward(loss, self.model, **kwargs)
 
@@ -225,6 +228,9 @@ class Trainer:
         self._optimizers, self._schedulers = parse_optimizers(module.configure_optimizers(), self.accelerator)
         for sched in self._schedulers:
             self.accelerator.register_for_checkpointing(sched.scheduler)
+        if not module.automatic_optimization:
+            for opt in self._optimizers:  # global_step counts optimizer steps, which the module takes itself
+                opt.optimizer.register_step_post_hook(self._count_manual_step)
         self._train_loader = self.accelerator.prepare_data_loader(train)
         self._val_loaders = [self._prepare_eval_loader(v) for v in _as_list(val)]
         self.accelerator.register_for_checkpointing(_TrainerState(self))

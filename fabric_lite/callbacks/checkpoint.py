@@ -47,9 +47,11 @@ class ModelCheckpoint(Callback):
 
     def state_dict(self) -> Dict[str, Any]:
         return {"best_k_models": dict(self.best_k_models), "best_model_path": self.best_model_path,
-                "last_model_path": self.last_model_path}
+                "last_model_path": self.last_model_path, "dirpath": self.dirpath}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if state.get("dirpath") != self.dirpath:
+            return  # a run resumed into another directory must not prune the old run's checkpoints
         self.best_k_models = dict(state.get("best_k_models", {}))
         self.best_model_path = state.get("best_model_path", "")
         self.last_model_path = state.get("last_model_path", "")
