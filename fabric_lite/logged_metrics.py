@@ -74,9 +74,7 @@ class MetricStore:
                 entry.last = cached.detach()
             return
         tensor = self._as_tensor(name, value)
-        if on_step and sync_dist:
-            tensor = self.strategy.all_reduce(tensor, "mean" if reduce_fx == "mean" else reduce_fx)
-        entry.last = tensor
+        entry.last = tensor  # a synced step value is reduced when it is written (flush_step), by every rank at once
         if on_epoch:
             weight = float(batch_size or self.batch_size or 1) if reduce_fx == "mean" else 1.0
             if entry.total is None:
@@ -119,11 +117,21 @@ class MetricStore:
                     self.progress_bar_metrics[step_name] = entry.last
         return out
 
-    def loggable_step_values(self) -> Dict[str, torch.Tensor]:
+    def flush_step(self) -> Dict[str, torch.Tensor]:
+        """The step values to write now; every process calls it at the same step, so synced ones are
+        reduced here (one collective per name), after checking every process logged the same names."""
         prefix = f"{self.stage}\0"
-        names = {self._names(e, k[len(prefix):])[0] for k, e in self._entries.items()
-                 if k.startswith(prefix) and e.on_step and e.logger}
-        return {k: v for k, v in self.step_values().items() if k in names}
+        mine = [(k[len(prefix):], e) for k, e in self._entries.items()
+                if k.startswith(prefix) and e.on_step and e.last is not None]
+        synced = [(n, e) for n, e in mine if e.sync_dist and e.metric is None]
+        self._check_same_sync_keys([n for n, _ in synced], "per-step ")
+        for _, entry in synced:
+            if self.strategy.world_size > 1:
+                op = entry.reduce_fx if entry.reduce_fx in ("max", "min") else ("sum" if entry.reduce_fx == "sum" else "mean")
+                entry.last = self.strategy.all_reduce(entry.last, op)
+        values = self.step_values()
+        names = {self._names(e, n)[0] for n, e in mine if e.logger}
+        return {k: v for k, v in values.items() if k in names}
 
     def epoch_end(self) -> Dict[str, torch.Tensor]:
         """Reduce this stage's epoch values (syncing where asked), reset them, return the loggable ones."""
@@ -154,13 +162,13 @@ class MetricStore:
                 loggable[epoch_name] = value
         return loggable
 
-    def _check_same_sync_keys(self, names: List[str]) -> None:
+    def _check_same_sync_keys(self, names: List[str], kind: str = "") -> None:
         if self.strategy.world_size == 1:
             return
         everyone = self.strategy.all_gather_object(sorted(names))
         if any(keys != everyone[0] for keys in everyone):
             detail = "; ".join(f"rank {r}: {keys}" for r, keys in enumerate(everyone))
             raise RuntimeError(
-                f"self.log(..., sync_dist=True) was called for different names on different processes in stage "
-                f"{self.stage!r} ({detail}). Every process must log the same synced names, or a collective would hang."
+                f"self.log(..., sync_dist=True) was called for different {kind}names on different processes in "
+                f"stage {self.stage!r} ({detail}). Every process must log the same synced names, or a collective would hang."
             )

@@ -61,7 +61,7 @@ def _extract_loss(out: Any, batch_idx: int) -> torch.Tensor:
 
 
 def _flush_step_metrics(trainer: "Trainer") -> None:
-    values = trainer._metrics.loggable_step_values()
+    values = trainer._metrics.flush_step()
     if values:
         trainer.log_metrics(values, trainer.global_step)
 

@@ -115,13 +115,29 @@ class ModelCheckpoint(Callback):
             )
         return float(trainer.callback_metrics[self.monitor])
 
+    def _decide(self, trainer: "Trainer") -> Tuple[Optional[float], str]:
+        """The monitored value and the file name, from rank 0 for every rank: saving is collective, so
+        every process must make the same decision and write into the same checkpoint."""
+        if trainer.world_size == 1:
+            return self._current(trainer), self._format(trainer)
+        result: Any = None
+        if trainer.is_global_zero:
+            try:
+                result = ("ok", (self._current(trainer), self._format(trainer)))
+            except KeyError as err:
+                result = ("error", err.args[0])
+        result = trainer.strategy.broadcast_object(result)
+        if result[0] == "error":
+            raise KeyError(result[1])
+        return result[1]
+
     def _save(self, trainer: "Trainer") -> None:
         if trainer.sanity_checking or trainer.fast_dev_run:
             return
-        current = self._current(trainer)
+        current, filename = self._decide(trainer)
         base = self.dirpath.rstrip("/")
         if self.save_top_k != 0:
-            path = f"{base}/{self._format(trainer)}"
+            path = f"{base}/{filename}"
             if self.monitor is None or self.save_top_k == -1 or self._is_top_k(current):
                 trainer.save_checkpoint(path)
                 self.best_k_models[path] = current if current is not None else float(trainer.global_step)
