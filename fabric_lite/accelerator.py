@@ -27,6 +27,7 @@ from fabric_lite.connector import connect
 from fabric_lite.data import DataLoaderShard, GradientState, shard_dataloader, skip_first_batches
 from fabric_lite.environments import detect_process, read_launch_settings
 from fabric_lite.optim import AcceleratedOptimizer, AcceleratedScheduler
+from fabric_lite.process_control import ProcessControl
 from fabric_lite.strategies import Strategy
 from fabric_lite.tracking import GeneralTracker, make_trackers
 
@@ -56,7 +57,7 @@ def _is_scheduler(obj: Any) -> bool:
     )
 
 
-class Accelerator:
+class Accelerator(ProcessControl):
     """Run a hand-written training loop on any device, any number of processes, any precision.
 
     >>> accelerator = Accelerator(mixed_precision="bf16")
@@ -419,148 +420,7 @@ class Accelerator:
         self.unscale_gradients()
         self.strategy.clip_gradients_value(list(parameters), None, clip_value)
 
-    # -- collectives -------------------------------------------------------------------------------
-    def gather(self, tensor: Any) -> Any:
-        """Concatenate tensors (or nested structures of tensors) from all processes along dim 0."""
-        return tree_map(self.strategy.all_gather, tensor, _reject_non_tensor("gather"))
-
-    def gather_object(self, obj: Any) -> List[Any]:
-        """Gather picklable objects; lists from each process are concatenated."""
-        parts = self.strategy.all_gather_object(obj)
-        if all(isinstance(p, (list, tuple)) for p in parts):
-            return [x for p in parts for x in p]
-        return parts
-
-    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        """Gather for evaluation, dropping the samples that even-batch padding repeated at the end."""
-        leaves: List[bool] = []
-        tree_map(lambda t: leaves.append(True) or t, input_data, lambda o: leaves.append(False) or o)
-        if use_gather_object or not all(leaves):
-            data = self.gather_object(input_data)
-        else:
-            data = self.gather(input_data)
-        state = self.gradient_state
-        if state.end_of_dataloader and state.remainder > 0:
-            if isinstance(data, list):
-                return data[: state.remainder]
-            return tree_map(lambda t: t[: state.remainder], data)
-        return data
-
-    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
-        """All-reduce tensors across processes with "sum", "mean" or "none"."""
-        if reduction == "none":
-            return tensor
-
-        def one(t: torch.Tensor) -> torch.Tensor:
-            out = self.strategy.all_reduce(t, reduction)
-            return out * scale if scale != 1.0 else out
-
-        return tree_map(one, tensor, _reject_non_tensor("reduce"))
-
-    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
-        """Pad each tensor along `dim` to the largest size any process has, so it can be gathered."""
-
-        def one(t: torch.Tensor) -> torch.Tensor:
-            if t.dim() == 0 or not -t.dim() <= dim < t.dim():
-                return t
-            d = dim % t.dim()
-            sizes = self.strategy.all_gather(torch.tensor([t.shape[d]], device=t.device))
-            longest = int(sizes.max())
-            if longest == t.shape[d]:
-                return t
-            shape = list(t.shape)
-            shape[d] = longest
-            out = t.new_full(shape, pad_index)
-            index = slice(longest - t.shape[d], longest) if pad_first else slice(0, t.shape[d])
-            out[(slice(None),) * d + (index,)] = t
-            return out
-
-        return tree_map(one, tensor)
-
-    def broadcast(self, tensor: Any, from_process: int = 0) -> Any:
-        return tree_map(lambda t: self.strategy.broadcast(t, from_process), tensor, _reject_non_tensor("broadcast"))
-
-    def wait_for_everyone(self) -> None:
-        self.strategy.barrier()
-
-    @contextlib.contextmanager
-    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
-        """Give each process its contiguous share of a list, tuple, tensor or dict of those."""
-        yield _split(inputs, self.num_processes, self.process_index, apply_padding)
-
-    @contextlib.contextmanager
-    def main_process_first(self) -> Iterator[None]:
-        """The main process runs the block first (e.g. to download or cache), then the others."""
-        with self._first(self.is_main_process):
-            yield
-
-    @contextlib.contextmanager
-    def local_main_process_first(self) -> Iterator[None]:
-        with self._first(self.is_local_main_process):
-            yield
-
-    @contextlib.contextmanager
-    def _first(self, leader: bool) -> Iterator[None]:
-        if not leader:
-            self.wait_for_everyone()
-        yield
-        if leader:
-            self.wait_for_everyone()
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """print() on the local main process only."""
-        if self.is_local_main_process:
-            print(*args, **kwargs)
-
-    def on_main_process(self, function: Callable) -> Callable:
-        @functools.wraps(function)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return function(*args, **kwargs) if self.is_main_process else None
-
-        return wrapper
-
-    def on_process(self, function: Optional[Callable] = None, process_index: Optional[int] = None) -> Callable:
-        """Decorator: run only on global process `process_index`."""
-        if function is None:
-            return functools.partial(self.on_process, process_index=process_index)
-
-        @functools.wraps(function)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return function(*args, **kwargs) if self.process_index == process_index else None
-
-        return wrapper
-
-    def on_last_process(self, function: Callable) -> Callable:
-        return self.on_process(function, process_index=self.num_processes - 1)
-
-    def set_trigger(self) -> None:
-        """Raise a flag on this process that `check_trigger` will see on every process (e.g. early stop)."""
-        self._trigger.fill_(1)
-
-    def check_trigger(self) -> bool:
-        """True on every process if any process called `set_trigger` since the last check (one all-reduce)."""
-        raised = bool(self.strategy.all_reduce(self._trigger, "sum").item() > 0)
-        if raised:
-            self._trigger.zero_()
-        return raised
-
-    @contextlib.contextmanager
-    def join_uneven_inputs(self, joinables: Sequence[Any], even_batches: Optional[bool] = None) -> Iterator[None]:
-        """Let processes with fewer batches finish without hanging (torch's Join), for even_batches=False."""
-        if self.num_processes == 1 or not all(hasattr(j, "join_hook") for j in joinables):
-            yield
-            return
-        from torch.distributed.algorithms.join import Join
-
-        saved = self.dataloader_config.even_batches
-        if even_batches is not None:
-            self.dataloader_config.even_batches = even_batches
-        try:
-            with Join(list(joinables)):
-                yield
-        finally:
-            self.dataloader_config.even_batches = saved
-
+    # -- checkpoint hooks ---------------------------------------------------------------------------
     def register_save_state_pre_hook(self, hook: Callable) -> Any:
         """`hook(models, weights, output_dir)` runs before `save_state` writes; weights may be edited."""
         return _HookHandle(self._save_state_pre_hooks, hook)
@@ -572,13 +432,6 @@ class Accelerator:
     @property
     def native_amp(self) -> bool:
         return self.strategy.precision.is_mixed
-
-    def on_local_main_process(self, function: Callable) -> Callable:
-        @functools.wraps(function)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return function(*args, **kwargs) if self.is_local_main_process else None
-
-        return wrapper
 
     # -- models and checkpoints --------------------------------------------------------------------
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True) -> nn.Module:
@@ -720,29 +573,3 @@ class _PrecisionForward:
             del module.forward
             if wrapper.previous is not None:
                 module.forward = wrapper.previous
-
-
-def _reject_non_tensor(verb: str) -> Callable[[Any], Any]:
-    def reject(obj: Any) -> Any:
-        if obj is None or isinstance(obj, (int, float, bool, str)):
-            raise TypeError(
-                f"{verb}() works on tensors (or nested lists/dicts of tensors), got {type(obj).__name__}. "
-                f"Wrap numbers in torch.tensor(...) or use gather_object() for Python objects."
-            )
-        return obj
-
-    return reject
-
-
-def _split(inputs: Any, world: int, rank: int, apply_padding: bool) -> Any:
-    if isinstance(inputs, dict):
-        return {k: _split(v, world, rank, apply_padding) for k, v in inputs.items()}
-    n = len(inputs)
-    per, extra = divmod(n, world)
-    start = rank * per + min(rank, extra)
-    end = start + per + (1 if rank < extra else 0)
-    part = inputs[start:end]
-    if apply_padding and extra and len(part) < per + 1 and n:
-        last = inputs[-1:]
-        part = torch.cat([part, last]) if isinstance(part, torch.Tensor) else part + type(part)(last)
-    return part

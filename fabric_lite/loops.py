@@ -6,7 +6,6 @@ only decide *when* things happen.
 
 from __future__ import annotations
 
-import math
 import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 

@@ -11,7 +11,7 @@ import difflib
 import inspect
 import os
 import time
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import nn

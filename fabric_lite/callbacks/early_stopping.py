@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any, Dict
 
-import torch
 
 from fabric_lite.callbacks.base import Callback
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
+import weakref
 import contextlib
 import sys
 from typing import Any, ClassVar, ContextManager, Optional, Tuple
 
-import torch
 from torch import nn
 
 from fabric_lite.strategies.base import Strategy
@@ -16,6 +17,11 @@ from fabric_lite.strategies.base import Strategy
 __all__ = ["DDPStrategy"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+
+# DDP wrappers made by any DDPStrategy in this process. Only used at interpreter exit: a wrapper
+# still referenced by the script's globals keeps its reducer, and through it the gloo process group,
+# alive into interpreter finalization, where tearing the group down can abort the process.
+_WRAPPERS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
 class DDPStrategy(Strategy):
@@ -91,7 +97,9 @@ class DDPStrategy(Strategy):
         if self.world_size == 1 or not any(p.requires_grad for p in module.parameters()):
             return module
         device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
-        return DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
+        wrapped = DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
+        _WRAPPERS.add(wrapped)
+        return wrapped
 
     def unwrap_module(self, module: nn.Module) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel
@@ -106,15 +114,18 @@ class DDPStrategy(Strategy):
     def _teardown_at_exit(self) -> None:
         import torch.distributed as dist
 
-        if getattr(sys, "last_value", None) is not None:  # the script died of an exception: don't wait
-            self.teardown()
-            return
-        if self._owns_process_group and dist.is_initialized():
+        died = getattr(sys, "last_value", None) is not None  # the script died of an exception: don't wait
+        if not died and self._owns_process_group and dist.is_initialized():
             try:  # leave together: a rank that tears down alone makes its peers' gloo threads abort
                 dist.barrier()
             except Exception:  # a peer is already gone; nothing left to wait for
                 pass
         self.teardown()
+        for wrapper in list(_WRAPPERS):  # release the group now, not during interpreter finalization
+            wrapper.__dict__.pop("reducer", None)
+            wrapper.__dict__.pop("logger", None)
+            wrapper.__dict__["process_group"] = None
+        gc.collect()
 
     @contextlib.contextmanager
     def force_backward_sync(self, module: nn.Module):  # type: ignore[override]
