@@ -224,6 +224,9 @@ class Trainer:
         train, val = self._loaders(module, datamodule, "fit", train_dataloaders, val_dataloaders)
         if train is None:
             raise ValueError("fit() needs train_dataloaders, or a datamodule with train_dataloader().")
+        # A second fit() on this Trainer starts from clean registrations (no duplicate checkpoint entries).
+        self.accelerator.free_memory()
+        self.accelerator._custom_objects.clear()
         self._attach(module)
         self._optimizers, self._schedulers = parse_optimizers(module.configure_optimizers(), self.accelerator)
         for sched in self._schedulers:

@@ -1071,3 +1071,14 @@ def test_hparams_json_for_loggers(tmp_path):
 
     make_trainer(tmp_path, [Params()], max_epochs=1).fit(WithHparams(hidden=5), loader(regression_data(n=8)))
     assert Params.got == {"hidden": 5, "lr": 0.1, "name": "mlp"}
+
+
+def test_fit_twice_on_one_trainer_keeps_one_set_of_checkpoint_entries(tmp_path):
+    trainer = make_trainer(tmp_path, max_epochs=1, enable_checkpointing=False)
+    module = Regressor()
+    trainer.fit(module, loader(regression_data()))
+    trainer.fit(module, loader(regression_data()))
+    trainer.save_checkpoint(str(tmp_path / "ck"))
+    files = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    assert [f for f in files if f.startswith("model_")] == ["model_0.pt"]
+    assert [f for f in files if f.startswith("custom_")] == ["custom_0.pt"]

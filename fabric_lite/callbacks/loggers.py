@@ -33,21 +33,28 @@ def _version_dir(root: str, name: str, version: Optional[int]) -> str:
     return f"{base}/version_{version}"
 
 
-class TensorBoardLogger(Callback):
-    """Scalars at every `log_every_n_steps` and epoch end, hyperparameters as text, under save_dir/name/version_N."""
+class _VersionedLogger(Callback):
+    """A logger writing under save_dir/name/version_N, N chosen by rank 0 (the next free one)."""
 
-    def __init__(self, save_dir: str = "runs", name: str = "", version: Optional[int] = None, **writer_kwargs: Any):
+    def __init__(self, save_dir: str = "runs", name: str = "", version: Optional[int] = None) -> None:
         self.save_dir, self.name, self.version = os.fspath(save_dir), name, version
-        self.writer_kwargs = writer_kwargs
         self.log_dir: Optional[str] = None
-        self._writer: Any = None
 
     def setup(self, trainer: "Trainer", module: "TrainModule", stage: str) -> None:
         if self.log_dir is None:
-            version = trainer.strategy.broadcast_object(self.version if self.version is not None else
-                                                        int(_version_dir(self.save_dir, self.name, None).rsplit("_", 1)[-1])
-                                                        if trainer.is_global_zero else None)
-            self.log_dir = _version_dir(self.save_dir, self.name, version)
+            version = self.version
+            if version is None and trainer.is_global_zero:
+                version = int(_version_dir(self.save_dir, self.name, None).rsplit("_", 1)[-1])
+            self.log_dir = _version_dir(self.save_dir, self.name, trainer.strategy.broadcast_object(version))
+
+
+class TensorBoardLogger(_VersionedLogger):
+    """Scalars at every `log_every_n_steps` and epoch end, hyperparameters as text, under save_dir/name/version_N."""
+
+    def __init__(self, save_dir: str = "runs", name: str = "", version: Optional[int] = None, **writer_kwargs: Any):
+        super().__init__(save_dir, name, version)
+        self.writer_kwargs = writer_kwargs
+        self._writer: Any = None
 
     @property
     def writer(self) -> Any:
@@ -78,20 +85,12 @@ class TensorBoardLogger(Callback):
             self._writer = None
 
 
-class CSVLogger(Callback):
+class CSVLogger(_VersionedLogger):
     """Rows of `step` plus every metric logged at that step, in save_dir/name/version_N/metrics.csv."""
 
     def __init__(self, save_dir: str = "runs", name: str = "", version: Optional[int] = None):
-        self.save_dir, self.name, self.version = os.fspath(save_dir), name, version
-        self.log_dir: Optional[str] = None
+        super().__init__(save_dir, name, version)
         self.rows: List[Dict[str, Any]] = []
-
-    def setup(self, trainer: "Trainer", module: "TrainModule", stage: str) -> None:
-        if self.log_dir is None:
-            version = trainer.strategy.broadcast_object(self.version if self.version is not None else
-                                                        int(_version_dir(self.save_dir, self.name, None).rsplit("_", 1)[-1])
-                                                        if trainer.is_global_zero else None)
-            self.log_dir = _version_dir(self.save_dir, self.name, version)
 
     def on_log(self, trainer: "Trainer", metrics: Dict[str, float], step: int) -> None:
         if trainer.is_global_zero:
