@@ -25,6 +25,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/import_time.py
+	$(BIN)/python benchmarks/trainer_overhead.py
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info
