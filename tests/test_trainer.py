@@ -1082,3 +1082,18 @@ def test_fit_twice_on_one_trainer_keeps_one_set_of_checkpoint_entries(tmp_path):
     files = sorted(p.name for p in (tmp_path / "ck").iterdir())
     assert [f for f in files if f.startswith("model_")] == ["model_0.pt"]
     assert [f for f in files if f.startswith("custom_")] == ["custom_0.pt"]
+
+
+def test_throughput_monitor_reports_rates_at_each_log_step(tmp_path):
+    from fabric_lite.callbacks import ThroughputMonitor
+
+    rec = Recorder()
+    trainer = make_trainer(tmp_path, [ThroughputMonitor(flops_per_batch=1000.0), rec], max_epochs=1,
+                           log_every_n_steps=5)
+    trainer.fit(Regressor(), loader(regression_data(n=40)))  # 10 steps of batch 4
+    reports = [(step, m) for step, m in rec.logs if "throughput/samples_per_sec" in m]
+    assert [step for step, _ in reports] == [5, 10]
+    for _, m in reports:
+        assert m["throughput/samples_per_sec"] == pytest.approx(4 * m["throughput/batches_per_sec"])
+        assert m["throughput/flops_per_sec"] == pytest.approx(1000.0 * m["throughput/batches_per_sec"])
+        assert "throughput/mfu" not in m  # no known peak for a CPU

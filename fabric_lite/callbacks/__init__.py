@@ -6,6 +6,7 @@ from fabric_lite.callbacks.early_stopping import EarlyStopping
 from fabric_lite.callbacks.loggers import CSVLogger, TensorBoardLogger
 from fabric_lite.callbacks.lr_monitor import LearningRateMonitor
 from fabric_lite.callbacks.progress import ProgressBar
+from fabric_lite.callbacks.throughput import ThroughputMonitor
 
 __all__ = ["Callback", "ModelCheckpoint", "EarlyStopping", "TensorBoardLogger", "CSVLogger",
-           "LearningRateMonitor", "ProgressBar"]
+           "LearningRateMonitor", "ProgressBar", "ThroughputMonitor"]
