@@ -158,6 +158,10 @@ def _train_epoch(trainer: "Trainer") -> None:
             break
     else:
         cut_short = False
+    if not cut_short:
+        # A batch limit ends the epoch before the loader runs out: move the loader on too, so a
+        # checkpoint taken now resumes at the next epoch's first batch.
+        loader.set_epoch(trainer.current_epoch + 1)
     trainer._epoch_finished = True
     if trainer._val_loaders and (trainer.current_epoch + 1) % trainer.check_val_every_n_epoch == 0 \
             and not isinstance(trainer.val_check_interval, int) and not cut_short:

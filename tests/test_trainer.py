@@ -1097,3 +1097,17 @@ def test_throughput_monitor_reports_rates_at_each_log_step(tmp_path):
         assert m["throughput/samples_per_sec"] == pytest.approx(4 * m["throughput/batches_per_sec"])
         assert m["throughput/flops_per_sec"] == pytest.approx(1000.0 * m["throughput/batches_per_sec"])
         assert "throughput/mfu" not in m  # no known peak for a CPU
+
+
+def test_resume_after_a_batch_limited_epoch_starts_the_next_epoch(tmp_path):
+    def run(root, epochs, ckpt_path=None):
+        set_seed(0)
+        module = Dropout()
+        trainer = make_trainer(root, max_epochs=epochs, limit_train_batches=3, enable_checkpointing=True)
+        trainer.fit(module, loader(regression_data(n=40), batch_size=4, shuffle=True, seed=3), ckpt_path=ckpt_path)
+        return module
+
+    straight = run(tmp_path / "a", 3)
+    run(tmp_path / "b", 2)
+    resumed = run(tmp_path / "b", 3, ckpt_path="last")
+    assert torch.equal(weights(resumed), weights(straight))
