@@ -177,7 +177,8 @@ def _train_epoch(trainer: "Trainer") -> None:
         cb.on_train_epoch_end(trainer, module)
     metrics.in_epoch_end_hook = False
     # every process must agree to stop, or one would wait in a collective the others never reach
-    trainer.should_stop = bool(strategy.all_reduce(torch.tensor(float(trainer.should_stop)), "max").item())
+    flag = torch.tensor(float(trainer.should_stop), device=trainer.device)  # nccl reduces device tensors only
+    trainer.should_stop = bool(strategy.all_reduce(flag, "max").item())
 
 
 def _optimizer_step(trainer: "Trainer") -> None:
