@@ -303,7 +303,8 @@ class Trainer:
             if self.is_global_zero:
                 datamodule.prepare_data()
         datamodule.setup(stage)
-        module.hparams.setdefault("datamodule", dict(datamodule.hparams)) if datamodule.hparams else None
+        if datamodule.hparams:
+            module.hparams.setdefault("datamodule", dict(datamodule.hparams))
         if stage == "fit":
             return datamodule.train_dataloader(), datamodule.val_dataloader()
         name = {"validate": "val_dataloader", "test": "test_dataloader", "predict": "predict_dataloader"}[stage]
