@@ -112,3 +112,14 @@ def test_trainer_with_devices_2_starts_its_own_processes(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     # two processes share the pipe, so their lines may interleave: look for both reports anywhere
     assert sorted(re.findall(r"RANK (\d) OF 2 STEPS 4", proc.stdout)) == ["0", "1"]
+
+
+def test_trainer_example_on_two_processes_in_bf16(tmp_path):
+    proc = run_command([sys.executable, "-m", "fabric_lite.cli", "launch", "--nproc-per-node", "2", "--master-port",
+                        str(free_port()), "examples/trainer_digits.py", "--epochs", "2", "--precision", "bf16-mixed",
+                        "--root", str(tmp_path)], timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "after 48 steps" in proc.stdout  # 1500 samples, 2 processes x batch 32: 24 steps an epoch
+    accuracy = float(proc.stdout.split("val/acc ")[1].split()[0])
+    assert accuracy > 0.8
+    assert list((tmp_path / "logs" / "version_0").glob("events.out.tfevents.*"))
