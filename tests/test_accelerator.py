@@ -22,16 +22,6 @@ from fabric_lite import (
 )
 from fabric_lite.checkpoint_io import CheckpointError
 
-_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "FABRIC_LITE_MIXED_PRECISION",
-        "FABRIC_LITE_GRADIENT_ACCUMULATION_STEPS", "FABRIC_LITE_USE_CPU")
-
-
-@pytest.fixture(autouse=True)
-def _lone_process(monkeypatch):
-    for name in _ENV:
-        monkeypatch.delenv(name, raising=False)
-
-
 def _regression_data(n=64, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 4, generator=g)

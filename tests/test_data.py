@@ -15,16 +15,6 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sequenti
 from fabric_lite import Accelerator, set_seed, skip_first_batches
 from fabric_lite.data import IterableDatasetShard, ShardedBatchSampler
 
-_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "FABRIC_LITE_MIXED_PRECISION",
-        "FABRIC_LITE_GRADIENT_ACCUMULATION_STEPS", "FABRIC_LITE_USE_CPU")
-
-
-@pytest.fixture(autouse=True)
-def _lone_process(monkeypatch):
-    for name in _ENV:
-        monkeypatch.delenv(name, raising=False)
-
-
 def _order(n: int, seed: int = 0) -> list:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
 

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from conftest import ROOT, free_port, run_command
+from conftest import free_port, run_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -12,16 +12,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from fabric_lite import Accelerator, GradScalerKwargs, set_seed
 from fabric_lite.precision import PRECISION_ALIASES, Precision, resolve_precision
 
-_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "FABRIC_LITE_MIXED_PRECISION",
-        "FABRIC_LITE_GRADIENT_ACCUMULATION_STEPS", "FABRIC_LITE_USE_CPU")
-
-
-@pytest.fixture(autouse=True)
-def _lone_process(monkeypatch):
-    for name in _ENV:
-        monkeypatch.delenv(name, raising=False)
-
-
 class Probe(nn.Module):
     """Records the dtype its inner Linear computed in."""
 

@@ -24,16 +24,6 @@ from fabric_lite.callbacks import (
     Callback, CSVLogger, EarlyStopping, LearningRateMonitor, ModelCheckpoint, TensorBoardLogger,
 )
 
-_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "FABRIC_LITE_MIXED_PRECISION",
-        "FABRIC_LITE_GRADIENT_ACCUMULATION_STEPS", "FABRIC_LITE_USE_CPU")
-
-
-@pytest.fixture(autouse=True)
-def _lone_process(monkeypatch):
-    for name in _ENV:
-        monkeypatch.delenv(name, raising=False)
-
-
 # -- helpers ---------------------------------------------------------------------------------------
 
 def regression_data(n=40, seed=0, scale=1.0):

@@ -4,7 +4,6 @@ import os
 import time
 
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 
 from common import make_model, parse, write_result
 from fabric_lite import Accelerator

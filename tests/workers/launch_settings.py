@@ -1,6 +1,5 @@
 """Report what the Accelerator read from the launcher; check the refusals that need real processes."""
 
-import torch
 
 from common import parse, write_result
 from fabric_lite import Accelerator
