@@ -68,6 +68,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", choices=["raw", "bare", "full"],
+                        help="run just this loop for --steps steps and exit (to time whole processes from outside, "
+                             "e.g. with /usr/bin/time, one process per loop)")
     args = parser.parse_args()
     spec = SPECS["tiny"]
     steps, repeats = (60, 2) if args.quick else (args.steps, args.repeats)
@@ -76,6 +79,9 @@ def main() -> None:
         raw_run, _ = raw_loop(spec, data, ddp=False)
         loops = {"raw": raw_run, "trainer bare": trainer_loop(spec, data, False, root),
                  "trainer full": trainer_loop(spec, data, True, root)}
+        if args.only:
+            loops[{"raw": "raw", "bare": "trainer bare", "full": "trainer full"}[args.only]](steps)
+            return
         for run in loops.values():
             run(20)  # warm-up
         per_step = time_interleaved(loops, steps, repeats, ddp=False)

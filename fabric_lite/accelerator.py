@@ -140,6 +140,7 @@ class Accelerator(ProcessControl):
         self._schedulers: List[AcceleratedScheduler] = []
         self._dataloaders: List[DataLoaderShard] = []
         self._custom_objects: List[Any] = []
+        self._per_process_objects: List[Any] = []
         self._log_with = log_with
         self.trackers: List[GeneralTracker] = []
         self.dynamo_backend = None if dynamo_backend in (None, "no", "NO") else str(dynamo_backend).lower()
@@ -463,12 +464,17 @@ class Accelerator(ProcessControl):
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> Dict[str, torch.Tensor]:
         return self.strategy.module_state_dict(model)
 
-    def register_for_checkpointing(self, *objects: Any) -> None:
-        """Objects with `state_dict`/`load_state_dict` that `save_state`/`load_state` should include."""
+    def register_for_checkpointing(self, *objects: Any, per_process: bool = False) -> None:
+        """Objects with `state_dict`/`load_state_dict` that `save_state`/`load_state` should include.
+
+        By default the main process's state is saved and every process loads it. `per_process=True`
+        saves each process's own state (running totals, per-rank accumulators) and gives it back to
+        the same rank.
+        """
         bad = [o for o in objects if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))]
         if bad:
             raise ValueError(f"register_for_checkpointing needs state_dict/load_state_dict; these lack them: {bad}.")
-        self._custom_objects.extend(objects)
+        (self._per_process_objects if per_process else self._custom_objects).extend(objects)
 
     def save_state(self, output_dir: Optional[Union[str, os.PathLike]] = None, **kwargs: Any) -> str:
         """Save everything needed to continue exactly; returns the checkpoint's location."""

@@ -18,7 +18,7 @@ import torch
 
 __all__ = ["CheckpointError", "CheckpointWriter", "read_manifest", "load_file", "save_file", "FORMAT_VERSION"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: main-process state in one training_state.pt
 MANIFEST = "manifest.json"
 
 

@@ -162,6 +162,41 @@ class MetricStore:
                 loggable[epoch_name] = value
         return loggable
 
+    # -- checkpoints: a mid-epoch checkpoint carries the epoch aggregates logged so far ------------
+    def state_dict(self, module: torch.nn.Module) -> Dict[str, Any]:
+        """The training stage's unfinished epoch aggregates: running totals, and the state of each
+        logged torchmetrics Metric (found by its place in `module`; its own state is not in the weights)."""
+        paths = {id(m): name for name, m in module.named_modules()}
+        entries = []
+        for key, e in self._entries.items():
+            stage, name = key.split("\0", 1)
+            if stage != "train" or not e.on_epoch or (e.total is None and e.metric is None):
+                continue
+            saved: Dict[str, Any] = {"name": name, "on_step": e.on_step, "on_epoch": e.on_epoch,
+                                     "prog_bar": e.prog_bar, "logger": e.logger, "reduce_fx": e.reduce_fx,
+                                     "sync_dist": e.sync_dist, "total": e.total, "weight": e.weight}
+            if e.metric is not None:
+                if id(e.metric) not in paths:
+                    continue  # a metric that is not an attribute of the module cannot be found again on load
+                saved["metric_path"] = paths[id(e.metric)]
+                saved["metric_state"] = dict(e.metric.metric_state)
+            entries.append(saved)
+        return {"train": entries}
+
+    def load_state_dict(self, state: Dict[str, Any], module: torch.nn.Module) -> None:
+        for saved in state.get("train", []):
+            entry = _Entry(saved["on_step"], saved["on_epoch"], saved["prog_bar"], saved["logger"],
+                           saved["reduce_fx"], saved["sync_dist"], total=saved["total"], weight=saved["weight"])
+            device = self.strategy.root_device
+            if entry.total is not None:
+                entry.total, entry.weight = entry.total.to(device), entry.weight.to(device)
+            if "metric_path" in saved:
+                entry.metric = module.get_submodule(saved["metric_path"])
+                for attr, value in saved["metric_state"].items():
+                    moved = [v.to(device) for v in value] if isinstance(value, list) else value.to(device)
+                    setattr(entry.metric, attr, moved)
+            self._entries[f"train\0{saved['name']}"] = entry
+
     def _check_same_sync_keys(self, names: List[str], kind: str = "") -> None:
         if self.strategy.world_size == 1:
             return

@@ -112,11 +112,15 @@ def _train_epoch(trainer: "Trainer") -> None:
     loader = trainer._train_loader
     limit = _limit(trainer.limits["train"], _length(loader))
     accumulate = trainer.accumulate_grad_batches
-    metrics.reset_stage("train")
+    position = loader.state_dict()
+    start = position["batches_seen"] if position["epoch"] == trainer.current_epoch else 0
+    if start == 0:
+        metrics.reset_stage("train")
+    else:  # resumed mid-epoch: the aggregates restored from the checkpoint go on
+        metrics.stage = "train"
     metrics.in_epoch_end_hook = False
     module.train()
     trainer._call("on_train_epoch_start")
-    start = loader.state_dict()["batches_seen"] if loader.state_dict()["epoch"] == trainer.current_epoch else 0
     batch_idx = start - 1
     cut_short = False
     for batch_idx, batch in enumerate(loader, start=start):

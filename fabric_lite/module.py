@@ -31,6 +31,8 @@ class TrainModule(nn.Module):
 
     #: Set to False to call `self.manual_backward` and step `self.optimizers()` yourself.
     automatic_optimization: bool = True
+    #: An input to trace the model with (`TensorBoardLogger(log_graph=True)`): a tensor or a tuple of tensors.
+    example_input_array: Optional[Any] = None
 
     def __init__(self) -> None:
         super().__init__()

@@ -69,6 +69,19 @@ class _TrainerState:
             cb.on_load_checkpoint(t, t.module, extra)
 
 
+class _LoggedAggregates:
+    """Each process's unfinished epoch aggregates of `self.log` (saved per rank: they differ between ranks)."""
+
+    def __init__(self, trainer: "Trainer") -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.trainer._metrics.state_dict(self.trainer.module)
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.trainer._metrics.load_state_dict(state, self.trainer.module)
+
+
 class Trainer:
     """Fit a TrainModule: `Trainer(max_epochs=3, precision="bf16-mixed").fit(module, train_loader, val_loader)`."""
 
@@ -144,9 +157,14 @@ class Trainer:
 
     def _add_default_callbacks(self, progress_bar: bool, checkpointing: bool) -> None:
         from fabric_lite.callbacks.checkpoint import ModelCheckpoint
-        from fabric_lite.callbacks.progress import ProgressBar
+        from fabric_lite.callbacks.progress import ProgressBar, ProgressBarBase
 
-        if progress_bar and not any(isinstance(c, ProgressBar) for c in self.callbacks):
+        bar = next((c for c in self.callbacks if isinstance(c, ProgressBarBase)), None)
+        if not progress_bar:
+            if bar is not None:
+                raise ValueError(f"enable_progress_bar=False, but a {type(bar).__name__} is in callbacks; "
+                                 f"drop one of them.")
+        elif bar is None:
             self.callbacks.append(ProgressBar())
         if not checkpointing:
             if any(isinstance(c, ModelCheckpoint) for c in self.callbacks):
@@ -227,6 +245,7 @@ class Trainer:
         # A second fit() on this Trainer starts from clean registrations (no duplicate checkpoint entries).
         self.accelerator.free_memory()
         self.accelerator._custom_objects.clear()
+        self.accelerator._per_process_objects.clear()
         self._attach(module)
         self._optimizers, self._schedulers = parse_optimizers(module.configure_optimizers(), self.accelerator)
         for sched in self._schedulers:
@@ -237,6 +256,7 @@ class Trainer:
         self._train_loader = self.accelerator.prepare_data_loader(train)
         self._val_loaders = [self._prepare_eval_loader(v) for v in _as_list(val)]
         self.accelerator.register_for_checkpointing(_TrainerState(self))
+        self.accelerator.register_for_checkpointing(_LoggedAggregates(self), per_process=True)
         for cb in self.callbacks:
             cb.setup(self, module, "fit")
         if ckpt_path is not None:

@@ -700,7 +700,7 @@ def test_save_state_leaves_no_staging_directories(tmp_path):
     acc.save_state(tmp_path / "c")  # overwrite in place
     assert os.listdir(tmp_path) == ["c"]
     assert sorted(os.listdir(tmp_path / "c")) == [
-        "custom_0.pt", "manifest.json", "model_0.pt", "optimizer_0.pt", "precision.pt", "rng_0.pt", "scheduler_0.pt",
+        "manifest.json", "model_0.pt", "rng_0.pt", "training_state.pt",
     ]
 
 

@@ -725,8 +725,7 @@ def _dirs(path):
 
 
 def _trainer_state(ckpt_dir):
-    for f in sorted(glob.glob(os.path.join(ckpt_dir, "custom_*.pt"))):
-        state = torch.load(f, weights_only=False)
+    for state in torch.load(os.path.join(ckpt_dir, "training_state.pt"), weights_only=True)["custom"]:
         if isinstance(state, dict) and "hyper_parameters" in state:
             return state
     raise AssertionError(f"no trainer state in {ckpt_dir}")
@@ -833,6 +832,55 @@ def test_resume_from_a_mid_epoch_step_checkpoint_with_accumulation_is_bit_for_bi
     assert rec.train_batches[0] == (1, 4, 6)        # continues at batch 4 of epoch 1
     assert resumed_trainer.global_step == straight_trainer.global_step == 12
     assert torch.equal(weights(resumed), weights(straight))
+
+
+class EpochLogged(Dropout):
+    """Logs an epoch mean, an epoch max and a torchmetrics metric from training_step."""
+
+    def __init__(self):
+        super().__init__()
+        import torchmetrics
+
+        self.train_err = torchmetrics.MeanAbsoluteError()
+        self.epoch_values = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        pred = self.net(x)
+        loss = F.mse_loss(pred, y)
+        self.log("train/loss", loss, on_step=False, on_epoch=True)
+        self.log("train/max", loss, on_step=False, on_epoch=True, reduce_fx="max")
+        self.train_err(pred.detach(), y)
+        self.log("train/mae", self.train_err, on_step=False, on_epoch=True)
+        return loss
+
+    def on_train_epoch_end(self):
+        self.epoch_values.append(None)  # filled in by the callback below, after the epoch's reduction
+
+
+class EpochValues(Callback):
+    def __init__(self):
+        self.rows = []
+
+    def on_train_epoch_end(self, trainer, module):
+        self.rows.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train/")})
+
+
+def test_mid_epoch_resume_keeps_the_epoch_aggregates_logged_before_the_checkpoint(tmp_path):
+    # 30 samples in batches of 4: 8 steps an epoch; the checkpoint at step 11 is in the middle of epoch 1
+    def run(root, ckpt_path=None, save=False):
+        set_seed(0)
+        module, values = EpochLogged(), EpochValues()
+        callbacks = [values] + ([ModelCheckpoint(every_n_train_steps=11, save_top_k=-1)] if save else [])
+        trainer = make_trainer(root, callbacks, max_epochs=2, enable_checkpointing=save)
+        trainer.fit(module, loader(regression_data(n=30), batch_size=4, shuffle=True, seed=3), ckpt_path=ckpt_path)
+        return values.rows, module
+
+    straight, straight_module = run(tmp_path / "a", save=True)
+    resumed, resumed_module = run(tmp_path / "b", ckpt_path=str(tmp_path / "a" / "checkpoints" / "epoch=1-step=11"))
+    assert set(straight[1]) == {"train/loss", "train/max", "train/mae"}
+    assert resumed == [straight[1]]  # the whole epoch 1, not just the part after the checkpoint
+    assert torch.equal(weights(resumed_module), weights(straight_module))
 
 
 def _resume_run_acc(root, callbacks, ckpt_path=None):
@@ -1071,7 +1119,9 @@ def test_fit_twice_on_one_trainer_keeps_one_set_of_checkpoint_entries(tmp_path):
     trainer.save_checkpoint(str(tmp_path / "ck"))
     files = sorted(p.name for p in (tmp_path / "ck").iterdir())
     assert [f for f in files if f.startswith("model_")] == ["model_0.pt"]
-    assert [f for f in files if f.startswith("custom_")] == ["custom_0.pt"]
+    from fabric_lite.state_io import TRAINING_STATE
+
+    assert len(torch.load(tmp_path / "ck" / TRAINING_STATE, weights_only=True)["custom"]) == 1
 
 
 def test_throughput_monitor_reports_rates_at_each_log_step(tmp_path):

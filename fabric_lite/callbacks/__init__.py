@@ -5,8 +5,8 @@ from fabric_lite.callbacks.checkpoint import ModelCheckpoint
 from fabric_lite.callbacks.early_stopping import EarlyStopping
 from fabric_lite.callbacks.loggers import CSVLogger, TensorBoardLogger
 from fabric_lite.callbacks.lr_monitor import LearningRateMonitor
-from fabric_lite.callbacks.progress import ProgressBar
+from fabric_lite.callbacks.progress import ProgressBar, ProgressBarBase, RichProgressBar
 from fabric_lite.callbacks.throughput import ThroughputMonitor
 
 __all__ = ["Callback", "ModelCheckpoint", "EarlyStopping", "TensorBoardLogger", "CSVLogger",
-           "LearningRateMonitor", "ProgressBar", "ThroughputMonitor"]
+           "LearningRateMonitor", "ProgressBar", "ProgressBarBase", "RichProgressBar", "ThroughputMonitor"]

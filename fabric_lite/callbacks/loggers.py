@@ -6,6 +6,7 @@ import csv
 import io
 import json
 import os
+import warnings
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from fabric_lite.callbacks.base import Callback
@@ -49,12 +50,19 @@ class _VersionedLogger(Callback):
 
 
 class TensorBoardLogger(_VersionedLogger):
-    """Scalars at every `log_every_n_steps` and epoch end, hyperparameters as text, under save_dir/name/version_N."""
+    """Scalars at every `log_every_n_steps` and epoch end, hyperparameters as text, under save_dir/name/version_N.
 
-    def __init__(self, save_dir: str = "runs", name: str = "", version: Optional[int] = None, **writer_kwargs: Any):
+    With `log_graph=True`, the module's graph is traced once at fit start from `module.example_input_array`.
+    """
+
+    def __init__(self, save_dir: str = "runs", name: str = "", version: Optional[int] = None, log_graph: bool = False,
+                 **writer_kwargs: Any):
         super().__init__(save_dir, name, version)
+        self.log_graph = log_graph
         self.writer_kwargs = writer_kwargs
         self._writer: Any = None
+        self._graph_logged = False
+        self._warned_no_example = False
 
     @property
     def writer(self) -> Any:
@@ -65,6 +73,51 @@ class TensorBoardLogger(_VersionedLogger):
                 raise ImportError("TensorBoardLogger needs tensorboard: pip install 'fabric-lite[tensorboard]'") from err
             self._writer = SummaryWriter(self.log_dir, **self.writer_kwargs)
         return self._writer
+
+    def on_fit_start(self, trainer: "Trainer", module: "TrainModule") -> None:
+        if self.log_graph and trainer.is_global_zero and not self._graph_logged:
+            self._add_graph(trainer, module)
+
+    def _add_graph(self, trainer: "Trainer", module: "TrainModule") -> None:
+        """Trace `module` on its example input, leaving its modes, gradients and the RNG streams as they were."""
+        import torch
+
+        example = getattr(module, "example_input_array", None)
+        if example is None:
+            if not self._warned_no_example:
+                self._warned_no_example = True
+                warnings.warn(
+                    f"TensorBoardLogger(log_graph=True) has no input to trace {type(module).__name__} with; set "
+                    f"`self.example_input_array` (a tensor or a tuple of tensors) in its __init__. No graph is "
+                    f"written."
+                )
+            return
+        if isinstance(example, torch.Tensor):
+            args: Any = (example,)
+        elif isinstance(example, (tuple, list)) and example and all(isinstance(t, torch.Tensor) for t in example):
+            args = tuple(example)
+        else:
+            raise TypeError(
+                f"{type(module).__name__}.example_input_array must be a tensor or a tuple of tensors to log the "
+                f"graph, got {type(example).__name__}."
+            )
+        device = module.device
+        args = trainer.strategy.precision.convert_input(tuple(t.to(device) for t in args))
+        modes = [(m, m.training) for m in module.modules()]
+        cpu_rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        try:
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=r"`torch\.jit\.trace", category=DeprecationWarning)
+                self.writer.add_graph(module, args)
+        finally:
+            torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state(cuda_rng, device)
+            for m, training in modes:
+                m.training = training
+        self.writer.flush()
+        self._graph_logged = True
 
     def on_log(self, trainer: "Trainer", metrics: Dict[str, float], step: int) -> None:
         if trainer.is_global_zero:
