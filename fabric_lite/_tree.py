@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -45,3 +45,11 @@ def first_tensor(data: Any) -> torch.Tensor | None:
 
     tree_map(grab, data)
     return found[0] if found else None
+
+
+def batch_size_of(batch: Any) -> Optional[int]:
+    """The first dimension of a batch's first tensor, or None (no tensor, or a 0-dim one)."""
+    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor):  # the common case
+        return int(batch[0].shape[0]) if batch[0].dim() > 0 else None
+    t = batch if isinstance(batch, torch.Tensor) else first_tensor(batch)
+    return int(t.shape[0]) if t is not None and t.dim() > 0 else None

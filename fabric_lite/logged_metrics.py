@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from fabric_lite._tree import batch_size_of
 from fabric_lite.strategies.base import Strategy
 
 __all__ = ["MetricStore"]
@@ -43,7 +44,7 @@ class MetricStore:
         self.strategy = strategy
         self.stage = "train"
         self.in_epoch_end_hook = False
-        self.batch_size: Optional[int] = None
+        self.batch: Any = None  # the current batch: the default weight of an epoch mean is its size
         self._entries: Dict[str, _Entry] = {}
         self.callback_metrics: Dict[str, torch.Tensor] = {}
         self.progress_bar_metrics: Dict[str, torch.Tensor] = {}
@@ -76,7 +77,7 @@ class MetricStore:
         tensor = self._as_tensor(name, value)
         entry.last = tensor  # a synced step value is reduced when it is written (flush_step), by every rank at once
         if on_epoch:
-            weight = float(batch_size or self.batch_size or 1) if reduce_fx == "mean" else 1.0
+            weight = float(batch_size or batch_size_of(self.batch) or 1) if reduce_fx == "mean" else 1.0
             if entry.total is None:
                 entry.total = tensor * weight if reduce_fx in ("mean", "sum") else tensor.clone()
                 entry.weight = torch.tensor(weight, device=tensor.device)
@@ -93,7 +94,10 @@ class MetricStore:
                     f"self.log({name!r}) got a tensor of shape {tuple(value.shape)}; log scalars (e.g. .mean()), "
                     f"or a torchmetrics Metric."
                 )
-            return value.detach().reshape(()).float()
+            value = value.detach()
+            if value.dim():
+                value = value.reshape(())
+            return value if value.dtype == torch.float32 else value.float()
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return torch.tensor(float(value), device=self.strategy.root_device)
         raise ValueError(

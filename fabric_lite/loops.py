@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 
-from fabric_lite._tree import first_tensor
 
 if TYPE_CHECKING:
     from fabric_lite.trainer import Trainer
@@ -39,11 +38,29 @@ def _length(loader: Any) -> Optional[int]:
         return None
 
 
-def _batch_size(batch: Any) -> Optional[int]:
-    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor):  # the common case
-        return int(batch[0].shape[0]) if batch[0].dim() > 0 else None
-    t = batch if isinstance(batch, torch.Tensor) else first_tensor(batch)
-    return int(t.shape[0]) if t is not None and t.dim() > 0 else None
+class _StepHooks:
+    """The per-step hooks that do something, looked up once per epoch: calling the empty defaults of
+    every callback and of the module on each step costs more than a tiny model's step takes to vary."""
+
+    def __init__(self, trainer: "Trainer") -> None:
+        from fabric_lite.callbacks.base import Callback
+        from fabric_lite.module import TrainModule
+
+        module = trainer.module
+
+        def mine(name: str) -> Any:
+            overridden = name in vars(module) or getattr(type(module), name) is not getattr(TrainModule, name)
+            return getattr(module, name) if overridden else None
+
+        def theirs(name: str) -> List[Any]:
+            return [getattr(cb, name) for cb in trainer.callbacks
+                    if name in vars(cb) or getattr(type(cb), name) is not getattr(Callback, name)]
+
+        self.batch_start, self.batch_end = mine("on_train_batch_start"), mine("on_train_batch_end")
+        self.before_backward, self.after_backward = mine("on_before_backward"), mine("on_after_backward")
+        self.before_optimizer_step = mine("on_before_optimizer_step")
+        self.cb_batch_start, self.cb_batch_end = theirs("on_train_batch_start"), theirs("on_train_batch_end")
+        self.cb_before_optimizer_step = theirs("on_before_optimizer_step")
 
 
 def _extract_loss(out: Any, batch_idx: int) -> torch.Tensor:
@@ -123,14 +140,16 @@ def _train_epoch(trainer: "Trainer") -> None:
     trainer._call("on_train_epoch_start")
     batch_idx = start - 1
     cut_short = False
+    hooks = trainer._step_hooks = _StepHooks(trainer)
+    validates_in_epoch = bool(trainer._val_loaders)
     for batch_idx, batch in enumerate(loader, start=start):
         if limit is not None and batch_idx >= limit:
             break
-        if module.on_train_batch_start(batch, batch_idx) == -1:
+        if hooks.batch_start is not None and hooks.batch_start(batch, batch_idx) == -1:
             break
-        for cb in trainer.callbacks:
-            cb.on_train_batch_start(trainer, module, batch, batch_idx)
-        metrics.batch_size = _batch_size(batch)
+        for hook in hooks.cb_batch_start:
+            hook(trainer, module, batch, batch_idx)
+        metrics.batch = batch  # its size weighs epoch means; read only if one is logged
         steps_before = trainer.global_step
         if module.automatic_optimization:
             window_start = batch_idx - batch_idx % accumulate
@@ -139,10 +158,12 @@ def _train_epoch(trainer: "Trainer") -> None:
             with strategy.no_backward_sync(model, enabled=not last_micro):
                 out = model(batch, batch_idx)
                 loss = _extract_loss(out, batch_idx)
-                module.on_before_backward(loss)
+                if hooks.before_backward is not None:
+                    hooks.before_backward(loss)
                 # The last, shorter window of an epoch is scaled by its real size.
                 strategy.backward(loss / window if window > 1 else loss, model)
-                module.on_after_backward()
+                if hooks.after_backward is not None:
+                    hooks.after_backward()
             if last_micro:
                 _optimizer_step(trainer)
         else:
@@ -150,10 +171,11 @@ def _train_epoch(trainer: "Trainer") -> None:
         if trainer.global_step != steps_before and (trainer.global_step % trainer.log_every_n_steps == 0
                                                     or batch_idx + 1 == limit):
             _flush_step_metrics(trainer)
-        module.on_train_batch_end(out, batch, batch_idx)
-        for cb in trainer.callbacks:
-            cb.on_train_batch_end(trainer, module, out, batch, batch_idx)
-        if _should_validate_in_epoch(trainer, batch_idx, limit):
+        if hooks.batch_end is not None:
+            hooks.batch_end(out, batch, batch_idx)
+        for hook in hooks.cb_batch_end:
+            hook(trainer, module, out, batch, batch_idx)
+        if validates_in_epoch and _should_validate_in_epoch(trainer, batch_idx, limit):
             _validate(trainer)
         if 0 <= trainer.max_steps <= trainer.global_step or trainer._time_is_up():
             trainer.should_stop = True
@@ -194,9 +216,11 @@ def _optimizer_step(trainer: "Trainer") -> None:
                 strategy.clip_gradients_norm(params, opt.optimizer, trainer.gradient_clip_val)
             else:
                 strategy.clip_gradients_value(params, opt.optimizer, trainer.gradient_clip_val)
-        module.on_before_optimizer_step(opt)
-        for cb in trainer.callbacks:
-            cb.on_before_optimizer_step(trainer, module, opt)
+        hooks = trainer._step_hooks
+        if hooks.before_optimizer_step is not None:
+            hooks.before_optimizer_step(opt)
+        for hook in hooks.cb_before_optimizer_step:
+            hook(trainer, module, opt)
         opt.step()
         opt.zero_grad(set_to_none=True)
     trainer.global_step += 1
@@ -242,7 +266,7 @@ def run_evaluation(trainer: "Trainer", stage: str, loader: Any, limit: Optional[
         for batch_idx, batch in enumerate(loader):
             if limit is not None and batch_idx >= limit:
                 break
-            metrics.batch_size = _batch_size(batch)
+            metrics.batch = batch
             out = model(batch, batch_idx, stage)
             for cb in trainer.callbacks:
                 getattr(cb, f"on_{hook}_batch_end")(trainer, module, out, batch, batch_idx)

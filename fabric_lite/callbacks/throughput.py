@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
+from fabric_lite._tree import batch_size_of
 from fabric_lite.callbacks.base import Callback
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ class ThroughputMonitor(Callback):
     def on_train_batch_end(self, trainer: "Trainer", module: "TrainModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._batches += 1
-        self._samples += trainer._metrics.batch_size or 0
+        self._samples += batch_size_of(batch) or 0
         if self._start is None or trainer.global_step % trainer.log_every_n_steps or not self._batches:
             return
         elapsed = time.perf_counter() - self._start
