@@ -29,6 +29,7 @@ _EXPORTS = {
     "Trainer": "fabric_lite.trainer",
     "TrainModule": "fabric_lite.module",
     "DataModule": "fabric_lite.module",
+    "EXIT_PREEMPTED": "fabric_lite.preemption",
 }
 
 __all__ = ["__version__", *_EXPORTS]

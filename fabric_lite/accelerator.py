@@ -141,6 +141,7 @@ class Accelerator(ProcessControl):
         self._dataloaders: List[DataLoaderShard] = []
         self._custom_objects: List[Any] = []
         self._per_process_objects: List[Any] = []
+        self._preemption: Any = None
         self._log_with = log_with
         self.trackers: List[GeneralTracker] = []
         self.dynamo_backend = None if dynamo_backend in (None, "no", "NO") else str(dynamo_backend).lower()
@@ -463,6 +464,21 @@ class Accelerator(ProcessControl):
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> Dict[str, torch.Tensor]:
         return self.strategy.module_state_dict(model)
+
+    def check_preemption(self) -> bool:
+        """True, on every process at the same call, once any process has received SIGTERM or SIGUSR1.
+
+        Call it once per step; the first call installs the signal handlers. The processes compare
+        notes in one small collective about once a second, so calling it every step costs nothing
+        measurable. On True, save a checkpoint and exit, e.g.
+        ``accelerator.save_state(...); sys.exit(fabric_lite.EXIT_PREEMPTED)``.
+        """
+        if self._preemption is None:
+            from fabric_lite.preemption import PreemptionWatch
+
+            self._preemption = PreemptionWatch()
+            self._preemption.install()
+        return self._preemption.should_stop(self.strategy)
 
     def register_for_checkpointing(self, *objects: Any, per_process: bool = False) -> None:
         """Objects with `state_dict`/`load_state_dict` that `save_state`/`load_state` should include.

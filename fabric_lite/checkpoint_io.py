@@ -3,6 +3,10 @@
 A checkpoint is a directory. Its files are written under a staging name next to it, each file's
 SHA-256 goes into ``manifest.json`` (written last), and only then is the staging directory moved
 into place. Loading reads the manifest and refuses a file whose bytes do not match.
+
+Next to the checkpoints of a run, ``latest`` names the newest whole one; it is rewritten only after
+that checkpoint is published. `newest_whole_checkpoint` starts there and falls back, with a warning
+naming what it skips, to the newest checkpoint that verifies.
 """
 
 from __future__ import annotations
@@ -11,15 +15,20 @@ import hashlib
 import io
 import json
 import os
+import time
 import uuid
-from typing import Any, Dict, Optional, Tuple
+import warnings
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["CheckpointError", "CheckpointWriter", "read_manifest", "load_file", "save_file", "FORMAT_VERSION"]
+__all__ = ["CheckpointError", "CheckpointWriter", "read_manifest", "load_file", "save_file", "verify",
+           "update_latest", "newest_whole_checkpoint", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 2  # 2: main-process state in one training_state.pt
 MANIFEST = "manifest.json"
+LATEST = "latest"
+_CHUNK = 8 * 2**20
 
 
 class CheckpointError(RuntimeError):
@@ -34,6 +43,25 @@ def _fs(url: str, storage_options: Optional[dict] = None) -> Tuple[Any, str]:
 
 def _join(fs: Any, *parts: str) -> str:
     return "/".join(p.rstrip("/") if i == 0 else p.strip("/") for i, p in enumerate(parts))
+
+
+def _renames(fs: Any) -> bool:
+    """Whether the store moves a directory in one step (local disks, fsspec's memory store)."""
+    protocol = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return bool({"file", "local", "memory"} & set(protocol))
+
+
+def _move_dir(fs: Any, src: str, dst: str) -> None:
+    """Move a checkpoint directory. A rename where the store has one; on object stores (no
+    directories, no rename) a copy of every file, the manifest last, then the source is deleted, so
+    the copy never looks whole before it is."""
+    if _renames(fs):
+        fs.mv(src, dst, recursive=True)
+        return
+    files = sorted(fs.find(src), key=lambda p: p.rstrip("/").endswith("/" + MANIFEST))
+    for path in files:
+        fs.copy(path, dst.rstrip("/") + "/" + path[len(src.rstrip("/")) + 1:])
+    fs.rm(src, recursive=True)
 
 
 def _to_bytes(obj: Any) -> bytes:
@@ -75,7 +103,11 @@ class CheckpointWriter:
         if not self.fs.exists(target):
             _recover(self.fs, target)
         parent, name = target.rsplit("/", 1) if "/" in target else (".", target)
-        for p in self.fs.ls(parent, detail=False):
+        try:
+            siblings = self.fs.ls(parent, detail=False)
+        except FileNotFoundError:  # an object store has no empty directories: nothing there yet
+            siblings = []
+        for p in siblings:
             base = p.rstrip("/").rsplit("/", 1)[-1]
             mine = base == f"{name}.staging-{self.token}"
             if not mine and (base.startswith(f"{name}.staging-") or base.startswith(f"{name}.old-")):
@@ -88,15 +120,16 @@ class CheckpointWriter:
         self.checksums[name] = hashlib.sha256(data).hexdigest()
 
     def commit(self, checksums: Dict[str, str], meta: Optional[Dict[str, Any]] = None) -> None:
-        manifest = {"format_version": FORMAT_VERSION, "files": checksums, "meta": meta or {}}
+        meta = {"saved_at": time.time(), **(meta or {})}
+        manifest = {"format_version": FORMAT_VERSION, "files": checksums, "meta": meta}
         with self.fs.open(_join(self.fs, self.staging, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
         target = self.path.rstrip("/")
         old = None
         if self.fs.exists(target):
             old = f"{target}.old-{self.token}"
-            self.fs.mv(target, old, recursive=True)
-        self.fs.mv(self.staging, target, recursive=True)
+            _move_dir(self.fs, target, old)
+        _move_dir(self.fs, self.staging, target)
         if old is not None:
             self.fs.rm(old, recursive=True)
 
@@ -118,9 +151,9 @@ def _recover(fs: Any, path: str) -> None:
     complete = [p for p in staged if fs.exists(_join(fs, p, MANIFEST))]  # the manifest is written last
     old = [p for p in siblings if p.rstrip("/").rsplit("/", 1)[-1].startswith(f"{name}.old-")]
     if complete:
-        fs.mv(complete[0], target, recursive=True)
+        _move_dir(fs, complete[0], target)
     elif old:
-        fs.mv(old[0], target, recursive=True)
+        _move_dir(fs, old[0], target)
 
 
 def read_manifest(url: str, storage_options: Optional[dict] = None) -> Dict[str, Any]:
@@ -159,3 +192,71 @@ def load_file(
     if hashlib.sha256(data).hexdigest() != expected:
         raise CheckpointError(f"{url}/{name} does not match its checksum: the file is corrupt. Load an earlier checkpoint.")
     return torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
+
+
+def verify(url: str, storage_options: Optional[dict] = None) -> Dict[str, Any]:
+    """Read every file of a checkpoint and check it against the manifest; returns the manifest."""
+    manifest = read_manifest(url, storage_options)
+    fs, path = _fs(url, storage_options)
+    for name, expected in sorted(manifest["files"].items()):
+        digest = hashlib.sha256()
+        try:
+            with fs.open(_join(fs, path, name), "rb") as f:
+                for chunk in iter(lambda: f.read(_CHUNK), b""):
+                    digest.update(chunk)
+        except FileNotFoundError:
+            raise CheckpointError(f"{url} is missing {name}, which its manifest lists.") from None
+        if digest.hexdigest() != expected:
+            raise CheckpointError(f"{url}/{name} does not match its checksum: the file is corrupt.")
+    return manifest
+
+
+def update_latest(url: str, storage_options: Optional[dict] = None) -> None:
+    """Point ``latest`` (next to the checkpoint at `url`) at it; call only once it is published."""
+    fs, path = _fs(url, storage_options)
+    parent, name = path.rstrip("/").rsplit("/", 1) if "/" in path.rstrip("/") else (".", path.rstrip("/"))
+    tmp = f"{parent}/{LATEST}.tmp-{uuid.uuid4().hex[:8]}"
+    with fs.open(tmp, "w") as f:
+        json.dump({"name": name}, f)
+    fs.mv(tmp, f"{parent}/{LATEST}")
+
+
+def _saved_at(fs: Any, path: str) -> float:
+    try:
+        with fs.open(_join(fs, path, MANIFEST), "r") as f:
+            return float(json.load(f).get("meta", {}).get("saved_at", 0.0))
+    except (OSError, ValueError):
+        return 0.0
+
+
+def newest_whole_checkpoint(root: str, storage_options: Optional[dict] = None) -> Optional[str]:
+    """The newest checkpoint directly under `root` that verifies, or None if there is none.
+
+    The one ``latest`` names comes first, then the others by the time in their manifests. A
+    candidate that does not verify (partial, corrupt, another format) is skipped with a warning.
+    """
+    fs, path = _fs(root, storage_options)
+    root = os.fspath(root).rstrip("/")
+    if not fs.exists(path):
+        return None
+    names: List[str] = []
+    try:
+        with fs.open(_join(fs, path, LATEST), "r") as f:
+            names.append(json.load(f)["name"])
+    except (OSError, ValueError, KeyError):
+        pass
+    dirs = {e["name"].rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(path, detail=True) if e["type"] == "directory"}
+    # a save interrupted between its two moves leaves only X.staging-*/X.old-*: reading X recovers it
+    bases = {d.split(".staging-")[0].split(".old-")[0] for d in dirs}
+    dated = sorted(((_saved_at(fs, _join(fs, path, b)), b) for b in bases), reverse=True)
+    names += [name for _, name in dated if name not in names]
+    for name in names:
+        candidate = f"{root}/{name}"
+        try:
+            verify(candidate, storage_options)
+        except CheckpointError as err:
+            if name in bases:  # (`latest` may name a checkpoint pruned since: not worth a warning)
+                warnings.warn(f"Skipping checkpoint {candidate}: {err} Trying an older one.", stacklevel=2)
+            continue
+        return candidate
+    return None

@@ -6,6 +6,7 @@ only decide *when* things happen.
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
@@ -175,6 +176,8 @@ def _train_epoch(trainer: "Trainer") -> None:
             hooks.batch_end(out, batch, batch_idx)
         for hook in hooks.cb_batch_end:
             hook(trainer, module, out, batch, batch_idx)
+        if trainer._preemption.should_stop(strategy):
+            _stop_preempted(trainer)
         if validates_in_epoch and _should_validate_in_epoch(trainer, batch_idx, limit):
             _validate(trainer)
         if 0 <= trainer.max_steps <= trainer.global_step or trainer._time_is_up():
@@ -202,9 +205,27 @@ def _train_epoch(trainer: "Trainer") -> None:
     for cb in trainer.callbacks:
         cb.on_train_epoch_end(trainer, module)
     metrics.in_epoch_end_hook = False
-    # every process must agree to stop, or one would wait in a collective the others never reach
-    flag = torch.tensor(float(trainer.should_stop), device=trainer.device)  # nccl reduces device tensors only
-    trainer.should_stop = bool(strategy.all_reduce(flag, "max").item())
+    # every process must agree to stop, or one would wait in a collective the others never reach;
+    # the same collective tells whether any process was asked to stop by a signal
+    flags = torch.tensor([float(trainer.should_stop), float(trainer._preemption.received is not None)],
+                         device=trainer.device)  # nccl reduces device tensors only
+    stop, preempted = strategy.all_reduce(flags, "max").tolist()
+    trainer.should_stop = bool(stop)
+    if preempted:
+        _stop_preempted(trainer)
+
+
+def _stop_preempted(trainer: "Trainer") -> None:
+    """Every process got here at the same step: save one checkpoint together, then exit."""
+    from fabric_lite.preemption import EXIT_PREEMPTED
+
+    path = f"{trainer._checkpoint_dir().rstrip('/')}/preempted"
+    trainer.save_checkpoint(path)
+    if trainer.is_global_zero:
+        reason = trainer._preemption.signal_name or "a signal on another process"
+        print(f"fabric_lite: {reason} received; saved {path} at step {trainer.global_step}. Exiting with status "
+              f"{EXIT_PREEMPTED}; fit(..., ckpt_path='last') resumes from there.", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_PREEMPTED)
 
 
 def _optimizer_step(trainer: "Trainer") -> None:

@@ -125,7 +125,8 @@ def _numbered_checkpoints(root: str) -> List[tuple]:
     return sorted(found)
 
 
-def save_state(acc: "Accelerator", output_dir: Optional[Union[str, os.PathLike]]) -> str:
+def save_state(acc: "Accelerator", output_dir: Optional[Union[str, os.PathLike]], update_latest: bool = False,
+               meta: Optional[Dict[str, Any]] = None) -> str:
     project = acc.project_configuration
     automatic = project.automatic_checkpoint_naming
     if automatic:  # as in Accelerate, automatic naming decides the location
@@ -154,9 +155,11 @@ def save_state(acc: "Accelerator", output_dir: Optional[Union[str, os.PathLike]]
             checksums: Dict[str, str] = {}
             for _, part in reports:
                 checksums.update(part)
-            meta = {"step": acc.step, "world_size": strategy.world_size, "iteration": project.iteration}
             assert writer is not None
-            writer.commit(checksums, meta)
+            writer.commit(checksums, {"step": acc.step, "world_size": strategy.world_size,
+                                      "iteration": project.iteration, **(meta or {})})
+            if update_latest or automatic:
+                checkpoint_io.update_latest(url)
         except Exception as err:
             error = err
     commit_error = strategy.broadcast_object(repr(error) if error else None)
@@ -241,11 +244,14 @@ def _load(url: str, name: str, manifest: Dict[str, Any], weights_only: bool) -> 
 def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]], strict: bool = True,
                weights_only: bool = True, **_: Any) -> str:
     if input_dir is None:
-        existing = _numbered_checkpoints(_checkpoints_root(acc))
-        if not existing:
-            raise CheckpointError(f"No checkpoint under {_checkpoints_root(acc)} to load.")
-        number, url = existing[-1]
-        acc.project_configuration.iteration = number + 1
+        root = _checkpoints_root(acc)
+        found = acc.strategy.broadcast_object(
+            checkpoint_io.newest_whole_checkpoint(root) if acc.strategy.is_global_zero else None)
+        match = _CHECKPOINT_RE.search(found or "")
+        if match is None:
+            raise CheckpointError(f"No whole checkpoint under {root} to load.")
+        url = found
+        acc.project_configuration.iteration = int(match.group(1)) + 1
     else:
         url = os.fspath(input_dir)
     for hook in acc._load_state_pre_hooks.values():

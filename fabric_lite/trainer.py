@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import os
+import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Union
 
@@ -18,9 +19,11 @@ from torch import nn
 
 from fabric_lite.accelerator import Accelerator
 from fabric_lite.callbacks.base import Callback
+from fabric_lite.environments import detect_process
 from fabric_lite.logged_metrics import MetricStore
 from fabric_lite.module import DataModule, TrainModule
 from fabric_lite.optimizers import SchedulerConfig, parse_optimizers
+from fabric_lite.preemption import PreemptionWatch
 
 __all__ = ["Trainer"]
 
@@ -151,6 +154,7 @@ class Trainer:
         self._optimizers: List[Any] = []
         self._schedulers: List[SchedulerConfig] = []
         self._start_time: Optional[float] = None
+        self._preemption = PreemptionWatch()
         self.module: Optional[TrainModule] = None
         self.model: Optional[nn.Module] = None
         self.eval_model: Optional[nn.Module] = None
@@ -259,8 +263,15 @@ class Trainer:
         self.accelerator.register_for_checkpointing(_LoggedAggregates(self), per_process=True)
         for cb in self.callbacks:
             cb.setup(self, module, "fit")
+        if ckpt_path is None and detect_process().restart_count > 0:
+            ckpt_path = "last"  # restarted by torch elastic: go on from the newest whole checkpoint
+            if self.is_global_zero:
+                print(f"fabric_lite: restart {detect_process().restart_count}: resuming from the newest checkpoint "
+                      f"under {self._checkpoint_dir()}", file=sys.stderr, flush=True)
         if ckpt_path is not None:
             self._restore(ckpt_path)
+        self._preemption = PreemptionWatch()
+        self._preemption.install()
         try:
             loops.run_fit(self)
         except BaseException as err:
@@ -268,6 +279,7 @@ class Trainer:
                 cb.on_exception(self, module, err)
             raise
         finally:
+            self._preemption.uninstall()
             for cb in self.callbacks:
                 cb.teardown(self, module, "fit")
 
@@ -341,13 +353,28 @@ class Trainer:
         self.eval_model = self.accelerator.unwrap_model(self.model)
 
     def save_checkpoint(self, path: str) -> None:
-        """Write a full checkpoint (weights, optimizers, schedulers, RNG, loop position, callbacks)."""
-        self.accelerator.save_state(path)
+        """Write a full checkpoint (weights, optimizers, schedulers, RNG, loop position, callbacks).
+
+        Written whole or not at all; once published, ``latest`` in its directory names it."""
+        from fabric_lite import state_io
+
+        state_io.save_state(self.accelerator, path, update_latest=True,
+                            meta={"epoch": self.current_epoch, "global_step": self.global_step})
+
+    def _checkpoint_dir(self) -> str:
+        callback = self.checkpoint_callback
+        if callback is not None:
+            callback.setup(self, self.module, "fit")  # type: ignore[arg-type]
+            return callback.dirpath  # type: ignore[attr-defined]
+        return f"{self.default_root_dir.rstrip('/')}/checkpoints"
 
     def _restore(self, ckpt_path: str) -> None:
         if ckpt_path == "last":
-            callback = self.checkpoint_callback
-            found = callback.last_checkpoint(self) if callback is not None else None
+            from fabric_lite import checkpoint_io
+
+            root = self._checkpoint_dir()
+            found = checkpoint_io.newest_whole_checkpoint(root) if self.is_global_zero else None
+            found = self.strategy.broadcast_object(found)
             if found is None:
                 return  # nothing saved yet: a fresh start, as Lightning does
             ckpt_path = found

@@ -63,3 +63,64 @@ def launch(tmp_path):
         return torchrun(WORKERS / f"{name}.py", nproc, *args, out_dir=out, **kwargs)
 
     return _launch
+
+
+# -- a real S3-compatible server (moto) on 127.0.0.1, reached through s3fs -------------------------
+
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing",
+          "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """The URL of a moto S3 server running in this process for the whole session (skips without moto/s3fs)."""
+    pytest.importorskip("s3fs")
+    server_mod = pytest.importorskip("moto.server")
+    import logging
+
+    access_log = logging.getLogger("werkzeug")   # one INFO line per request: noise in failure reports
+    level = access_log.level
+    access_log.setLevel(logging.WARNING)
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+        access_log.setLevel(level)
+
+
+@pytest.fixture
+def s3_env(s3_endpoint, monkeypatch, tmp_path):
+    """Point every S3 client created in this test (boto, s3fs, fabric_lite's URLs) at the moto server."""
+    import s3fs
+
+    for name, value in S3_ENV.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(name, raising=False)
+    missing = tmp_path / "no-aws-config"   # never read the developer's own ~/.aws files
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(missing))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(missing))
+    s3fs.S3FileSystem.clear_instance_cache()
+    yield s3_endpoint
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture
+def s3_bucket(s3_env):
+    """A fresh, empty bucket on the session's moto server, as a URL: ``s3://fl-test-<hex>``."""
+    import uuid
+
+    import s3fs
+
+    name = f"fl-test-{uuid.uuid4().hex[:12]}"
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    fs.mkdir(name)
+    yield f"s3://{name}"
+    try:
+        fs.rm(name, recursive=True)   # moto keeps everything in memory
+    except Exception:  # cleanup only; a test that broke the bucket has already failed
+        pass

@@ -646,7 +646,7 @@ def test_automatic_checkpoint_naming_keeps_total_limit(tmp_path):
             model.weight.fill_(float(i))
         saved.append(acc.save_state())
     assert [os.path.basename(p) for p in saved] == ["checkpoint_0", "checkpoint_1", "checkpoint_2", "checkpoint_3"]
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["checkpoint_2", "checkpoint_3"]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["checkpoint_2", "checkpoint_3", "latest"]
     assert acc.save_iteration == 4
     for name in ("checkpoint_2", "checkpoint_3"):
         assert "manifest.json" in os.listdir(tmp_path / "checkpoints" / name)
@@ -660,7 +660,7 @@ def test_automatic_checkpoint_naming_keeps_total_limit(tmp_path):
     assert torch.all(model2.weight == 3.0)
     assert acc2.save_iteration == 4
     assert os.path.basename(acc2.save_state()) == "checkpoint_4"
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["checkpoint_3", "checkpoint_4"]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["checkpoint_3", "checkpoint_4", "latest"]
 
 
 def test_save_state_without_a_path_or_naming_is_an_error():

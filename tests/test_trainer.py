@@ -1151,3 +1151,29 @@ def test_resume_after_a_batch_limited_epoch_starts_the_next_epoch(tmp_path):
     run(tmp_path / "b", 2)
     resumed = run(tmp_path / "b", 3, ckpt_path="last")
     assert torch.equal(weights(resumed), weights(straight))
+
+
+def test_a_resumed_run_prunes_the_checkpoint_it_resumed_from(tmp_path):
+    # the checkpoint's own ModelCheckpoint state must list that checkpoint, or a resumed run never prunes it
+    for epochs in (1, 3):
+        make_trainer(tmp_path, [ModelCheckpoint(save_top_k=1)], max_epochs=epochs, enable_checkpointing=True).fit(
+            Regressor(), loader(regression_data(n=8)), ckpt_path="last")
+    assert _dirs(tmp_path / "checkpoints") == ["epoch=2-step=6"]
+    assert json.loads((tmp_path / "checkpoints" / "latest").read_text()) == {"name": "epoch=2-step=6"}
+
+
+def test_a_failed_save_leaves_the_top_k_bookkeeping_and_the_old_checkpoint(tmp_path, monkeypatch):
+    callback = ModelCheckpoint(save_top_k=1)
+    trainer = make_trainer(tmp_path, [callback], max_epochs=1, enable_checkpointing=True)
+    trainer.fit(Regressor(), loader(regression_data(n=8)))
+    before = dict(callback.best_k_models)
+
+    def broken(path):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(trainer, "save_checkpoint", broken)
+    trainer.global_step += 1
+    with pytest.raises(OSError, match="disk full"):
+        callback._save(trainer)
+    assert callback.best_k_models == before
+    assert _dirs(tmp_path / "checkpoints") == ["epoch=0-step=2"]

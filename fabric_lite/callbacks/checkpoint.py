@@ -60,26 +60,6 @@ class ModelCheckpoint(Callback):
         if self.dirpath is None:
             self.dirpath = f"{trainer.default_root_dir.rstrip('/')}/checkpoints"
 
-    def last_checkpoint(self, trainer: "Trainer") -> Optional[str]:
-        """The `last` checkpoint, else the newest one this callback wrote, else None."""
-        from fabric_lite import checkpoint_io
-
-        self.setup(trainer, trainer.module, "fit")  # type: ignore[arg-type]
-        fs, path = checkpoint_io._fs(self.dirpath)
-        last = f"{self.dirpath.rstrip('/')}/last"
-        try:
-            checkpoint_io.read_manifest(last)
-            return last
-        except checkpoint_io.CheckpointError:
-            pass
-        if not fs.exists(path):
-            return None
-        candidates = []
-        for entry in fs.ls(path, detail=True):
-            if entry["type"] == "directory" and fs.exists(f"{entry['name'].rstrip('/')}/manifest.json"):
-                candidates.append((entry.get("mtime") or entry.get("LastModified") or 0, entry["name"]))
-        return sorted(candidates)[-1][1] if candidates else None
-
     # -- when to save ------------------------------------------------------------------------------
     def on_train_batch_end(self, trainer: "Trainer", module: "TrainModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -139,9 +119,17 @@ class ModelCheckpoint(Callback):
         if self.save_top_k != 0:
             path = f"{base}/{filename}"
             if self.monitor is None or self.save_top_k == -1 or self._is_top_k(current):
-                trainer.save_checkpoint(path)
+                # The checkpoint carries this callback's state as it will be once the save is done (itself
+                # in, the ones it displaces out), so a run resumed from it prunes exactly what it should.
+                before = (dict(self.best_k_models), self.best_model_path)
                 self.best_k_models[path] = current if current is not None else float(trainer.global_step)
-                self._prune(trainer)
+                displaced = self._displaced(keep=path)
+                try:
+                    trainer.save_checkpoint(path)
+                except BaseException:
+                    self.best_k_models, self.best_model_path = before
+                    raise
+                self._delete(trainer, displaced)  # only now that the new one is whole
         if self.save_last:
             self.last_model_path = f"{base}/last"
             trainer.save_checkpoint(self.last_model_path)
@@ -162,18 +150,26 @@ class ModelCheckpoint(Callback):
         items = sorted(self.best_k_models.items(), key=lambda kv: kv[1], reverse=(self._mode == "min"))
         return items[0]
 
-    def _prune(self, trainer: "Trainer") -> None:
-        from fabric_lite import checkpoint_io
-
-        keep = self.save_top_k
-        while keep != -1 and len(self.best_k_models) > keep:
-            path, _ = self._worst()
+    def _displaced(self, keep: str) -> list:
+        """Drop the entries beyond the best `save_top_k` (never `keep`); returns their paths."""
+        displaced = []
+        while self.save_top_k != -1 and len(self.best_k_models) > self.save_top_k:
+            items = sorted(self.best_k_models.items(), key=lambda kv: kv[1], reverse=(self._mode == "min"))
+            path = next(p for p, _ in items if p != keep)
             del self.best_k_models[path]
-            if trainer.is_global_zero:
-                fs, p = checkpoint_io._fs(path)
-                if fs.exists(p):
-                    fs.rm(p, recursive=True)
-            trainer.strategy.barrier()
+            displaced.append(path)
         if self.best_k_models:
             best = sorted(self.best_k_models.items(), key=lambda kv: kv[1], reverse=(self._mode == "max"))[0]
             self.best_model_path = best[0]
+        return displaced
+
+    def _delete(self, trainer: "Trainer", paths: list) -> None:
+        from fabric_lite import checkpoint_io
+
+        if paths and trainer.is_global_zero:
+            for path in paths:
+                fs, p = checkpoint_io._fs(path)
+                if fs.exists(p):
+                    fs.rm(p, recursive=True)
+        if paths:
+            trainer.strategy.barrier()

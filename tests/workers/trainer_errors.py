@@ -67,11 +67,12 @@ def scenario(name):
     except Exception as err:  # reported, not raised: the test reads what each rank saw
         return {"error": type(err).__name__, "message": str(err), "global_step": trainer.global_step}
     ckpt = trainer.checkpoint_callback
+    exists = ckpt is not None and os.path.isdir(ckpt.dirpath)
+    dirs = sorted(d for d in os.listdir(ckpt.dirpath) if os.path.isdir(os.path.join(ckpt.dirpath, d))) if exists else None
     return {"error": None, "global_step": trainer.global_step,
             "best_model_path": getattr(ckpt, "best_model_path", None),
-            "saved": sorted(os.listdir(ckpt.dirpath)) if ckpt is not None and os.path.isdir(ckpt.dirpath) else None,
-            "files": {d: sorted(os.listdir(os.path.join(ckpt.dirpath, d))) for d in os.listdir(ckpt.dirpath)}
-            if ckpt is not None and os.path.isdir(ckpt.dirpath) else None}
+            "saved": dirs,
+            "files": {d: sorted(os.listdir(os.path.join(ckpt.dirpath, d))) for d in dirs} if exists else None}
 
 
 results = {}

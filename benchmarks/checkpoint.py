@@ -1,0 +1,531 @@
+"""Checkpoint save and load throughput: torch.save/torch.load by hand vs Accelerator.save_state/load_state.
+
+One model (a stack of nn.Linear layers, ~100M fp32 parameters by default) with its AdamW state
+(one optimizer step taken, so exp_avg and exp_avg_sq exist: 400 MB of weights and 800 MB of
+optimizer state at 100M parameters), saved to and loaded from local disk two ways in the same
+process, on the same tensors:
+
+  raw          torch.save(model.state_dict(), a); torch.save(optimizer.state_dict(), b)
+               model.load_state_dict(torch.load(a, weights_only=True)), the same for the optimizer
+  fabric_lite  accelerator.save_state(dir) / accelerator.load_state(dir) after
+               model, optimizer = accelerator.prepare(model, optimizer) on a plain Accelerator():
+               every file checksummed (SHA-256 in manifest.json), written in a staging directory
+               that is published by a move, and verified again on load
+
+Timed repeats alternate between the two (raw, fabric_lite, fabric_lite, raw, ...). The table gives
+MB/s (bytes on disk / seconds) and fabric_lite/raw throughput ratios; nothing passes or fails.
+After the repeats, cProfile splits one fabric_lite save and one load into their parts.
+
+    python benchmarks/checkpoint.py               # 100M parameters, 5 repeats: a few minutes
+    python benchmarks/checkpoint.py --quick       # ~5M parameters, 2 repeats: smoke run, ~20 s
+    python benchmarks/checkpoint.py --fsync       # both sides wait until their bytes reach the disk
+    python benchmarks/checkpoint.py --cold-load   # evict the files from the page cache before each load
+
+Target (from the issue): fabric_lite >= 0.9x raw throughput, save and load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import ctypes
+import gc
+import json
+import math
+import os
+import pstats
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout without installing
+
+from fabric_lite import Accelerator  # noqa: E402
+
+RAW, FRAMEWORK = "raw", "fabric_lite"
+MODES = (RAW, FRAMEWORK)
+OPS = ("save", "load")
+TARGET = 0.9  # fabric_lite / raw throughput
+MB = 1e6
+
+
+# -- the model -------------------------------------------------------------------------------------
+def shape_for(params: int) -> Tuple[int, int]:
+    """(width, layers) of a stack of Linear(width, width) holding about `params` parameters."""
+    width = min(4096, max(64, 2 ** int(math.log2(math.sqrt(max(params, 1) / 4)))))
+    layers = max(1, round(params / (width * width + width)))
+    return width, layers
+
+
+def trained_model(params: int) -> Tuple[nn.Module, torch.optim.Optimizer, int]:
+    """The model and an AdamW that has taken one step (so its state holds exp_avg and exp_avg_sq)."""
+    width, layers = shape_for(params)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(8, width)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)  # gradients are not part of a checkpoint: free them
+    return model, optimizer, sum(p.numel() for p in model.parameters())
+
+
+class Side:
+    """One way of checkpointing: save(dir) and load(dir), and the files a save leaves in dir."""
+
+    def __init__(self, name: str, save: Callable[[Path], None], load: Callable[[Path], None]):
+        self.name, self.save, self.load = name, save, load
+
+
+def raw_side(model: nn.Module, optimizer: torch.optim.Optimizer, fsync: bool) -> Side:
+    def save(d: Path) -> None:
+        d.mkdir()
+        torch.save(model.state_dict(), d / "model.pt")
+        torch.save(optimizer.state_dict(), d / "optimizer.pt")
+        if fsync:
+            for p in (d / "model.pt", d / "optimizer.pt", d):  # the files, then the directory entry
+                fsync_path(p)
+
+    def load(d: Path) -> None:
+        model.load_state_dict(torch.load(d / "model.pt", weights_only=True))
+        optimizer.load_state_dict(torch.load(d / "optimizer.pt", weights_only=True))
+
+    return Side(RAW, save, load)
+
+
+def framework_side(accelerator: Accelerator, fsync: bool) -> Side:
+    def save(d: Path) -> None:
+        accelerator.save_state(d)
+        if fsync:
+            os.sync()  # save_state does not fsync; this flushes every dirty page on the machine
+
+    def load(d: Path) -> None:
+        accelerator.load_state(d)
+
+    return Side(FRAMEWORK, save, load)
+
+
+def build_sides(params: int, fsync: bool) -> Tuple[Dict[str, Side], int, Dict[str, int]]:
+    model, optimizer, n = trained_model(params)
+    accelerator = Accelerator()
+    # prepare() wraps the optimizer (and would wrap the model for DDP or mixed precision); the raw
+    # side keeps the user's objects, so both sides serialize the very same tensors.
+    _prepared_model, prepared_optimizer = accelerator.prepare(model, optimizer)
+    state_bytes = sum(
+        t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)
+    )
+    sizes = {"weights": sum(p.numel() * p.element_size() for p in model.parameters()), "optimizer_state": state_bytes}
+    del prepared_optimizer
+    return {RAW: raw_side(model, optimizer, fsync), FRAMEWORK: framework_side(accelerator, fsync)}, n, sizes
+
+
+# -- files and the page cache ----------------------------------------------------------------------
+def files_under(d: Path) -> List[Path]:
+    return sorted(p for p in d.rglob("*") if p.is_file())
+
+
+def bytes_under(d: Path) -> int:
+    return sum(p.stat().st_size for p in files_under(d))
+
+
+def fsync_path(p: Path) -> None:
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def evict(d: Path) -> None:
+    """Write the files' pages out and drop them from the page cache (no root needed: posix_fadvise)."""
+    for p in files_under(d):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+    return libc
+
+
+def resident_fraction(d: Path) -> Optional[float]:
+    """Share of the bytes under `d` that sit in the page cache (mincore), or None where that fails."""
+    try:
+        libc = _libc()
+        page = os.sysconf("SC_PAGE_SIZE")
+        resident = total = 0
+        for p in files_under(d):
+            size = p.stat().st_size
+            if size == 0:
+                continue
+            pages = (size + page - 1) // page
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+                if addr in (None, ctypes.c_void_p(-1).value):
+                    return None
+                try:
+                    vec = (ctypes.c_ubyte * pages)()
+                    if libc.mincore(addr, size, vec) != 0:
+                        return None
+                    resident += sum(b & 1 for b in bytes(vec))
+                finally:
+                    libc.munmap(addr, size)
+            finally:
+                os.close(fd)
+            total += pages
+        return resident / total if total else None
+    except (OSError, AttributeError):
+        return None
+
+
+# -- timing ----------------------------------------------------------------------------------------
+def settle() -> None:
+    """Before every timed operation: no garbage, no dirty pages left by the previous one."""
+    gc.collect()
+    os.sync()
+
+
+def one_round(side: Side, root: Path, cold_load: bool) -> Dict[str, float]:
+    d = root / side.name
+    if d.exists():
+        shutil.rmtree(d)  # each save writes fresh files (and fabric_lite has no old checkpoint to replace)
+    settle()
+    cpu, start = time.process_time(), time.perf_counter()
+    side.save(d)
+    save_s, save_cpu = time.perf_counter() - start, time.process_time() - cpu
+    size = bytes_under(d)
+    if cold_load:
+        evict(d)
+    settle()
+    resident = resident_fraction(d)
+    cpu, start = time.process_time(), time.perf_counter()
+    side.load(d)
+    load_s, load_cpu = time.perf_counter() - start, time.process_time() - cpu
+    return {"save_s": save_s, "load_s": load_s, "save_cpu_s": save_cpu, "load_cpu_s": load_cpu, "bytes": size,
+            "resident_before_load": resident}
+
+
+def time_interleaved(sides: Dict[str, Side], root: Path, repeats: int, cold_load: bool) -> Dict[str, List[dict]]:
+    runs: Dict[str, List[dict]] = {name: [] for name in sides}
+    for r in range(repeats):
+        for name in MODES if r % 2 == 0 else MODES[::-1]:
+            runs[name].append(one_round(sides[name], root, cold_load))
+    return runs
+
+
+# -- cProfile --------------------------------------------------------------------------------------
+def label(key: Tuple[str, int, str]) -> str:
+    filename, line, func = key
+    if filename == "~":
+        return func
+    path = filename.replace(os.sep, "/")
+    for anchor in ("/fabric_lite/", "/torch/", "/fsspec/", "/benchmarks/", "/lib/python"):
+        if anchor in path:
+            path = path[path.index(anchor) + 1:]
+            break
+    return f"{path}:{line}({func})"
+
+
+def profile(fn: Callable[[], None]) -> Tuple[float, dict]:
+    settle()
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    fn()
+    profiler.disable()
+    wall = time.perf_counter() - start
+    stats = pstats.Stats(profiler).stats  # key -> (primitive calls, calls, tottime, cumtime, callers)
+    return wall, {k: v for k, v in stats.items() if "_lsprof.Profiler" not in k[2]}
+
+
+def top(stats: dict, column: int, n: int) -> List[Tuple[float, int, str]]:
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][column])[:n]
+    return [(v[column], v[1], label(k)) for k, v in rows]
+
+
+def cum(stats: dict, *names: Tuple[str, str]) -> float:
+    """Cumulative seconds of the functions named (file suffix, function name); 0 for those not called."""
+    total = 0.0
+    for (filename, _line, func), v in stats.items():
+        for suffix, name in names:
+            if func == name and filename.replace(os.sep, "/").endswith(suffix):
+                total += v[3]
+    return total
+
+
+def save_breakdown(stats: dict, total: float) -> List[Tuple[str, float]]:
+    to_bytes = cum(stats, ("checkpoint_io.py", "_to_bytes"))
+    sha = cum(stats, ("~", "<built-in method _hashlib.openssl_sha256>"),
+              ("~", "<method 'update' of '_hashlib.HASH' objects>"),
+              ("~", "<method 'hexdigest' of '_hashlib.HASH' objects>"))
+    writes = cum(stats, ("checkpoint_io.py", "write"))  # CheckpointWriter.write: serialize + open/write/close + hash
+    commit = cum(stats, ("checkpoint_io.py", "commit"))
+    setup = cum(stats, ("checkpoint_io.py", "__init__"), ("checkpoint_io.py", "clean_up_interrupted"))
+    parts = [
+        ("torch.save into an in-memory buffer (_to_bytes)", to_bytes),
+        ("sha256 of the bytes", sha),
+        ("open + write the bytes + close (staging file)", max(0.0, writes - to_bytes - sha)),
+        ("manifest.json + publish by move (commit)", commit),
+        ("staging directory set-up and clean-up scan", setup),
+    ]
+    parts.append(("other (state dicts, RNG state, os.sync with --fsync, ...)", max(0.0, total - sum(p[1] for p in parts))))
+    return parts
+
+
+def load_breakdown(stats: dict, total: float) -> List[Tuple[str, float]]:
+    load_file = cum(stats, ("checkpoint_io.py", "load_file"))
+    sha = cum(stats, ("~", "<built-in method _hashlib.openssl_sha256>"),
+              ("~", "<method 'update' of '_hashlib.HASH' objects>"),
+              ("~", "<method 'hexdigest' of '_hashlib.HASH' objects>"))
+    torch_load = cum(stats, ("torch/serialization.py", "load"))
+    manifest = cum(stats, ("checkpoint_io.py", "read_manifest"))
+    apply = cum(stats, ("torch/nn/modules/module.py", "load_state_dict"), ("torch/optim/optimizer.py", "load_state_dict"))
+    parts = [
+        ("read the whole file into bytes", max(0.0, load_file - sha - torch_load)),
+        ("sha256 of the bytes", sha),
+        ("torch.load from the in-memory bytes", torch_load),
+        ("load_state_dict (copy into model, optimizer)", apply),
+        ("read manifest.json", manifest),
+    ]
+    parts.append(("other", max(0.0, total - sum(p[1] for p in parts))))
+    return parts
+
+
+# -- peak memory, one child process per mode -------------------------------------------------------
+def _status_kib(field: str) -> Optional[int]:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM (peak RSS) to the current RSS, Linux >= 4.0
+        return True
+    except OSError:
+        return False
+
+
+def memory_child(mode: str, params: int, root: Path, fsync: bool) -> None:
+    sides, _, _ = build_sides(params, fsync)
+    side, d = sides[mode], root / f"mem_{mode}"
+    out: Dict[str, Optional[float]] = {}
+    for op in OPS:
+        settle()
+        before = _status_kib("VmRSS")
+        if before is None or not _reset_peak():
+            out[f"{op}_peak_extra_mb"] = None
+            getattr(side, op)(d)
+            continue
+        getattr(side, op)(d)
+        peak = _status_kib("VmHWM")
+        out[f"{op}_peak_extra_mb"] = (peak - before) * 1024 / MB if peak is not None else None
+    shutil.rmtree(d, ignore_errors=True)
+    print(json.dumps(out))
+
+
+def peak_memory(params: int, root: Path, fsync: bool) -> Dict[str, Dict[str, Optional[float]]]:
+    result = {}
+    for mode in MODES:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--_memory-child", mode,
+               "--params", str(params), "--dir", str(root)] + (["--fsync"] if fsync else [])
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(f"memory child ({mode}) failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
+            result[mode] = {f"{op}_peak_extra_mb": None for op in OPS}
+            continue
+        result[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+# -- report ----------------------------------------------------------------------------------------
+def pick_dir(requested: Optional[Path]) -> Path:
+    d = requested or Path(tempfile.gettempdir())
+    if os.stat(d).st_dev != os.stat(REPO).st_dev:
+        print(f"note: {d} is not on the repository's filesystem", file=sys.stderr)
+    return d
+
+
+def filesystem_of(d: Path) -> str:
+    try:
+        best = ("?", "?", -1)
+        with open("/proc/mounts") as f:
+            for line in f:
+                dev, mnt, fstype = line.split()[:3]
+                if str(d.resolve()).startswith(mnt.rstrip("/") + "/") or str(d.resolve()) == mnt:
+                    if len(mnt) > best[2]:
+                        best = (dev, fstype, len(mnt))
+        return f"{best[0]} ({best[1]})"
+    except OSError:
+        return "?"
+
+
+def fmt_pct(x: Optional[float]) -> str:
+    return "n/a" if x is None else f"{100 * x:.0f}%"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", type=int, help="model parameters (default 100_000_000; 5_000_000 with --quick)")
+    parser.add_argument("--repeats", type=int, help="timed save+load repeats of each side (default 5; 2 with --quick)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed save+load rounds of each side first (default 1)")
+    parser.add_argument("--quick", action="store_true", help="small model, 2 repeats: checks that the script works")
+    parser.add_argument("--fsync", action="store_true",
+                        help="saves end when the bytes are on disk: raw fsyncs its two files and the directory, "
+                             "fabric_lite calls os.sync() after save_state (both inside the timing)")
+    parser.add_argument("--cold-load", action="store_true",
+                        help="before each timed load, drop that checkpoint's files from the page cache "
+                             "(fsync + posix_fadvise DONTNEED, untimed)")
+    parser.add_argument("--dir", type=Path, help="where to write (default: the system temp directory)")
+    parser.add_argument("--top", type=int, default=8, help="functions listed per cProfile table (default 8)")
+    parser.add_argument("--profile-raw", action="store_true", help="also profile one raw save and load")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory child processes")
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    parser.add_argument("--_memory-child", dest="memory_child", choices=MODES, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    params = args.params or (5_000_000 if args.quick else 100_000_000)
+    repeats = args.repeats or (2 if args.quick else 5)
+    if repeats < 1:
+        parser.error("--repeats must be >= 1")
+    base = pick_dir(args.dir)
+
+    if args.memory_child:
+        memory_child(args.memory_child, params, base, args.fsync)
+        return
+
+    t_all, load_before = time.perf_counter(), os.getloadavg()
+    sides, n, sizes = build_sides(params, args.fsync)
+    width, layers = shape_for(params)
+    print(f"fabric_lite checkpoint throughput: raw torch.save/torch.load vs Accelerator.save_state/load_state | "
+          f"torch {torch.__version__} | {n / 1e6:.1f}M params ({layers} x Linear({width}, {width})): "
+          f"{sizes['weights'] / MB:.0f} MB weights + {sizes['optimizer_state'] / MB:.0f} MB AdamW state | "
+          f"{repeats} interleaved repeats" + (" | --fsync" if args.fsync else "") +
+          (" | --cold-load" if args.cold_load else "") + (" | QUICK" if args.quick else ""), flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="fabric_lite_ckpt_bench_", dir=base) as tmp:
+        root = Path(tmp)
+        print(f"writing under {root} on {filesystem_of(root)}", flush=True)
+        for _ in range(args.warmup):
+            for name in MODES:
+                one_round(sides[name], root, args.cold_load)
+        t0 = time.perf_counter()
+        runs = time_interleaved(sides, root, repeats, args.cold_load)
+        timing_s = time.perf_counter() - t0
+
+        # where fabric_lite's time goes: one save and one load under cProfile
+        profiles: Dict[str, Dict[str, Tuple[float, dict]]] = {}
+        for name in (MODES if args.profile_raw else (FRAMEWORK,)):
+            d = root / f"profile_{name}"
+            profiles[name] = {"save": profile(lambda: sides[name].save(d))}
+            if args.cold_load:
+                evict(d)
+            profiles[name]["load"] = profile(lambda: sides[name].load(d))
+            shutil.rmtree(d)
+        for d in root.iterdir():
+            shutil.rmtree(d)
+        memory = None if args.no_memory else peak_memory(params, root, args.fsync)
+
+    # -- figures
+    results: Dict[str, dict] = {"params": n, "width": width, "layers": layers, "repeats": repeats,
+                                "fsync": args.fsync, "cold_load": args.cold_load, "torch": torch.__version__,
+                                "threads": torch.get_num_threads(), "sizes": sizes, "timing_seconds": timing_s,
+                                "runs": runs, "ops": {}}
+    print()
+    print(f"{'op':4} {'side':12} {'MB on disk':>10} {'median MB/s':>11} {'min':>7} {'max':>7} "
+          f"{'median s':>9} {'CPU s':>6} {'in page cache':>13}")
+    for op in OPS:
+        for name in MODES:
+            rs = runs[name]
+            mbps = [r["bytes"] / MB / r[f"{op}_s"] for r in rs]
+            secs = [r[f"{op}_s"] for r in rs]
+            cpus = [r[f"{op}_cpu_s"] for r in rs]
+            cached = [r["resident_before_load"] for r in rs]
+            cache_s = "" if op == "save" else (fmt_pct(statistics.median(cached)) if None not in cached else "n/a")
+            results["ops"].setdefault(op, {})[name] = {
+                "mb_per_s": mbps, "seconds": secs, "median_mb_per_s": statistics.median(mbps),
+                "median_s": statistics.median(secs), "cpu_s": cpus, "median_cpu_s": statistics.median(cpus), "bytes": statistics.median(r["bytes"] for r in rs)}
+            print(f"{op:4} {name:12} {rs[0]['bytes'] / MB:10.1f} {statistics.median(mbps):11.0f} {min(mbps):7.0f} "
+                  f"{max(mbps):7.0f} {statistics.median(secs):9.3f} {statistics.median(cpus):6.2f} {cache_s:>13}")
+    print()
+    print(f"{'op':4} {'ratio':>6} {'of bests':>8} {'paired: median [min..max]':>26} {'CPU ratio':>9} {'target':>7}")
+    for op in OPS:
+        fw, raw = results["ops"][op][FRAMEWORK], results["ops"][op][RAW]
+        paired = [f / r for f, r in zip(fw["mb_per_s"], raw["mb_per_s"])]
+        ratio = fw["median_mb_per_s"] / raw["median_mb_per_s"]
+        cpu_ratio = fw["median_cpu_s"] / raw["median_cpu_s"]
+        results["ops"][op].update(ratio=ratio, ratio_of_bests=max(fw["mb_per_s"]) / max(raw["mb_per_s"]),
+                                  ratio_paired=paired, cpu_ratio=cpu_ratio)
+        verdict = "met" if ratio >= TARGET else "not met"
+        pp = f"{statistics.median(paired):.3f} [{min(paired):.3f}..{max(paired):.3f}]"
+        print(f"{op:4} {ratio:6.3f} {results['ops'][op]['ratio_of_bests']:8.3f} {pp:>26} {cpu_ratio:9.2f} "
+              f"{'>=' + str(TARGET):>7} {verdict}")
+    print("\nratio = median(fabric_lite MB/s) / median(raw MB/s); of bests = the same with each side's fastest\n"
+          "repeat; paired = per-repeat ratios of back-to-back runs. MB = 10^6 bytes on disk (each side's own files).\n"
+          "CPU s = the process's user+sys seconds (all threads, kernel page-cache copies included): it moves far less\n"
+          "with load on the machine than wall time. CPU ratio = median CPU s fabric_lite / raw (a cost: lower is better).\n"
+          "Times include writing into the page cache" + (" and waiting for the disk (--fsync)" if args.fsync else
+                                                        ", not waiting for the disk (see --fsync)") + ".")
+
+    if memory is not None:
+        results["peak_extra_memory_mb"] = memory
+        print(f"\npeak extra RSS during one operation (child process per side; VmHWM - VmRSS before)")
+        print(f"{'side':12} {'save MB':>8} {'load MB':>8}")
+        for name in MODES:
+            m = memory[name]
+            cells = ["n/a" if m.get(f"{op}_peak_extra_mb") is None else f"{m[f'{op}_peak_extra_mb']:.0f}" for op in OPS]
+            print(f"{name:12} {cells[0]:>8} {cells[1]:>8}")
+
+    results["profile"] = {}
+    for name, ops in profiles.items():
+        for op, (wall, stats) in ops.items():
+            print(f"\ncProfile: one {name} {op} ({wall:.3f} s wall) -- top {args.top} by cumulative time")
+            print(f"{'cum s':>8} {'calls':>7}  function")
+            for t, calls, fn in top(stats, 3, args.top):
+                print(f"{t:8.3f} {calls:7d}  {fn}")
+            print(f"top {args.top} by own time")
+            for t, calls, fn in top(stats, 2, args.top):
+                print(f"{t:8.3f} {calls:7d}  {fn}")
+            entry = {"wall_s": wall, "top_cumulative": top(stats, 3, args.top), "top_own": top(stats, 2, args.top)}
+            if name == FRAMEWORK:
+                parts = (save_breakdown if op == "save" else load_breakdown)(stats, wall)
+                raw_median = results["ops"][op][RAW]["median_s"]
+                print(f"{op} split (raw {op} median: {raw_median:.3f} s)")
+                for what, s in parts:
+                    print(f"{s:8.3f}  {100 * s / wall:4.0f}%  {what}")
+                entry["breakdown"] = parts
+            results["profile"].setdefault(name, {})[op] = entry
+
+    load_after = os.getloadavg()
+    results["loadavg_before_after"] = [load_before, load_after]
+    print(f"\n(total {time.perf_counter() - t_all:.0f} s; 1-min load average {load_before[0]:.2f} before, "
+          f"{load_after[0]:.2f} after, on {os.cpu_count()} CPUs)")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
