@@ -337,25 +337,52 @@ class DataLoaderShard(DataLoader):
                 self._batch_sampler.skip = 0
             if skip_loaded:
                 iterator = itertools.islice(iterator, skip_loaded, None)
-            sentinel = object()
-            current = next(iterator, sentinel)
-            while current is not sentinel:
-                if device is not None:
-                    current = move_to_device(current, device, non_blocking)
-                if convert is not None:
-                    current = convert(current)
-                upcoming = next(iterator, sentinel)
-                if upcoming is sentinel:
-                    self._at_last = True
-                    state._mark_last()
-                pos.batches_seen += 1
-                yield current
-                current = upcoming
+            remaining = self._batches_left_without_look_ahead()
+            if remaining is not None:
+                # Counted, not looked ahead: fetching batch k+1 before step k runs would draw from
+                # the global RNG (random transforms in __getitem__) out of order, and a resumed run
+                # would not repeat it.
+                for current in iterator:
+                    if device is not None:
+                        current = move_to_device(current, device, non_blocking)
+                    if convert is not None:
+                        current = convert(current)
+                    remaining -= 1
+                    if remaining <= 0:
+                        self._at_last = True
+                        state._mark_last()
+                    pos.batches_seen += 1
+                    yield current
+            else:
+                sentinel = object()
+                current = next(iterator, sentinel)
+                while current is not sentinel:
+                    if device is not None:
+                        current = move_to_device(current, device, non_blocking)
+                    if convert is not None:
+                        current = convert(current)
+                    upcoming = next(iterator, sentinel)  # (workers: loaded in the background anyway)
+                    if upcoming is sentinel:
+                        self._at_last = True
+                        state._mark_last()
+                    pos.batches_seen += 1
+                    yield current
+                    current = upcoming
             pos.epoch += 1
             pos.batches_seen = 0
         finally:
             self._at_last = False
             state._leave(self)
+
+    def _batches_left_without_look_ahead(self) -> Optional[int]:
+        """Batches left in this epoch when that is known and loading happens in this process; else None
+        (the last batch is then found by loading one batch ahead)."""
+        if self.num_workers > 0 or isinstance(self.dataset, IterableDataset):
+            return None
+        try:
+            return DataLoader.__len__(self) - self._position.batches_seen
+        except TypeError:
+            return None
 
     def state_dict(self) -> Dict[str, int]:
         return {"base_seed": self._position.base_seed, "epoch": self._position.epoch,

@@ -1177,3 +1177,34 @@ def test_a_failed_save_leaves_the_top_k_bookkeeping_and_the_old_checkpoint(tmp_p
         callback._save(trainer)
     assert callback.best_k_models == before
     assert _dirs(tmp_path / "checkpoints") == ["epoch=0-step=2"]
+
+
+class NoisyData(torch.utils.data.Dataset):
+    """A random transform drawn from the global RNG in __getitem__ (loaded in the main process)."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        x, y = self.base[i]
+        return x + 0.1 * torch.randn_like(x), y
+
+
+def test_resume_is_exact_with_random_transforms_drawn_in_the_main_process(tmp_path):
+    # num_workers=0: the loader must not fetch batch k+1 (drawing from the global RNG) before step k
+    # has run, or the checkpoint's RNG state is ahead of its position and the resumed run differs
+    def run(root, ckpt_path=None, save=False):
+        set_seed(0)
+        module = Dropout()
+        callbacks = [ModelCheckpoint(every_n_train_steps=5, save_top_k=-1)] if save else []
+        trainer = make_trainer(root, callbacks, max_epochs=2, enable_checkpointing=save)
+        data = NoisyData(regression_data(n=30))
+        trainer.fit(module, loader(data, batch_size=4, shuffle=True, seed=3), ckpt_path=ckpt_path)
+        return module
+
+    straight = run(tmp_path / "a", save=True)
+    resumed = run(tmp_path / "b", ckpt_path=str(tmp_path / "a" / "checkpoints" / "epoch=0-step=5"))
+    assert torch.equal(weights(resumed), weights(straight))
