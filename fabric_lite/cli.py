@@ -10,6 +10,9 @@ USAGE = """usage: fabric-lite <command> [options]
 commands:
   launch    start a training script on one or many processes (fabric-lite launch --help)
   env       print versions and devices, ready to paste into a bug report
+  consolidate CHECKPOINT OUT
+            write a checkpoint's model weights as one file a plain nn.Module loads
+            (OUT ending in .safetensors: safetensors; otherwise torch.save)
 """
 
 
@@ -37,6 +40,29 @@ def _env() -> int:
     return 0
 
 
+def _consolidate(args: List[str]) -> int:
+    import argparse
+
+    from fabric_lite.checkpoint_io import CheckpointError
+    from fabric_lite.state_io import export_weights
+
+    parser = argparse.ArgumentParser(
+        prog="fabric-lite consolidate",
+        description="Write the model weights of a fabric_lite checkpoint (a save_state / Trainer checkpoint "
+                    "directory, any fsspec URL) as one state dict: model.load_state_dict(...) takes it.")
+    parser.add_argument("checkpoint")
+    parser.add_argument("out", help="a .safetensors file, or any other name for a torch.save file")
+    parser.add_argument("--model-index", type=int, default=0, help="which prepared model (default 0)")
+    parsed = parser.parse_args(args)
+    try:
+        count = export_weights(parsed.checkpoint, parsed.out, parsed.model_index)
+    except (CheckpointError, ValueError, ImportError) as err:
+        print(f"fabric-lite consolidate: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {count} tensors to {parsed.out}")
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -49,6 +75,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return launch_command(rest)
     if command == "env":
         return _env()
+    if command == "consolidate":
+        return _consolidate(rest)
     print(f"fabric-lite: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -28,7 +28,7 @@ from fabric_lite.seed import capture_rng_state, restore_rng_state
 if TYPE_CHECKING:
     from fabric_lite.accelerator import Accelerator
 
-__all__ = ["save_state", "load_state", "save_object", "save_model_weights", "parse_size"]
+__all__ = ["save_state", "load_state", "save_object", "save_model_weights", "parse_size", "export_weights"]
 
 _CHECKPOINT_RE = re.compile(r"checkpoint_(\d+)$")
 TRAINING_STATE = "training_state.pt"
@@ -289,3 +289,18 @@ def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]],
         )
     acc.step = int(manifest["meta"].get("step", 0))
     return url
+
+
+def export_weights(checkpoint: Union[str, os.PathLike], out: Union[str, os.PathLike], model_index: int = 0) -> int:
+    """Write the weights of model `model_index` of a checkpoint as one file (safetensors if `out`
+    ends in .safetensors, else torch.save). Checks the checksum first; returns the number of tensors."""
+    url = os.fspath(checkpoint)
+    manifest = checkpoint_io.read_manifest(url)
+    name = f"model_{model_index}.pt"
+    if name not in manifest["files"]:
+        models = sorted(f for f in manifest["files"] if re.fullmatch(r"model_\d+\.pt", f))
+        raise CheckpointError(f"{url} has no {name}; it holds {models or 'no model weights'}.")
+    state = checkpoint_io.load_file(url, name, manifest, weights_only=True)
+    out = os.fspath(out)
+    save_object(state, out, safe_serialization=out.endswith(".safetensors"))
+    return len(state)

@@ -35,6 +35,14 @@ class _StepRunner(nn.Module):
         super().__init__()
         self.module = module
 
+    # Checkpoints hold the TrainModule's own keys ("net.0.weight", not "module.net.0.weight"), so
+    # the exported weights load straight into the user's module.
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
     def forward(self, batch: Any, batch_idx: int, stage: str = "train") -> Any:
         step = {"train": self.module.training_step, "validate": self.module.validation_step,
                 "test": self.module.test_step, "predict": self.module.predict_step}[stage]

@@ -1208,3 +1208,31 @@ def test_resume_is_exact_with_random_transforms_drawn_in_the_main_process(tmp_pa
     straight = run(tmp_path / "a", save=True)
     resumed = run(tmp_path / "b", ckpt_path=str(tmp_path / "a" / "checkpoints" / "epoch=0-step=5"))
     assert torch.equal(weights(resumed), weights(straight))
+
+
+@pytest.mark.parametrize("out_name", ["weights.safetensors", "weights.pt"])
+def test_consolidate_writes_weights_a_plain_module_loads(tmp_path, out_name, capsys):
+    from fabric_lite.cli import main
+
+    module = Regressor()
+    make_trainer(tmp_path, max_epochs=1, enable_checkpointing=True).fit(module, loader(regression_data(n=8)))
+    (ckpt,) = [p for p in (tmp_path / "checkpoints").iterdir() if p.is_dir()]
+    out = tmp_path / out_name
+    assert main(["consolidate", str(ckpt), str(out)]) == 0
+    if out_name.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        state = load_file(str(out))
+    else:
+        state = torch.load(out, weights_only=True)
+    plain = Regressor(seed=123)  # other initial weights: everything must come from the file
+    plain.load_state_dict(state)  # the module's own keys, no wrapper prefix
+    assert torch.equal(weights(plain), weights(module))
+
+
+def test_consolidate_refuses_what_is_not_a_checkpoint(tmp_path, capsys):
+    from fabric_lite.cli import main
+
+    assert main(["consolidate", str(tmp_path / "missing"), str(tmp_path / "w.pt")]) == 1
+    assert "No checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "w.pt").exists()
