@@ -1236,3 +1236,22 @@ def test_consolidate_refuses_what_is_not_a_checkpoint(tmp_path, capsys):
     assert main(["consolidate", str(tmp_path / "missing"), str(tmp_path / "w.pt")]) == 1
     assert "No checkpoint" in capsys.readouterr().err
     assert not (tmp_path / "w.pt").exists()
+
+
+def test_step_monitors_report_once_per_optimizer_step_under_accumulation(tmp_path):
+    from fabric_lite.callbacks import LearningRateMonitor, ThroughputMonitor
+
+    class Steps(Callback):
+        def __init__(self):
+            self.steps = []
+
+        def on_log(self, trainer, metrics, step):
+            if any(k.startswith(("lr-", "throughput/")) for k in metrics):
+                self.steps.append((step, sorted(k for k in metrics if k.startswith(("lr-", "throughput/")))[0]))
+
+    rec = Steps()
+    trainer = make_trainer(tmp_path, [LearningRateMonitor("step"), ThroughputMonitor(), rec], max_epochs=1,
+                           accumulate_grad_batches=2, log_every_n_steps=1)
+    trainer.fit(Regressor(), loader(regression_data(n=32)))  # 8 batches, 4 optimizer steps
+    assert [s for s, k in rec.steps if k.startswith("lr-")] == [1, 2, 3, 4]
+    assert [s for s, k in rec.steps if k.startswith("throughput/")] == [1, 2, 3, 4]

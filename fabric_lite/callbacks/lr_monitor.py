@@ -18,6 +18,7 @@ class LearningRateMonitor(Callback):
         if logging_interval not in ("step", "epoch"):
             raise ValueError(f"LearningRateMonitor(logging_interval={logging_interval!r}): use 'step' or 'epoch'.")
         self.logging_interval = logging_interval
+        self._logged_step = 0  # report after optimizer steps, not before the first
 
     def _rates(self, trainer: "Trainer") -> Dict[str, float]:
         out: Dict[str, float] = {}
@@ -30,7 +31,9 @@ class LearningRateMonitor(Callback):
 
     def on_train_batch_end(self, trainer: "Trainer", module: "TrainModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if self.logging_interval == "step" and trainer.global_step % trainer.log_every_n_steps == 0:
+        step = trainer.global_step
+        if self.logging_interval == "step" and step % trainer.log_every_n_steps == 0 and step != self._logged_step:
+            self._logged_step = step  # with accumulation, several batches end on one optimizer step
             trainer.log_metrics(self._rates(trainer))
 
     def on_train_epoch_start(self, trainer: "Trainer", module: "TrainModule") -> None:

@@ -41,6 +41,7 @@ class ThroughputMonitor(Callback):
         self._start: Optional[float] = None
         self._batches = 0
         self._samples = 0
+        self._reported_step = -1
 
     def on_train_start(self, trainer: "Trainer", module: "TrainModule") -> None:
         self._start, self._batches, self._samples = time.perf_counter(), 0, 0
@@ -49,8 +50,11 @@ class ThroughputMonitor(Callback):
                            batch_idx: int) -> None:
         self._batches += 1
         self._samples += batch_size_of(batch) or 0
-        if self._start is None or trainer.global_step % trainer.log_every_n_steps or not self._batches:
+        step = trainer.global_step
+        # (with accumulation, several batches end on one optimizer step: report once per step)
+        if self._start is None or step % trainer.log_every_n_steps or step == self._reported_step:
             return
+        self._reported_step = step
         elapsed = time.perf_counter() - self._start
         if elapsed <= 0:
             return
