@@ -41,7 +41,7 @@ class ThroughputMonitor(Callback):
         self._start: Optional[float] = None
         self._batches = 0
         self._samples = 0
-        self._reported_step = -1
+        self._reported_step = 0  # report after optimizer steps, not before the first
 
     def on_train_start(self, trainer: "Trainer", module: "TrainModule") -> None:
         self._start, self._batches, self._samples = time.perf_counter(), 0, 0
