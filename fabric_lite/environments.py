@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-__all__ = ["ProcessInfo", "LaunchSettings", "detect_process", "read_launch_settings"]
+__all__ = ["ProcessInfo", "LaunchSettings", "detect_process", "read_launch_settings", "first_host"]
 
 # Variables the `fabric-lite launch` command and `notebook_launcher` use to hand settings to the
 # Accelerator running inside each worker.
@@ -67,14 +67,29 @@ def _int(env: Mapping[str, str], name: str, default: Optional[int] = None) -> Op
 
 
 def detect_process(env: Optional[Mapping[str, str]] = None) -> ProcessInfo:
-    """Return this process's ranks from torchrun / torch elastic variables, or a lone process.
+    """Return this process's ranks: from torchrun / torch elastic (or plain RANK/WORLD_SIZE)
+    variables, else from a SLURM step started by `srun`, else from OpenMPI or MPICH/Intel MPI
+    (`mpirun`), else a lone process. The first that applies wins.
 
     >>> detect_process({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}).global_rank
     1
+    >>> detect_process({"SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "1",
+    ...                 "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_NODEID": "1",
+    ...                 "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "1234"}).master_addr
+    'gpu07'
     """
     env = os.environ if env is None else env
     world_size = _int(env, "WORLD_SIZE")
     if world_size is None:
+        if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
+            return _checked(_from_slurm(env), "SLURM_PROCID", "SLURM_STEP_NUM_TASKS")
+        if "OMPI_COMM_WORLD_SIZE" in env:
+            return _checked(_from_mpi(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                                      "OMPI_COMM_WORLD_LOCAL_SIZE", "OpenMPI"),
+                            "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")
+        if "PMI_SIZE" in env and "PMI_RANK" in env:
+            return _checked(_from_mpi(env, "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "MPICH/Intel MPI"),
+                            "PMI_RANK", "PMI_SIZE")
         return ProcessInfo()
     rank = _int(env, "RANK", 0)
     local_rank = _int(env, "LOCAL_RANK", 0)
@@ -104,6 +119,78 @@ def detect_process(env: Optional[Mapping[str, str]] = None) -> ProcessInfo:
         restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0) or 0,
         uses_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         source="torchrun" if elastic else "environment variables",
+    )
+
+
+def _checked(info: ProcessInfo, rank_var: str, size_var: str) -> ProcessInfo:
+    if info.world_size < 1 or not 0 <= info.global_rank < info.world_size:
+        raise ValueError(f"Inconsistent {info.source} environment: {rank_var}={info.global_rank}, "
+                         f"{size_var}={info.world_size}. The rank must lie in [0, {size_var}).")
+    if not 0 <= info.local_rank < info.local_world_size:
+        raise ValueError(f"Inconsistent {info.source} environment: local rank {info.local_rank} of "
+                         f"{info.local_world_size} processes on this node.")
+    return info
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: "gpu[07-09,12],cpu1" -> "gpu07"."""
+    head = nodelist.strip()
+    bracket, comma = head.find("["), head.find(",")
+    if comma != -1 and (bracket == -1 or comma < bracket):
+        return head[:comma]
+    if bracket == -1:
+        return head
+    first = head[bracket + 1:].split("]", 1)[0].split(",", 1)[0].split("-", 1)[0]
+    return head[:bracket] + first
+
+
+def _tasks_on_node(spec: str, node: int) -> Optional[int]:
+    """Tasks on node `node` from a SLURM tasks-per-node spec such as "2(x3),1"."""
+    index = 0
+    for part in spec.split(","):
+        count, _, repeat = part.partition("(x")
+        times = int(repeat.rstrip(")")) if repeat else 1
+        if node < index + times:
+            return int(count)
+        index += times
+    return None
+
+
+def _from_slurm(env: Mapping[str, str]) -> ProcessInfo:
+    node = _int(env, "SLURM_NODEID", 0) or 0
+    world_size = _int(env, "SLURM_STEP_NUM_TASKS", 1) or 1
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    local_size = _tasks_on_node(spec, node) if spec else None
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    job = _int(env, "SLURM_JOB_ID", 0) or 0
+    return ProcessInfo(
+        world_size=world_size,
+        global_rank=_int(env, "SLURM_PROCID", 0) or 0,
+        local_rank=_int(env, "SLURM_LOCALID", 0) or 0,
+        local_world_size=local_size or world_size,
+        node_rank=node,
+        master_addr=env.get("MASTER_ADDR") or (first_host(nodelist) if nodelist else "127.0.0.1"),
+        # every task derives the same port from the job id, unless MASTER_PORT says otherwise
+        master_port=_int(env, "MASTER_PORT", 15000 + job % 20000),
+        restart_count=_int(env, "SLURM_RESTART_COUNT", 0) or 0,
+        source="SLURM (srun)",
+    )
+
+
+def _from_mpi(env: Mapping[str, str], rank: str, size: str, local_rank: str, local_size: str,
+              name: str) -> ProcessInfo:
+    world_size = _int(env, size, 1) or 1
+    local_world_size = _int(env, local_size, world_size) or world_size
+    global_rank = _int(env, rank, 0) or 0
+    return ProcessInfo(
+        world_size=world_size,
+        global_rank=global_rank,
+        local_rank=_int(env, local_rank, 0) or 0,
+        local_world_size=local_world_size,
+        node_rank=global_rank // local_world_size,
+        master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=_int(env, "MASTER_PORT", 29500),  # set MASTER_ADDR/MASTER_PORT across nodes
+        source=f"{name} (mpirun)",
     )
 
 

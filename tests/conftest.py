@@ -13,7 +13,8 @@ WORKERS = Path(__file__).resolve().parent / "workers"
 
 # What a launcher sets; a unit test runs as a lone process whatever the shell around pytest exports.
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "FABRIC_LITE_MIXED_PRECISION",
-              "FABRIC_LITE_GRADIENT_ACCUMULATION_STEPS", "FABRIC_LITE_USE_CPU")
+              "FABRIC_LITE_GRADIENT_ACCUMULATION_STEPS", "FABRIC_LITE_USE_CPU", "TORCHELASTIC_RESTART_COUNT",
+              "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK")
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,7 @@ import pytest
 
 from fabric_lite.environments import (
     ENV_GRAD_ACCUM, ENV_MIXED_PRECISION, ENV_USE_CPU, LaunchSettings, ProcessInfo, detect_process,
-    read_launch_settings,
+    first_host, read_launch_settings,
 )
 
 _LAUNCH_VARS = (
@@ -191,3 +191,93 @@ def test_accelerator_takes_launch_settings_and_explicit_arguments_win(monkeypatc
     explicit = Accelerator(mixed_precision="no", gradient_accumulation_steps=2)
     assert explicit.mixed_precision == "no"
     assert explicit.gradient_accumulation_steps == 2
+
+
+# -- SLURM and MPI ------------------------------------------------------------------------------------
+
+SRUN_2x2 = {"SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+            "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "4242",
+            "SLURM_NTASKS": "4"}
+
+
+def test_srun_task_reads_ranks_nodes_and_master_from_slurm():
+    p = detect_process(SRUN_2x2)
+    assert (p.world_size, p.global_rank, p.local_rank, p.local_world_size, p.node_rank) == (4, 3, 1, 2, 1)
+    assert p.num_nodes == 2 and p.is_distributed
+    assert p.master_addr == "gpu07" and p.master_port == 15000 + 4242 % 20000
+    assert p.source == "SLURM (srun)"
+
+
+def test_every_srun_task_derives_the_same_rendezvous():
+    others = [dict(SRUN_2x2, SLURM_PROCID=str(r), SLURM_LOCALID=str(r % 2), SLURM_NODEID=str(r // 2)) for r in range(4)]
+    assert len({(detect_process(e).master_addr, detect_process(e).master_port) for e in others}) == 1
+
+
+def test_master_addr_and_port_from_the_environment_win_under_slurm():
+    p = detect_process(dict(SRUN_2x2, MASTER_ADDR="10.0.0.5", MASTER_PORT="1234"))
+    assert (p.master_addr, p.master_port) == ("10.0.0.5", 1234)
+
+
+def test_a_batch_script_under_sbatch_is_a_lone_process():
+    # the batch step has the allocation's variables but no srun step: one process, not rank 0 of N
+    env = {k: v for k, v in SRUN_2x2.items() if not k.startswith("SLURM_STEP")}
+    env["SLURM_PROCID"] = "0"
+    assert detect_process(env) == ProcessInfo()
+
+
+def test_torchrun_inside_a_slurm_job_wins_over_slurm():
+    env = dict(SRUN_2x2, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", TORCHELASTIC_RUN_ID="x", MASTER_PORT="5")
+    p = detect_process(env)
+    assert (p.world_size, p.source) == (2, "torchrun")
+
+
+def test_slurm_requeue_count_is_the_restart_count():
+    assert detect_process(dict(SRUN_2x2, SLURM_RESTART_COUNT="2")).restart_count == 2
+
+
+@pytest.mark.parametrize("nodelist, first", [
+    ("node1", "node1"), ("node[01-03]", "node01"), ("a[5,7-9],b1", "a5"), ("x1,y[2-3]", "x1"), ("gpu[010]", "gpu010"),
+])
+def test_first_host_of_a_slurm_node_list(nodelist, first):
+    assert first_host(nodelist) == first
+
+
+def test_tasks_per_node_spec_with_repeats():
+    env = dict(SRUN_2x2, SLURM_STEP_NUM_TASKS="5", SLURM_STEP_TASKS_PER_NODE="2(x2),1", SLURM_NODEID="2",
+               SLURM_PROCID="4", SLURM_LOCALID="0")
+    assert detect_process(env).local_world_size == 1
+
+
+def test_openmpi_variables():
+    env = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+           "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_NODE_RANK": "1"}
+    p = detect_process(env)
+    assert (p.world_size, p.global_rank, p.local_rank, p.local_world_size, p.node_rank) == (4, 3, 1, 2, 1)
+    assert (p.master_addr, p.master_port, p.source) == ("127.0.0.1", 29500, "OpenMPI (mpirun)")
+
+
+def test_mpich_and_intel_mpi_variables():
+    env = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2", "MASTER_PORT": "4000"}
+    p = detect_process(env)
+    assert (p.world_size, p.global_rank, p.local_rank, p.master_port) == (2, 1, 1, 4000)
+    assert p.source == "MPICH/Intel MPI (mpirun)"
+
+
+@pytest.mark.parametrize("env, names", [
+    ({"SLURM_PROCID": "4", "SLURM_STEP_NUM_TASKS": "4"}, ["SLURM_PROCID=4", "SLURM_STEP_NUM_TASKS=4"]),
+    ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "2"}, ["OMPI_COMM_WORLD_RANK=2"]),
+    ({"SLURM_PROCID": "x", "SLURM_STEP_NUM_TASKS": "4"}, ["SLURM_PROCID"]),
+])
+def test_inconsistent_scheduler_variables_raise_naming_them(env, names):
+    with pytest.raises(ValueError) as err:
+        detect_process(env)
+    for name in names:
+        assert name in str(err.value)
+
+
+def test_devices_that_disagree_with_slurm_name_both():
+    from fabric_lite.connector import connect
+
+    with pytest.raises(ValueError) as err:
+        connect(accelerator="cpu", devices=4, strategy="auto", precision="32-true", process=detect_process(SRUN_2x2))
+    assert "devices=4" in str(err.value) and "SLURM" in str(err.value)
