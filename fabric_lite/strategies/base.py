@@ -9,7 +9,7 @@ other primitives (XLA) overrides the `_primitive_*` methods only.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ClassVar, ContextManager, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ClassVar, ContextManager, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -41,6 +41,7 @@ class Strategy:
         self.root_device = torch.device("cpu")
         self.precision = Precision("32-true", "cpu")
         self._configured = False
+        self._hang_guard: Any = None  # a HangGuard once a process group exists (strategies/hang_guard.py)
 
     # -- set-up ------------------------------------------------------------------------------------
     def configure(self, process: ProcessInfo, root_device: torch.device, precision: Precision) -> None:
@@ -218,37 +219,43 @@ class Strategy:
         return box[0]
 
     # -- backend primitives (torch.distributed by default) -----------------------------------------
+    def _collective(self, name: str, fn: Callable[[], Any]) -> Any:
+        """Run one torch.distributed collective, under the hang guard where the strategy set one up."""
+        guard = self._hang_guard
+        return fn() if guard is None else guard.run(name, fn)
+
     def _primitive_barrier(self) -> None:
         import torch.distributed as dist
 
-        dist.barrier()
+        self._collective("barrier", dist.barrier)
 
     def _primitive_all_reduce(self, tensor: torch.Tensor, op: str) -> None:
         import torch.distributed as dist
 
-        dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+        self._collective(f"all_reduce({op})", lambda: dist.all_reduce(tensor, op=reduce_op))
 
     def _primitive_all_gather(self, tensor: torch.Tensor) -> List[torch.Tensor]:
         import torch.distributed as dist
 
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(parts, tensor)
+        self._collective("all_gather", lambda: dist.all_gather(parts, tensor))
         return parts
 
     def _primitive_all_gather_object(self, out: List[Any], obj: Any) -> None:
         import torch.distributed as dist
 
-        dist.all_gather_object(out, obj)
+        self._collective("all_gather_object", lambda: dist.all_gather_object(out, obj))
 
     def _primitive_broadcast(self, tensor: torch.Tensor, src: int) -> None:
         import torch.distributed as dist
 
-        dist.broadcast(tensor, src)
+        self._collective(f"broadcast(src={src})", lambda: dist.broadcast(tensor, src))
 
     def _primitive_broadcast_object_list(self, box: List[Any], src: int) -> None:
         import torch.distributed as dist
 
-        dist.broadcast_object_list(box, src)
+        self._collective(f"broadcast_object(src={src})", lambda: dist.broadcast_object_list(box, src))
 
     def __repr__(self) -> str:
         return (

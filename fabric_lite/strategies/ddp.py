@@ -64,6 +64,12 @@ class DDPStrategy(Strategy):
                     f"A process group of size {dist.get_world_size()} already exists, but the launch "
                     f"environment says WORLD_SIZE={self.world_size}."
                 )
+            try:  # the group's own store, for the hang guard's notes
+                from torch.distributed.distributed_c10d import _get_default_store
+
+                self._guard(_get_default_store())
+            except Exception:
+                pass
             return
         p = self.process
         if p.master_port is None:
@@ -86,9 +92,15 @@ class DDPStrategy(Strategy):
             self.backend, store=store, rank=p.global_rank, world_size=p.world_size, timeout=self.timeout, **kwargs
         )
         self._owns_process_group = True
+        self._guard(store)
         # Scripts that never call end_training() must still leave cleanly: gloo aborts the process
         # ("terminate called without an active exception") if its group is alive at interpreter exit.
         atexit.register(self._teardown_at_exit)
+
+    def _guard(self, store: Any) -> None:
+        from fabric_lite.strategies.hang_guard import HangGuard
+
+        self._hang_guard = HangGuard(store, self.global_rank, self.world_size, self.timeout.total_seconds())
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel

@@ -1,0 +1,100 @@
+"""Hang guard: when a collective fails or times out, say which process did not come, and where each was.
+
+Before each collective a process writes "my n-th collective is <name>, called from <file:line>" into
+the process group's key-value store (one key per rank, overwritten). When the collective fails
+(torch.distributed raises after the group's timeout, or when a peer's connection drops), the
+error is rebuilt from every rank's last entry: the ranks that are behind, or that entered a
+different collective, are named with where their code stood.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any, Callable, List, Optional, TypeVar
+
+__all__ = ["HangGuard", "CollectiveError"]
+
+T = TypeVar("T")
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class CollectiveError(RuntimeError):
+    """A collective that did not complete, with what every process was doing."""
+
+
+def _caller() -> str:
+    """file:line of the first frame outside fabric_lite and torch (the user's call site)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not path.startswith(_PACKAGE_DIR) and f"{os.sep}torch{os.sep}" not in path:
+            return f"{os.path.basename(path)}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back  # type: ignore[assignment]
+    return "?"
+
+
+class HangGuard:
+    def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float) -> None:
+        self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
+        self.count = 0
+
+    def _key(self, rank: int) -> str:
+        return f"fabric_lite/hang_guard/{rank}"
+
+    def run(self, name: str, fn: Callable[[], T]) -> T:
+        self.count += 1
+        entry = {"n": self.count, "op": name, "at": _caller()}
+        try:
+            self.store.set(self._key(self.rank), json.dumps(entry))
+        except Exception:  # the store is only for diagnosis: never fail a collective because of it
+            pass
+        try:
+            return fn()
+        except RuntimeError as err:
+            raise CollectiveError(self.explain(entry, err)) from err
+
+    def _entries(self) -> List[Optional[dict]]:
+        out: List[Optional[dict]] = []
+        for rank in range(self.world_size):
+            try:
+                key = self._key(rank)
+                out.append(json.loads(self.store.get(key)) if self.store.check([key]) else None)
+            except Exception:
+                out.append({"unreachable": True})
+        return out
+
+    def explain(self, mine: dict, err: BaseException) -> str:
+        entries = self._entries()
+        if all(e is not None and e.get("unreachable") for e in entries):
+            peers = "the key-value store (hosted by rank 0) is unreachable: rank 0 has probably died"
+            return (f"Rank {self.rank}: collective #{mine['n']} {mine['op']} (at {mine['at']}) failed: "
+                    f"{_first_line(err)}. Could not read the other ranks' progress: {peers}.")
+        missing, lines = [], []
+        for rank, entry in enumerate(entries):
+            if entry is None:
+                lines.append(f"  rank {rank}: no collective yet")
+                missing.append(rank)
+                continue
+            state = f"#{entry['n']} {entry['op']} at {entry['at']}"
+            if entry["n"] < mine["n"]:
+                missing.append(rank)
+                lines.append(f"  rank {rank}: behind, last entered {state}")
+            elif entry["n"] == mine["n"] and entry["op"] != mine["op"]:
+                missing.append(rank)
+                lines.append(f"  rank {rank}: entered a different collective, {state}")
+            else:
+                lines.append(f"  rank {rank}: {state}")
+        who = (f"rank(s) {', '.join(map(str, missing))} did not arrive" if missing
+               else "every rank entered it (a peer may have died or lost its connection)")
+        return (f"Collective #{mine['n']} {mine['op']} on rank {self.rank} (called at {mine['at']}) did not complete "
+                f"within the process group's timeout ({self.timeout_s:g} s) or lost a peer: {who}.\n"
+                + "\n".join(lines)
+                + f"\nCause: {_first_line(err)}\nEvery rank must make the same collective calls in the same order; "
+                  f"look for a collective inside a rank-dependent branch (e.g. `if accelerator.is_main_process:`).")
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
