@@ -82,6 +82,48 @@ def save_file(obj: Any, url: str, storage_options: Optional[dict] = None) -> Non
     fs.mv(tmp, path)
 
 
+_POOL: Any = None
+
+
+def _pool() -> Any:
+    global _POOL
+    if _POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL = ThreadPoolExecutor(1, thread_name_prefix="fabric_lite_sha256")
+    return _POOL
+
+
+class _HashingWriter:
+    """A file-like `torch.save` writes into: bytes go to `f` and into a SHA-256 at the same time.
+
+    Large chunks are hashed on a helper thread while this one writes them (both release the GIL),
+    so the checksum costs little beyond the write itself."""
+
+    _PARALLEL = 1 << 20
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.digest = hashlib.sha256()
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        if view.nbytes >= self._PARALLEL:
+            pending = _pool().submit(self.digest.update, view)
+            self.f.write(view)
+            pending.result()  # before returning: the caller may reuse the buffer
+        else:
+            self.digest.update(view)
+            self.f.write(view)
+        return view.nbytes
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def hexdigest(self) -> str:
+        return self.digest.hexdigest()
+
+
 class CheckpointWriter:
     """Write the files of one checkpoint directory; `commit` publishes them all at once.
 
@@ -114,10 +156,10 @@ class CheckpointWriter:
                 self.fs.rm(p, recursive=True)
 
     def write(self, name: str, obj: Any) -> None:
-        data = _to_bytes(obj)
         with self.fs.open(_join(self.fs, self.staging, name), "wb") as f:
-            f.write(data)
-        self.checksums[name] = hashlib.sha256(data).hexdigest()
+            out = _HashingWriter(f)
+            torch.save(obj, out)  # streamed: no in-memory copy of the whole file
+        self.checksums[name] = out.hexdigest()
 
     def commit(self, checksums: Dict[str, str], meta: Optional[Dict[str, Any]] = None) -> None:
         meta = {"saved_at": time.time(), **(meta or {})}
@@ -178,20 +220,50 @@ def read_manifest(url: str, storage_options: Optional[dict] = None) -> Dict[str,
     return manifest
 
 
+def _sha256_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def load_file(
     url: str, name: str, manifest: Dict[str, Any], map_location: Any = "cpu",
     weights_only: bool = True, storage_options: Optional[dict] = None,
 ) -> Any:
-    """Load one file of a checkpoint after checking its SHA-256 against the manifest."""
+    """Load one file of a checkpoint, checking its SHA-256 against the manifest.
+
+    The checksum is computed on a helper thread while `torch.load` reads (it is safe to unpickle
+    before the check: `weights_only=True` builds nothing but tensors and containers); a mismatch
+    discards the result and raises."""
     fs, path = _fs(url, storage_options)
     expected = manifest["files"].get(name)
     if expected is None:
         raise CheckpointError(f"{url} has no file {name!r} in its manifest (it holds {sorted(manifest['files'])}).")
-    with fs.open(_join(fs, path, name), "rb") as f:
-        data = f.read()
-    if hashlib.sha256(data).hexdigest() != expected:
+    full = _join(fs, path, name)
+    protocol = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    if {"file", "local"} & set(protocol):
+        local = fs._strip_protocol(full)
+        if not os.path.exists(local):
+            raise CheckpointError(f"{url} is missing {name}, which its manifest lists.")
+        pending = _pool().submit(_sha256_file, local)
+        source: Any = local
+    else:
+        with fs.open(full, "rb") as f:
+            data = f.read()
+        pending = _pool().submit(lambda: hashlib.sha256(data).hexdigest())
+        source = io.BytesIO(data)
+    try:
+        obj = torch.load(source, map_location=map_location, weights_only=weights_only)
+    except Exception:
+        if pending.result() != expected:  # a damaged file explains the failure better than the unpickler
+            raise CheckpointError(f"{url}/{name} does not match its checksum: the file is corrupt. "
+                                  f"Load an earlier checkpoint.") from None
+        raise
+    if pending.result() != expected:
         raise CheckpointError(f"{url}/{name} does not match its checksum: the file is corrupt. Load an earlier checkpoint.")
-    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
+    return obj
 
 
 def verify(url: str, storage_options: Optional[dict] = None) -> Dict[str, Any]:
