@@ -119,6 +119,8 @@ class Accelerator(ProcessControl):
             self.project_configuration.project_dir = os.fspath(project_dir)
             self.project_configuration.logging_dir = self.project_configuration.logging_dir or os.fspath(project_dir)
 
+        if strategy == "auto" and launch.strategy:
+            strategy = launch.strategy  # from `fabric-lite config` through `fabric-lite launch`
         if isinstance(strategy, str):
             strategy = self._strategy_from_handlers(strategy, handlers, process.world_size)
         scaler = handlers.get(GradScalerKwargs)

@@ -18,6 +18,7 @@ __all__ = ["ProcessInfo", "LaunchSettings", "detect_process", "read_launch_setti
 ENV_MIXED_PRECISION = "FABRIC_LITE_MIXED_PRECISION"
 ENV_GRAD_ACCUM = "FABRIC_LITE_GRADIENT_ACCUMULATION_STEPS"
 ENV_USE_CPU = "FABRIC_LITE_USE_CPU"
+ENV_STRATEGY = "FABRIC_LITE_STRATEGY"
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class LaunchSettings:
     mixed_precision: Optional[str] = None
     gradient_accumulation_steps: Optional[int] = None
     use_cpu: bool = False
+    strategy: Optional[str] = None
 
 
 def _int(env: Mapping[str, str], name: str, default: Optional[int] = None) -> Optional[int]:
@@ -201,4 +203,5 @@ def read_launch_settings(env: Optional[Mapping[str, str]] = None) -> LaunchSetti
         mixed_precision=env.get(ENV_MIXED_PRECISION) or None,
         gradient_accumulation_steps=_int(env, ENV_GRAD_ACCUM),
         use_cpu=env.get(ENV_USE_CPU, "").lower() in {"1", "true", "yes"},
+        strategy=env.get(ENV_STRATEGY) or None,
     )

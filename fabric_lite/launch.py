@@ -1,20 +1,24 @@
 """Starting several processes: `fabric-lite launch` (over torch.distributed.run) and `notebook_launcher`.
 
 Both use PyTorch's own elastic machinery; settings for the Accelerator travel as environment
-variables that `environments.read_launch_settings` reads in each worker.
+variables that `environments.read_launch_settings` reads in each worker. `fabric-lite launch` takes
+its defaults from the config file `fabric-lite config` wrote (see `config_file`); flags win.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import functools
 import os
 import socket
+import sys
 import uuid
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
-from fabric_lite.environments import ENV_GRAD_ACCUM, ENV_MIXED_PRECISION, ENV_USE_CPU
+from fabric_lite.config_file import ConfigError, LaunchConfigFile, find_config, load_config
+from fabric_lite.environments import ENV_GRAD_ACCUM, ENV_MIXED_PRECISION, ENV_STRATEGY, ENV_USE_CPU
 from fabric_lite.precision import resolve_precision
 
 __all__ = ["notebook_launcher", "launch_command_parser", "launch_command", "free_port"]
@@ -63,29 +67,135 @@ def launch_command_parser() -> argparse.ArgumentParser:
     parser.prog = "fabric-lite launch"
     parser.description = (
         "Start a training script on one or many processes (a front over torch.distributed.run; all of its "
-        "flags work). Example: fabric-lite launch --nproc-per-node 2 train.py --epochs 3"
+        "flags work). Example: fabric-lite launch --nproc-per-node 2 train.py --epochs 3. Defaults come from "
+        "the config file that `fabric-lite config` writes; flags given here win over it."
     )
     group = parser.add_argument_group("fabric_lite settings (read by Accelerator() in each worker)")
-    group.add_argument("--cpu", action="store_true", help="Train on CPU even where a GPU is present.")
+    group.add_argument("--config-file", "--config_file", default=None, metavar="PATH",
+                       help="YAML file of defaults (default: the one `fabric-lite config` wrote, if any).")
+    group.add_argument("--cpu", action=argparse.BooleanOptionalAction, default=False,
+                       help="Train on CPU even where a GPU is present (--no-cpu overrides a config's use_cpu).")
     group.add_argument("--mixed-precision", "--mixed_precision", default=None,
                        help="no | fp16 | bf16 (or 32-true, 16-mixed, bf16-mixed, bf16-true).")
     group.add_argument("--gradient-accumulation-steps", "--gradient_accumulation_steps", type=int, default=None)
     return parser
 
 
-def launch_command(argv: Sequence[str]) -> int:
+class LaunchError(ValueError):
+    """A launch that cannot work, found before starting anything; the message is one line."""
+
+
+def _config_defaults(config: LaunchConfigFile, env: Mapping[str, str]) -> Dict[str, Any]:
+    """Parser defaults from a config file; torchrun's PET_* variables, where set, still win."""
+    values: Dict[str, Any] = {
+        "nproc_per_node": str(config.nproc_per_node), "nnodes": str(config.nnodes), "node_rank": config.node_rank,
+        "master_addr": config.master_addr, "master_port": config.master_port,
+    }
+    values = {k: v for k, v in values.items() if f"PET_{k.upper()}" not in env}
+    values.update(mixed_precision=config.mixed_precision, cpu=config.use_cpu,
+                  gradient_accumulation_steps=config.gradient_accumulation_steps)
+    return values
+
+
+def _check_launch(args: argparse.Namespace) -> None:
+    """Refuse what torchrun would only report with a traceback (or a hang)."""
+    nproc = str(args.nproc_per_node).strip()
+    if nproc.lstrip("+-").isdigit():
+        if int(nproc) < 1:
+            raise LaunchError(f"--nproc-per-node={nproc} must be a whole number >= 1.")
+    elif nproc not in ("auto", "cpu", "gpu", "xpu"):
+        raise LaunchError(f"--nproc-per-node={nproc!r} must be a whole number >= 1 or one of auto, cpu, gpu, xpu.")
+    parts = str(args.nnodes).split(":")
+    if len(parts) > 2 or not all(p.strip().lstrip("+-").isdigit() for p in parts):
+        raise LaunchError(f"--nnodes={args.nnodes!r} must be a number of machines (2) or a range MIN:MAX (1:4).")
+    min_nodes, max_nodes = int(parts[0]), int(parts[-1])
+    if not 0 < min_nodes <= max_nodes:
+        raise LaunchError(f"--nnodes={args.nnodes!r} must be >= 1 (and MIN <= MAX for a range).")
+    static = args.rdzv_backend == "static" and not args.standalone
+    if args.node_rank < 0 or (static and args.node_rank >= max_nodes):
+        raise LaunchError(f"--node-rank={args.node_rank} must lie in 0..{max_nodes - 1}: machines are numbered "
+                          f"from 0 and --nnodes={args.nnodes}.")
+    if args.master_port is not None and not 0 < args.master_port < 65536:
+        raise LaunchError(f"--master-port={args.master_port} must lie in 1..65535.")
+    if args.max_restarts < 0:
+        raise LaunchError(f"--max-restarts={args.max_restarts} must be >= 0.")
+    # On the machine that hosts the rendezvous store (static rendezvous, node 0) a port in use would
+    # surface as a traceback from deep inside c10d, or a hang: look before starting.
+    if static and not args.rdzv_endpoint and args.master_port is not None and args.node_rank == 0:
+        if _port_taken(args.master_addr, args.master_port):
+            raise LaunchError(f"--master-port={args.master_port} is already in use on {args.master_addr}; pick a "
+                              f"free port, or leave --master-port out on a single machine (a free one is chosen).")
+
+
+def _port_taken(addr: str, port: int) -> bool:
+    """Whether a socket on this machine holds `port` at `addr` or on every interface (the store
+    listens on all). An address of another machine (or one that does not resolve) is not checked."""
+    try:
+        infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return False
+    local = False
+    for family, _, _, _, sockaddr in infos:
+        taken = _bind_fails(family, sockaddr)
+        if taken is None:
+            continue  # not an address of this machine
+        if taken:
+            return True
+        local = True
+    return local and bool(_bind_fails(socket.AF_INET, ("", port)))
+
+
+def _bind_fails(family: int, sockaddr: Any) -> Optional[bool]:
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers do not count
+        try:
+            s.bind(sockaddr)
+        except OSError as err:
+            return True if err.errno == errno.EADDRINUSE else None
+    return False
+
+
+def _error(message: str) -> int:
+    print(f"fabric-lite launch: error: {message}", file=sys.stderr)
+    return 2
+
+
+def launch_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None) -> int:
+    """`fabric-lite launch`: config file defaults, then flags; checks; then torchrun."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
+    env = os.environ if env is None else env
     parser = launch_command_parser()
-    args = parser.parse_args(list(argv))
+    argv = list(argv)
+    args = parser.parse_args(argv)
+    config_path = find_config(args.config_file, env)
+    suffix = ""
+    if config_path is not None:
+        try:
+            config = load_config(config_path)
+        except ConfigError as err:
+            return _error(str(err))
+        parser.set_defaults(**_config_defaults(config, env))
+        args = parser.parse_args(argv)  # again: flags on the command line win over the file
+        suffix = f" (defaults from config file {config_path})"
     try:
-        env = _settings_env(args.mixed_precision, args.gradient_accumulation_steps, args.cpu)
+        _check_launch(args)
+        settings = _settings_env(args.mixed_precision, args.gradient_accumulation_steps, args.cpu)
     except ValueError as err:
-        parser.error(str(err))  # exits 2 with the message, no traceback
-    for name in ("cpu", "mixed_precision", "gradient_accumulation_steps"):
+        return _error(f"{err}{suffix}")
+    if config_path is not None:
+        settings[ENV_STRATEGY] = config.strategy
+        print(f"fabric-lite launch: using config file {config_path}", file=sys.stderr)
+    for name in ("cpu", "mixed_precision", "gradient_accumulation_steps", "config_file"):
         delattr(args, name)
-    with _patched_environ(env):
-        run(args)
+    with _patched_environ(settings):
+        try:
+            run(args)
+        except ChildFailedError as err:
+            # the worker's own traceback is already on stderr; this is torchrun's summary of who failed
+            print(err.format_msg(), file=sys.stderr)
+            return 1
     return 0
 
 

@@ -13,14 +13,16 @@ WORKERS = Path(__file__).resolve().parent / "workers"
 
 # What a launcher sets; a unit test runs as a lone process whatever the shell around pytest exports.
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "FABRIC_LITE_MIXED_PRECISION",
-              "FABRIC_LITE_GRADIENT_ACCUMULATION_STEPS", "FABRIC_LITE_USE_CPU", "TORCHELASTIC_RESTART_COUNT",
+              "FABRIC_LITE_GRADIENT_ACCUMULATION_STEPS", "FABRIC_LITE_USE_CPU", "FABRIC_LITE_STRATEGY", "TORCHELASTIC_RESTART_COUNT",
               "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK")
 
 
 @pytest.fixture(autouse=True)
-def _lone_process(monkeypatch):
+def _lone_process(monkeypatch, tmp_path_factory):
     for name in LAUNCH_ENV:
         monkeypatch.delenv(name, raising=False)
+    # a developer's own `fabric-lite config` file must not change what launches in tests do
+    monkeypatch.setenv("FABRIC_LITE_CONFIG_DIR", str(tmp_path_factory.getbasetemp() / "no_config"))
 
 
 def free_port() -> int:
