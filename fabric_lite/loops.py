@@ -142,6 +142,7 @@ def _train_epoch(trainer: "Trainer") -> None:
     batch_idx = start - 1
     cut_short = False
     hooks = trainer._step_hooks = _StepHooks(trainer)
+    gradient_state = trainer.accelerator.gradient_state
     validates_in_epoch = bool(trainer._val_loaders)
     for batch_idx, batch in enumerate(loader, start=start):
         if limit is not None and batch_idx >= limit:
@@ -156,6 +157,8 @@ def _train_epoch(trainer: "Trainer") -> None:
             window_start = batch_idx - batch_idx % accumulate
             window = accumulate if limit is None else min(accumulate, limit - window_start)
             last_micro = batch_idx - window_start == window - 1
+            # a checkpoint taken before the window closes must carry its partial gradients
+            gradient_state.sync_gradients = last_micro
             with strategy.no_backward_sync(model, enabled=not last_micro):
                 out = model(batch, batch_idx)
                 loss = _extract_loss(out, batch_idx)

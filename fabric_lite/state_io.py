@@ -231,6 +231,19 @@ def _restore_process_local_state(acc: "Accelerator", state: Dict[str, Any]) -> N
             p.grad = saved[name].to(p.device) if name in saved else None
 
 
+def _check_keys(url: str, index: int, current: Dict[str, Any], saved: Dict[str, Any]) -> None:
+    missing = sorted(set(current) - set(saved))
+    unexpected = sorted(set(saved) - set(current))
+    if missing or unexpected:
+        def show(keys: List[str]) -> str:
+            return ", ".join(keys[:10]) + (f" and {len(keys) - 10} more" if len(keys) > 10 else "") if keys else "none"
+
+        raise CheckpointError(
+            f"{url}/model_{index}.pt does not fit model {index}: missing keys: {show(missing)}; unexpected keys: "
+            f"{show(unexpected)}. Nothing was loaded. Load a checkpoint of this model, or pass strict=False."
+        )
+
+
 def _load(url: str, name: str, manifest: Dict[str, Any], weights_only: bool) -> Any:
     try:
         return checkpoint_io.load_file(url, name, manifest, weights_only=weights_only)
@@ -258,9 +271,12 @@ def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]],
         hook(acc._models, url)
     manifest = checkpoint_io.read_manifest(url)
     strategy = acc.strategy
-    saved_models = sum(1 for f in manifest["files"] if re.fullmatch(r"model_\d+\.pt", f))
+    # Read and verify everything first, check it fits, and only then change anything: a checkpoint
+    # that turns out corrupt or foreign leaves the model, optimizers and RNGs as they were.
+    saved_models = sorted((f for f in manifest["files"] if re.fullmatch(r"model_\d+\.pt", f)),
+                          key=lambda f: int(f[6:-3]))
     state = _load(url, TRAINING_STATE, manifest, weights_only)
-    expected = {"model": (saved_models, acc._models), "optimizer": (len(state["optimizers"]), acc._optimizers),
+    expected = {"model": (len(saved_models), acc._models), "optimizer": (len(state["optimizers"]), acc._optimizers),
                 "scheduler": (len(state["schedulers"]), acc._schedulers),
                 "dataloader": (len(state["dataloaders"]), acc._dataloaders),
                 "registered object": (len(state["custom"]), acc._custom_objects)}
@@ -270,16 +286,22 @@ def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]],
                 f"{url} holds {saved} {kind}(s) but this Accelerator prepared {len(objects)}. Prepare (and register) "
                 f"the same objects, in the same order, as the run that saved it."
             )
-    for i, model in enumerate(acc._models):
-        strategy.load_module_state_dict(model, _load(url, f"model_{i}.pt", manifest, weights_only), strict=strict)
+    weights = [_load(url, f"model_{i}.pt", manifest, weights_only) for i in range(len(acc._models))]
+    if strict:
+        for i, (model, saved_weights) in enumerate(zip(acc._models, weights)):
+            _check_keys(url, i, strategy.module_state_dict(model), saved_weights)
+    rng_name = f"rng_{strategy.global_rank}.pt"
+    local = _load(url, rng_name, manifest, weights_only=True) if rng_name in manifest["files"] else None
+
+    for model, saved_weights in zip(acc._models, weights):
+        strategy.load_module_state_dict(model, saved_weights, strict=strict)
     for kind, objects in (("optimizers", acc._optimizers), ("schedulers", acc._schedulers),
                           ("dataloaders", acc._dataloaders), ("custom", acc._custom_objects)):
         for obj, saved_state in zip(objects, state[kind]):
             obj.load_state_dict(saved_state)
     strategy.precision.load_state_dict(state["precision"])
-    rng_name = f"rng_{strategy.global_rank}.pt"
-    if rng_name in manifest["files"]:
-        _restore_process_local_state(acc, _load(url, rng_name, manifest, weights_only=True))
+    if local is not None:
+        _restore_process_local_state(acc, local)
     else:
         warnings.warn(
             f"{url} has no random state for rank {strategy.global_rank} (it was saved by "
