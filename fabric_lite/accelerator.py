@@ -119,6 +119,7 @@ class Accelerator(ProcessControl):
             self.project_configuration.project_dir = os.fspath(project_dir)
             self.project_configuration.logging_dir = self.project_configuration.logging_dir or os.fspath(project_dir)
 
+        self._explain = launch.explain is not None
         if strategy == "auto" and launch.strategy:
             strategy = launch.strategy  # from `fabric-lite config` through `fabric-lite launch`
         if isinstance(strategy, str):
@@ -278,6 +279,10 @@ class Accelerator(ProcessControl):
         for i, obj in enumerate(result):  # schedulers last: they must find their prepared optimizer
             if _is_scheduler(obj) and not isinstance(obj, AcceleratedScheduler):
                 result[i] = self.prepare_scheduler(obj)
+        if self._explain and any(isinstance(obj, DataLoader) for obj in args):
+            from fabric_lite.explain import explain_accelerator
+
+            explain_accelerator(self)  # `fabric-lite explain`: print the plan and exit 0
         return result[0] if len(result) == 1 else tuple(result)
 
     def _joint_setup(self, args: Sequence[Any]) -> Sequence[Any]:

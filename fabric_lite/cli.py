@@ -11,6 +11,9 @@ commands:
   config    answer a few questions (or pass flags) and write the launch config file
             (fabric-lite config --help)
   launch    start a training script on one or many processes (fabric-lite launch --help)
+  explain   print the plan a launch would run (processes, precision, sharding, global batch,
+            checkpoints, settings given twice or ignored) from a one-process dry run;
+            takes the same flags as launch (fabric-lite explain --help)
   test      check this setup: collectives, DDP training parity, checkpoint round-trip
   env       print versions, devices and the config file in force, ready for a bug report
   consolidate CHECKPOINT OUT
@@ -211,6 +214,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         from fabric_lite.launch import launch_command
 
         return launch_command(rest)
+    if command == "explain":
+        from fabric_lite.explain import explain_command
+
+        return explain_command(rest)
     if command == "env":
         return _env(rest)
     if command == "config":

@@ -107,6 +107,7 @@ class Trainer:
         limit_predict_batches: Union[int, float, None] = None, fast_dev_run: Union[bool, int] = False,
         num_sanity_val_steps: int = 2, log_every_n_steps: int = 50, default_root_dir: Optional[str] = None,
         enable_progress_bar: bool = True, enable_checkpointing: bool = True, deterministic: bool = False,
+        explain: bool = False,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -150,6 +151,7 @@ class Trainer:
         self.log_every_n_steps = log_every_n_steps
         self.default_root_dir = os.fspath(default_root_dir) if default_root_dir is not None else os.getcwd()
         self.fast_dev_run = fast_dev_run
+        self.explain = explain  # fit() prints the plan (explain.py) and returns without training
         self.callbacks: List[Callback] = list(callbacks or [])
         self._add_default_callbacks(enable_progress_bar, enable_checkpointing)
         self.current_epoch = 0
@@ -267,6 +269,11 @@ class Trainer:
                 opt.optimizer.register_step_post_hook(self._count_manual_step)
         self._train_loader = self.accelerator.prepare_data_loader(train)
         self._val_loaders = [self._prepare_eval_loader(v) for v in _as_list(val)]
+        if self.explain or self.accelerator._explain:  # print the plan instead of training
+            from fabric_lite.explain import explain_trainer
+
+            explain_trainer(self, module, ckpt_path)  # exits 0 under `fabric-lite explain`
+            return
         self.accelerator.register_for_checkpointing(_TrainerState(self))
         self.accelerator.register_for_checkpointing(_LoggedAggregates(self), per_process=True)
         for cb in self.callbacks:

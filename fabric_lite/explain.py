@@ -1,0 +1,969 @@
+"""The resolved plan of a run, printed instead of running it: `fabric-lite explain` and `Trainer(explain=True)`.
+
+The plan is a list of sections of (label, value) lines: hardware and processes, precision, data
+sharding, optimization, where checkpoints and logs go, and settings that are given in two places
+(the explicit argument wins over the launcher) or that are accepted but have no effect.
+
+Two ways in:
+
+* ``Trainer(..., explain=True).fit(...)`` sets everything up as for training (strategy, model,
+  optimizers, prepared loaders), prints the plan on rank 0 and returns: no step, no callback
+  set-up, no checkpoint, no log.
+* ``fabric-lite explain [launch flags] train.py [args]`` reads the flags and the config file
+  exactly as `fabric-lite launch` does, then runs the script here, in ONE process, with
+  ``FABRIC_LITE_EXPLAIN`` set (see `environments.read_launch_settings`). The first
+  ``Accelerator.prepare(...)`` given a dataloader, or ``Trainer.fit(...)``, prints the plan for the
+  world size the real launch would have (nproc_per_node x nnodes; data lines are rank 0's share)
+  and exits with status 0, before any training step. While the script runs, the constructor
+  arguments of `Accelerator` and `Trainer` are recorded (to report settings given twice or ignored),
+  `devices` / `num_nodes` are checked against the planned launch instead of this lone process, and
+  `Trainer(devices=N)` does not start itself again.
+
+``FABRIC_LITE_EXPLAIN=1 python train.py`` (or under torchrun) works too: the plan then describes
+the processes actually running, without the recorded arguments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+if TYPE_CHECKING:
+    from fabric_lite.accelerator import Accelerator
+    from fabric_lite.module import TrainModule
+    from fabric_lite.trainer import Trainer
+
+__all__ = [
+    "SECTIONS", "Plan", "requested", "plan_for_accelerator", "plan_for_trainer", "explain_accelerator",
+    "explain_trainer", "explain_command", "loader_share",
+]
+
+SECTIONS = ("Hardware and processes", "Precision", "Data", "Optimization", "Checkpoints and logs",
+            "Set twice or ignored")
+_HW, _PREC, _DATA, _OPT, _CKPT, _CONFLICTS = SECTIONS
+
+
+class Plan:
+    """The plan: a header, then (label, value) lines grouped in `SECTIONS`."""
+
+    def __init__(self, header: Sequence[str] = ()) -> None:
+        self.header: List[str] = list(header)
+        self.sections: Dict[str, List[Tuple[str, str]]] = {name: [] for name in SECTIONS}
+
+    def add(self, section: str, label: str, value: Any) -> None:
+        self.sections[section].append((label, str(value)))
+
+    def lines(self) -> List[Tuple[str, str]]:
+        """Every (label, value) line, in order."""
+        return [line for name in SECTIONS for line in self.sections[name]]
+
+    def value(self, label: str) -> Optional[str]:
+        """The value of the first line with this label (None if there is none)."""
+        return next((v for k, v in self.lines() if k == label), None)
+
+    def format(self) -> str:
+        width = max([len(k) for k, _ in self.lines()] + [10]) + 2
+        out = list(self.header)
+        for name in SECTIONS:
+            out += ["", name]
+            lines = self.sections[name] or [("(none found)" if name == _CONFLICTS else "(nothing)", "")]
+            out += [f"  {label:<{width}}{value}".rstrip() for label, value in lines]
+        return "\n".join(out)
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+# -- switched on by the environment ---------------------------------------------------------------
+
+def requested() -> bool:
+    """Whether this process runs under `fabric-lite explain` (FABRIC_LITE_EXPLAIN is set)."""
+    from fabric_lite.environments import read_launch_settings
+
+    return read_launch_settings().explain is not None
+
+
+def _request() -> Dict[str, Any]:
+    """The planned launch `fabric-lite explain` handed down ({} for a bare FABRIC_LITE_EXPLAIN=1)."""
+    from fabric_lite.environments import read_launch_settings
+
+    raw = read_launch_settings().explain
+    if raw and raw.lstrip().startswith("{"):
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            return {}
+        return value if isinstance(value, dict) else {}
+    return {}
+
+
+def explain_accelerator(accelerator: "Accelerator") -> None:
+    """The hook in `Accelerator.prepare`: under `fabric-lite explain`, print the plan and exit 0."""
+    if not requested():
+        return
+    _mark_explained()
+    if accelerator.is_main_process:
+        print(plan_for_accelerator(accelerator).format(), flush=True)
+    raise SystemExit(0)
+
+
+def explain_trainer(trainer: "Trainer", module: "TrainModule", ckpt_path: Optional[str] = None) -> None:
+    """The hook in `Trainer.fit`: print the plan on rank 0; under `fabric-lite explain` exit 0."""
+    exit_after = requested()
+    _mark_explained()
+    if trainer.is_global_zero:
+        print(plan_for_trainer(trainer, module, ckpt_path).format(), flush=True)
+    if exit_after:
+        raise SystemExit(0)
+
+
+_STATE = {"explained": False}
+
+
+def _mark_explained() -> None:
+    _STATE["explained"] = True
+
+
+# -- how data is sharded ---------------------------------------------------------------------------
+
+@dataclass
+class Share:
+    """Rank 0's part of one prepared loader for a world of `world` processes."""
+
+    world: int
+    dataset_len: Optional[int] = None
+    batch: Optional[int] = None  # per-process batch size (None: the loader's batch_sampler decides)
+    batches: Optional[int] = None  # rank 0's batches per epoch
+    samples: Optional[int] = None  # rank 0's samples per epoch
+    padded: int = 0  # samples repeated (all ranks together) so the last global step is whole
+    dropped: int = 0  # samples no rank sees in an epoch
+    uneven: bool = False  # ranks get different numbers of batches/samples
+    split: bool = False
+    even: bool = True
+    drop_last: bool = False
+    unbatched: bool = False
+    iterable: bool = False
+    error: Optional[str] = None
+
+
+def _len(obj: Any) -> Optional[int]:
+    try:
+        return len(obj)
+    except (TypeError, NotImplementedError):
+        return None
+
+
+def loader_share(loader: Any, world: int) -> Share:
+    """Rank 0's share of a prepared loader (`DataLoaderShard`) when `world` processes run.
+
+    Batches come from the same `ShardedBatchSampler` the real run builds for rank 0 of `world`;
+    samples, padding and dropped samples are counted from the dataset length and batch size.
+    """
+    from fabric_lite.data import IterableDatasetShard, ShardedBatchSampler
+
+    dataset = getattr(loader, "dataset", None)
+    if isinstance(dataset, IterableDatasetShard):
+        return _iterable_share(dataset, world)
+    sharded = getattr(loader, "_batch_sampler", None)
+    if not isinstance(sharded, ShardedBatchSampler):  # not prepared by fabric_lite: report what it is
+        return Share(world, _len(dataset), getattr(loader, "batch_size", None), _len(loader))
+    inner = sharded.batch_sampler
+    if getattr(loader, "batch_sampler", None) is None:  # DataLoader(batch_size=None): one sample at a time
+        n = _len(inner)
+        share = Share(world, _len(dataset), None, n, n, unbatched=True)
+        if world > 1:
+            share.error = ("this DataLoader has batch_size=None (no automatic batching); prepare() refuses to shard "
+                           "it over several processes. Give it a batch_size.")
+        return share
+    b, split, even, drop = sharded.batch_size, sharded.split_batches, sharded.even_batches, sharded.drop_last
+    share = Share(world, split=split, even=even, drop_last=drop)
+    share.dataset_len = _len(getattr(inner, "sampler", None))
+    if share.dataset_len is None:
+        share.dataset_len = _len(dataset)
+    try:
+        mine = ShardedBatchSampler(inner, world, 0, b, split, even, drop)
+    except ValueError as err:
+        share.error = str(err)
+        return share
+    share.batches = _len(mine)
+    share.batch = None if b is None else (b // world if split else b)
+    N, n = share.dataset_len, _len(inner)
+    if b is None or N is None or n is None:
+        return share
+    W, per = world, share.batch
+    if W == 1:
+        share.samples = min(N, n * b)
+        share.dropped = N - share.samples
+    elif split:
+        tail = N % b
+        if drop:
+            share.samples, share.dropped = n * per, N - n * b
+        elif even:
+            share.samples, share.padded = n * per, n * b - N
+        else:
+            share.samples = (n - 1) * per + math.ceil(tail / W) if tail else n * per
+            share.uneven = bool(tail)
+    else:
+        if drop:
+            k = n // W
+            share.samples, share.dropped = k * b, N - W * k * b
+        elif even:
+            k = math.ceil(n / W)
+            share.samples, share.padded = k * b, W * k * b - N
+        else:
+            k = n // W + (1 if n % W else 0)
+            share.samples = k * b - ((b - N % b) if (n % W == 1 and N % b) else 0)
+            share.uneven = bool(n % W) or bool(N % b)
+    return share
+
+
+def _iterable_share(shard: Any, world: int) -> Share:
+    b, split, even, drop = shard.batch_size, shard.split_batches, shard.even_batches, shard.drop_last
+    share = Share(world, _len(shard.dataset), split=split, even=even, drop_last=drop, iterable=True)
+    if split and world > 1 and b % world:
+        share.error = (f"split_batches=True needs a batch size divisible by the number of processes; got "
+                       f"batch_size={b} for {world} processes.")
+        return share
+    per = b // world if split and world > 1 else b
+    share.batch = per
+    N = share.dataset_len
+    if N is None:
+        return share
+    chunk = per * world
+    full, tail = divmod(N, chunk)
+    even = even and world > 1
+    if not tail:
+        share.samples = full * per
+    elif drop:
+        share.samples, share.dropped = full * per, tail
+    elif even:
+        share.samples, share.padded = (full + 1) * per, chunk - tail
+    else:
+        share.samples, share.uneven = full * per + min(per, tail), world > 1
+    share.batches = share.samples // per if drop and world == 1 else math.ceil(share.samples / per)
+    return share
+
+
+# -- the planned world ------------------------------------------------------------------------------
+
+@dataclass
+class _Layout:
+    world: int
+    per_node: int
+    nodes: int
+    source: str
+    dry_run: bool
+    problems: List[Tuple[str, str]] = field(default_factory=list)
+
+
+def _given(obj: Any) -> Optional[Dict[str, Any]]:
+    """The constructor arguments recorded for `obj` under `fabric-lite explain` (None otherwise)."""
+    return getattr(obj, "_explain_given", None)
+
+
+def _layout(accelerator: "Accelerator", trainer: Optional["Trainer"] = None) -> _Layout:
+    from fabric_lite.connector import _check_devices
+    from fabric_lite.environments import ProcessInfo
+
+    process = accelerator.strategy.process
+    request = _request()
+    if "nproc_per_node" not in request:
+        return _Layout(process.world_size, process.local_world_size, process.num_nodes, process.source, False)
+    per_node, nodes = int(request["nproc_per_node"]), int(request["nnodes"])
+    source = str(request.get("source", "fabric-lite launch (torchrun)"))
+    layout = _Layout(per_node * nodes, per_node, nodes, source, True)
+    acc_given = _given(accelerator) or {}
+    devices = acc_given.get("devices")
+    if trainer is not None:
+        t_given = _given(trainer) or {}
+        t_devices, num_nodes = t_given.get("devices", "auto"), t_given.get("num_nodes", 1)
+        if isinstance(t_devices, int) and not isinstance(t_devices, bool) and t_devices > 1 and layout.world == 1:
+            # Trainer._relaunch_if_needed: the script starts itself again under torch.distributed.run
+            return _Layout(t_devices * num_nodes, t_devices, num_nodes,
+                           f"torch.distributed.run, started by Trainer(devices={t_devices}) itself "
+                           f"(the launcher started one process)", True)
+        if num_nodes != nodes:
+            layout.problems.append((
+                "num_nodes",
+                f"Trainer(num_nodes={num_nodes}) disagrees with the launch ({nodes} node(s), "
+                f"{request.get('nnodes_origin', 'nnodes')}): "
+                f"the real run stops in Trainer(). Make them match."))
+    if devices is not None and devices != "auto":
+        planned = ProcessInfo(world_size=layout.world, local_world_size=per_node, source="fabric-lite launch")
+        try:
+            _check_devices(devices, accelerator.device.type, planned)
+        except ValueError as err:
+            layout.problems.append(("devices", f"devices={devices!r} vs {per_node} process(es) per node "
+                                               f"({request.get('nproc_origin', 'nproc_per_node')}): the real "
+                                               f"run stops with: {err}"))
+    return layout
+
+
+def _strategy_line(accelerator: "Accelerator", layout: _Layout) -> Tuple[str, Optional[Tuple[str, str]]]:
+    """The strategy the real run uses, and a problem line if it would refuse to start."""
+    from fabric_lite.environments import read_launch_settings
+    from fabric_lite.strategies import SingleDeviceStrategy, Strategy, create_strategy
+
+    strategy = accelerator.strategy
+    cls: type = type(strategy)
+    problem = None
+    if layout.dry_run and layout.world != strategy.world_size:
+        requested_strategy = (_given(accelerator) or {}).get("strategy", "auto")
+        launch_strategy = read_launch_settings().strategy
+        if requested_strategy == "auto" and launch_strategy:
+            requested_strategy = launch_strategy
+        if isinstance(requested_strategy, Strategy):
+            cls = type(requested_strategy)
+        else:
+            try:
+                cls = type(create_strategy(str(requested_strategy), layout.world))
+            except ValueError:
+                pass
+        if issubclass(cls, SingleDeviceStrategy) and layout.world > 1:
+            problem = ("strategy (argument)", f"{cls.__name__} with {layout.world} processes: the real run refuses it "
+                                   f"(independent copies would not exchange gradients). Use 'ddp' or 'auto'.")
+    name = cls.__name__
+    if hasattr(cls, "backend"):  # a strategy with a process group (DDP)
+        planned = "nccl" if accelerator.device.type == "cuda" else "gloo"
+        backend = strategy.backend if cls is type(strategy) else planned
+        name += f" (process group backend {backend})"
+    return name, problem
+
+
+# -- building the plan -----------------------------------------------------------------------------
+
+_PRECISION_WORDS = {
+    "32-true": "full fp32",
+    "16-mixed": "float16 autocast, fp32 weights, loss scaled by a GradScaler",
+    "bf16-mixed": "bfloat16 autocast, fp32 weights",
+    "bf16-true": "weights and inputs in bfloat16",
+}
+
+
+def _header(layout: _Layout, door: str) -> List[str]:
+    if layout.dry_run:
+        return [f"fabric-lite explain: the plan of this run. This is a dry run in one process: the script ran up to "
+                f"its first {door}, nothing was trained or written. The real launch would start {layout.world} "
+                f"process(es); the data lines are rank 0's share."]
+    return [f"fabric-lite explain: the plan of this run ({door}); set up as for training, nothing was trained "
+            f"or written."]
+
+
+def _hardware(plan: Plan, accelerator: "Accelerator", layout: _Layout) -> None:
+    device = accelerator.device
+    strategy_name, problem = _strategy_line(accelerator, layout)
+    plan.add(_HW, "accelerator", device.type)
+    where = f"{device} (rank 0)"
+    if device.type == "cuda":
+        where += "; each process uses cuda:<its local rank>"
+    plan.add(_HW, "device", where)
+    plan.add(_HW, "strategy", strategy_name)
+    plan.add(_HW, "world size", layout.world)
+    plan.add(_HW, "processes per node", layout.per_node)
+    plan.add(_HW, "nodes", layout.nodes)
+    plan.add(_HW, "ranks from", layout.source)
+    request = _request()
+    if layout.dry_run and request.get("master"):
+        plan.add(_HW, "rendezvous", request["master"])
+    if layout.dry_run and request.get("config"):
+        plan.add(_HW, "config file", request["config"])
+    if problem:
+        layout.problems.append(problem)
+    for label, text in layout.problems:
+        plan.add(_CONFLICTS, label, text)
+    layout.problems.clear()
+
+
+def _precision(plan: Plan, accelerator: "Accelerator", trainer: Optional["Trainer"]) -> None:
+    from fabric_lite.environments import read_launch_settings
+    from fabric_lite.precision import resolve_precision
+
+    precision = accelerator.strategy.precision
+    plan.add(_PREC, "precision", f"{precision.name} ({_PRECISION_WORDS.get(precision.name, precision.name)})")
+    launch = read_launch_settings()
+    origin = _origin("mixed_precision", launch.mixed_precision)
+    given = (_given(accelerator) or {}).get("mixed_precision")
+    if trainer is not None:
+        argument = f"Trainer(precision={str((_given(trainer) or {}).get('precision', precision.name))!r})"
+    else:
+        argument = f"Accelerator(mixed_precision={given!r})"
+    if launch.mixed_precision is None:
+        if trainer is not None or given is not None:
+            decided = argument
+        elif _given(accelerator) is not None or precision.name == "32-true":
+            decided = "the default (no launcher setting, no argument)"
+        else:
+            decided = "the Accelerator argument"
+        plan.add(_PREC, "decided by", decided)
+        return
+    launched = resolve_precision(launch.mixed_precision)
+    if launched != precision.name:
+        plan.add(_PREC, "decided by", f"{argument}, over {origin}")
+        if trainer is not None:
+            plan.add(_CONFLICTS, "mixed_precision",
+                     f"{origin} is ignored: the Trainer always passes its own precision ({argument}); "
+                     f"set Trainer(precision={launched!r}) instead.")
+        else:
+            plan.add(_CONFLICTS, "mixed_precision",
+                     f"set twice: {argument} wins over {origin}; the run uses {precision.name}.")
+    elif trainer is not None or given is not None:
+        plan.add(_PREC, "decided by", f"{argument} and {origin} (they agree)")
+        plan.add(_CONFLICTS, "mixed_precision", f"set twice, same value: {argument} and {origin}.")
+    else:
+        plan.add(_PREC, "decided by", origin)
+
+
+def _origin(key: str, value: Any) -> str:
+    """Where a launcher setting came from, in words."""
+    origins = _request().get("origins", {})
+    if key in origins:
+        return str(origins[key])
+    from fabric_lite.environments import ENV_GRAD_ACCUM, ENV_MIXED_PRECISION, ENV_STRATEGY, ENV_USE_CPU
+
+    name = {"mixed_precision": ENV_MIXED_PRECISION, "gradient_accumulation_steps": ENV_GRAD_ACCUM,
+            "cpu": ENV_USE_CPU, "strategy": ENV_STRATEGY}[key]
+    return f"the launcher ({name}={value})"
+
+
+def _data_lines(plan: Plan, name: str, loader: Any, world: int, limit: Any = None,
+                evaluation: bool = False) -> Share:
+    from fabric_lite import loops
+
+    share = loader_share(loader, world)
+    inner = getattr(getattr(loader, "_batch_sampler", None), "batch_sampler", None)
+    sampler = getattr(inner, "sampler", inner)
+    dataset = getattr(loader, "dataset", None)
+    dataset = getattr(dataset, "dataset", dataset) if share.iterable else dataset
+    order = {"RandomSampler": "shuffled (RandomSampler, reseeded every epoch, same order on every rank)",
+             "SequentialSampler": "in order (SequentialSampler)"}.get(type(sampler).__name__, type(sampler).__name__)
+    if share.iterable:
+        order = "an IterableDataset, read in chunks of world x batch"
+    size = f"{share.dataset_len} samples" if share.dataset_len is not None else "length unknown"
+    plan.add(_DATA, name if name.startswith("loader") else f"{name} loader",
+             f"{type(dataset).__name__}, {size}, {order}")
+    if share.error:
+        plan.add(_DATA, f"{name}: sharding", f"fails with {world} processes: {share.error}")
+        plan.add(_CONFLICTS, f"sharding ({name})", f"the real run stops in prepare(): {share.error}")
+        return share
+    if share.unbatched:
+        plan.add(_DATA, f"{name}: per-process batch", "none (batch_size=None: one sample at a time)")
+    else:
+        per = "set by the loader's batch_sampler" if share.batch is None else share.batch
+        if share.split and share.batch is not None:
+            per = f"{per} (split_batches=True: each loader batch of {share.batch * world} is cut in {world})"
+        plan.add(_DATA, f"{name}: per-process batch", per)
+    if share.batches is not None:
+        text = f"{share.batches} per epoch"
+        if world > 1:
+            text += f" (rank 0 of {world})"
+        run = loops._limit(limit, share.batches) if limit is not None else None
+        if run is not None and run != share.batches:
+            text += f"; {'limit_val_batches' if evaluation else 'limit_train_batches'}={limit!r} runs {run}"
+        plan.add(_DATA, f"{name}: batches per process", text)
+    if share.samples is not None:
+        plan.add(_DATA, f"{name}: samples per process", f"{share.samples} per epoch")
+    plan.add(_DATA, f"{name}: end of epoch", _tail_words(share, evaluation))
+    workers = getattr(loader, "num_workers", 0)
+    if workers:
+        plan.add(_DATA, f"{name}: workers", f"{workers} loader worker process(es) per rank")
+    return share
+
+
+def _tail_words(share: Share, evaluation: bool) -> str:
+    if share.dataset_len is None or share.batch is None and not share.unbatched:
+        if share.drop_last:
+            return "drop_last=True: an incomplete last batch is dropped"
+        return "unknown (no dataset length)" if share.dataset_len is None else "set by the loader's batch_sampler"
+    if share.dropped:
+        return f"drop_last=True: {share.dropped} sample(s) are left out every epoch"
+    if share.padded:
+        return (f"{share.padded} sample(s) repeated so every rank gets whole batches in the last step "
+                f"(even_batches=True)")
+    if share.uneven:
+        note = " (evaluation: every sample exactly once)" if evaluation else ""
+        return f"no padding (even_batches=False): ranks get unequal shares of the last step{note}"
+    if share.world == 1 and share.dataset_len and share.batch and share.dataset_len % share.batch:
+        return f"the last batch holds {share.dataset_len % share.batch} sample(s) (one process: no padding)"
+    return "no padding: every batch is whole"
+
+
+def _optimizers(plan: Plan, optimizers: Sequence[Any], schedulers: Sequence[Tuple[Any, str]]) -> None:
+    names = []
+    for opt in optimizers:
+        inner = getattr(opt, "optimizer", opt)
+        lrs = sorted({g.get("lr") for g in inner.param_groups if "lr" in g}, key=str)
+        names.append(f"{type(inner).__name__}(lr={', '.join(map(str, lrs))})" if lrs else type(inner).__name__)
+    plan.add(_OPT, "optimizers", ", ".join(names) if names else "none prepared yet")
+    if schedulers:
+        plan.add(_OPT, "schedulers", ", ".join(f"{type(s).__name__} {when}" for s, when in schedulers))
+
+
+def _model_line(plan: Plan, models: Sequence[Any], accelerator: "Accelerator") -> None:
+    if not models:
+        return
+    words = []
+    for model in models:
+        inner = accelerator.unwrap_model(model)
+        inner = getattr(inner, "module", inner) if type(inner).__name__ == "_StepRunner" else inner
+        count = sum(p.numel() for p in inner.parameters())
+        trainable = sum(p.numel() for p in inner.parameters() if p.requires_grad)
+        words.append(f"{type(inner).__name__} ({count:,} parameters, {trainable:,} trainable)")
+    plan.add(_HW, "model", "; ".join(words))
+
+
+def _effective(plan: Plan, share: Optional[Share], world: int, accumulation: int, what: str) -> None:
+    if share is None or share.batch is None:
+        plan.add(_OPT, "effective global batch", "unknown (no per-process batch size)")
+        return
+    total = share.batch * world * accumulation
+    plan.add(_OPT, "effective global batch",
+             f"{total} = {share.batch} per process x {world} process(es) x {accumulation} accumulation "
+             f"(samples per optimizer step{what})")
+
+
+def plan_for_accelerator(accelerator: "Accelerator") -> Plan:
+    """The plan of a raw-loop run, from an Accelerator that has prepared its objects."""
+    from fabric_lite.environments import read_launch_settings
+
+    layout = _layout(accelerator)
+    plan = Plan(_header(layout, "Accelerator.prepare(...) with a dataloader"))
+    launch = read_launch_settings()
+    given = _given(accelerator)
+    _hardware(plan, accelerator, layout)
+    _model_line(plan, accelerator._models, accelerator)
+    _precision(plan, accelerator, None)
+
+    shares = [_data_lines(plan, f"loader {i + 1}", loader, layout.world)
+              for i, loader in enumerate(accelerator._dataloaders)]
+
+    steps = accelerator.gradient_accumulation_steps
+    plugin = accelerator.gradient_accumulation_plugin
+    if launch.gradient_accumulation_steps is not None and launch.gradient_accumulation_steps != steps:
+        source = "the Accelerator argument, over " + _origin("gradient_accumulation_steps",
+                                                             launch.gradient_accumulation_steps)
+        plan.add(_CONFLICTS, "gradient_accumulation_steps",
+                 f"set twice: gradient_accumulation_steps={steps} (Accelerator argument or plugin) wins over "
+                 f"{_origin('gradient_accumulation_steps', launch.gradient_accumulation_steps)}.")
+    elif launch.gradient_accumulation_steps is not None:
+        source = _origin("gradient_accumulation_steps", launch.gradient_accumulation_steps)
+        if given is not None and given.get("gradient_accumulation_steps") is not None:
+            plan.add(_CONFLICTS, "gradient_accumulation_steps",
+                     f"set twice, same value: Accelerator(gradient_accumulation_steps={steps}) and {source}.")
+    elif steps != 1:
+        source = "the Accelerator argument"
+    else:
+        source = "the default"
+    _optimizers(plan, accelerator._optimizers,
+                [(s.scheduler, "(steps with the optimizer)" if accelerator.step_scheduler_with_optimizer else "")
+                 for s in accelerator._schedulers])
+    plan.add(_OPT, "gradient accumulation",
+             f"{steps} batch(es) per optimizer step (from {source}); it applies inside "
+             f"`with accelerator.accumulate(model):`" + (", and gradients also sync at each loader's last batch"
+                                                          if plugin.sync_with_dataloader and steps > 1 else ""))
+    first = shares[0] if shares else None
+    _effective(plan, first, layout.world, steps, ", loader 1" if len(shares) > 1 else "")
+    if first is not None and first.batches is not None:
+        per_epoch = math.ceil(first.batches / steps) if plugin.sync_with_dataloader else first.batches // steps
+        plan.add(_OPT, "optimizer steps per epoch", f"{per_epoch} (if every batch of loader 1 is one micro-step)")
+    plan.add(_OPT, "gradient clipping", "whatever the script calls (accelerator.clip_grad_norm_ / clip_grad_value_); "
+                                        "the Accelerator sets none")
+
+    project = accelerator.project_configuration
+    plan.add(_CKPT, "project_dir", project.project_dir or "not set")
+    if project.automatic_checkpoint_naming and project.project_dir:
+        root = f"{os.fspath(project.project_dir).rstrip('/')}/checkpoints"
+        keep = f", keeping the newest {project.total_limit}" if project.total_limit is not None else ""
+        plan.add(_CKPT, "checkpoints", f"save_state() writes {root}/checkpoint_{project.iteration}, then _"
+                                       f"{project.iteration + 1}, ... (automatic naming{keep})")
+    elif project.automatic_checkpoint_naming:
+        plan.add(_CKPT, "checkpoints", "automatic_checkpoint_naming=True but no project_dir: save_state() without a "
+                                       "path fails")
+        plan.add(_CONFLICTS, "automatic_checkpoint_naming", "has no effect without a project_dir")
+    else:
+        plan.add(_CKPT, "checkpoints", "wherever the script passes save_state(output_dir) (automatic naming is off)")
+    log_with = accelerator._log_with
+    if log_with is None:
+        plan.add(_CKPT, "trackers", "none (log_with not set)")
+    else:
+        where = f"under {accelerator.logging_dir}/<project name>" if accelerator.logging_dir else \
+            "no logging_dir: init_trackers() fails for file-based trackers"
+        plan.add(_CKPT, "trackers", f"{log_with!r}, started by init_trackers(), {where}")
+
+    _accelerator_conflicts(plan, accelerator, layout, launch)
+    return plan
+
+
+def _accelerator_conflicts(plan: Plan, accelerator: "Accelerator", layout: _Layout, launch: Any) -> None:
+    """Settings given twice (launcher vs argument) or accepted and ignored, common to both doors."""
+    given = _given(accelerator) or {}
+    if given.get("rng_types") is not None:
+        plan.add(_CONFLICTS, "rng_types", f"rng_types={given['rng_types']!r} is accepted for compatibility and "
+                                          f"ignored: dataloader order is always seeded and the same on every rank.")
+    if not accelerator.dataloader_config.use_seedable_sampler:
+        plan.add(_CONFLICTS, "use_seedable_sampler", "DataLoaderConfiguration(use_seedable_sampler=False) is ignored: "
+                                                     "sampling is always seeded.")
+    if launch.use_cpu and str(given.get("accelerator", "auto")) not in ("auto", "cpu"):
+        plan.add(_CONFLICTS, "cpu", f"{_origin('cpu', '1')} wins over accelerator={given['accelerator']!r}: "
+                                    f"the run uses the CPU.")
+    requested_strategy = given.get("strategy", "auto")
+    if launch.strategy and isinstance(requested_strategy, str) and requested_strategy != "auto" \
+            and requested_strategy != launch.strategy:
+        plan.add(_CONFLICTS, "strategy (argument)", f"set twice: strategy={requested_strategy!r} (argument) wins over "
+                                         f"{_origin('strategy', launch.strategy)}.")
+    if given.get("dynamo_backend") not in (None, "no", "NO"):
+        plan.add(_PREC, "torch.compile", f"backend {given['dynamo_backend']!r}")
+    if accelerator.split_batches and layout.world == 1:
+        plan.add(_CONFLICTS, "split_batches", "split_batches=True has no effect with one process.")
+
+
+def plan_for_trainer(trainer: "Trainer", module: "TrainModule", ckpt_path: Optional[str] = None) -> Plan:
+    """The plan of `trainer.fit(module, ...)`, once fit() has prepared the model, optimizers and loaders."""
+    from fabric_lite.callbacks.checkpoint import ModelCheckpoint
+    from fabric_lite.environments import read_launch_settings
+
+    accelerator = trainer.accelerator
+    layout = _layout(accelerator, trainer)
+    plan = Plan(_header(layout, "Trainer.fit(...)"))
+    launch = read_launch_settings()
+    _hardware(plan, accelerator, layout)
+    _model_line(plan, [trainer.model], accelerator)
+    _precision(plan, accelerator, trainer)
+
+    train = _data_lines(plan, "train", trainer._train_loader, layout.world, trainer.limits["train"])
+    for i, loader in enumerate(trainer._val_loaders):
+        name = "val" if len(trainer._val_loaders) == 1 else f"val {i + 1}"
+        _data_lines(plan, name, loader, layout.world, trainer.limits["validate"], evaluation=True)
+    if trainer._val_loaders:
+        interval = trainer.val_check_interval
+        when = f"every {trainer.check_val_every_n_epoch} epoch(s)"
+        if isinstance(interval, int) and not isinstance(interval, bool):
+            when = f"every {interval} training batches (in epochs validated: every {trainer.check_val_every_n_epoch})"
+        elif interval < 1.0:
+            when += f", and every {interval:g} of an epoch"
+        plan.add(_DATA, "validation", f"{when}; {trainer.num_sanity_val_steps} sanity batch(es) before training")
+    else:
+        plan.add(_DATA, "validation", "none (no val loader)")
+
+    manual = not module.automatic_optimization
+    accumulate = 1 if manual else trainer.accumulate_grad_batches
+    plan.add(_OPT, "optimization", "manual (the module steps its optimizers itself)" if manual else "automatic")
+    _optimizers(plan, trainer._optimizers, [(s.scheduler, f"every {s.frequency} {s.interval}(s)")
+                                            for s in trainer._schedulers])
+    if manual:
+        plan.add(_OPT, "gradient accumulation", "done by the module (manual optimization)")
+    else:
+        plan.add(_OPT, "gradient accumulation", f"{accumulate} batch(es) per optimizer step (accumulate_grad_batches)")
+    _effective(plan, train, layout.world, accumulate, "")
+    if train.batches is not None and not manual:
+        from fabric_lite import loops
+
+        run = loops._limit(trainer.limits["train"], train.batches) or 0
+        per_epoch = math.ceil(run / accumulate)
+        plan.add(_OPT, "optimizer steps per epoch", per_epoch)
+        epochs = trainer.max_epochs
+        if trainer.max_steps >= 0 and (epochs == -1 or trainer.max_steps <= epochs * per_epoch):
+            total = f"max_steps={trainer.max_steps}" + (f" (about {math.ceil(trainer.max_steps / per_epoch)} epoch(s))"
+                                                        if per_epoch else "")
+        elif epochs == -1:
+            total = "no epoch or step limit (max_epochs=-1, max_steps=-1)"
+        else:
+            total = f"max_epochs={epochs}: {epochs * per_epoch} optimizer steps"
+        if trainer.max_time is not None:
+            total += f", or max_time={trainer.max_time}s"
+        plan.add(_OPT, "stops after", total)
+    if trainer.gradient_clip_val is not None and not manual:
+        plan.add(_OPT, "gradient clipping", f"{trainer.gradient_clip_algorithm} <= {trainer.gradient_clip_val} "
+                                            f"(gradient_clip_val; after unscaling fp16 gradients)")
+    else:
+        plan.add(_OPT, "gradient clipping", "off")
+
+    plan.add(_CKPT, "default_root_dir", trainer.default_root_dir)
+    callback = next((c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)), None)
+    root = f"{trainer.default_root_dir.rstrip('/')}/checkpoints"
+    if callback is not None:
+        dirpath = callback.dirpath or root
+        plan.add(_CKPT, "checkpoints", dirpath)
+        when = []
+        if callback.every_n_train_steps:
+            when.append(f"every {callback.every_n_train_steps} optimizer steps")
+        if callback.every_n_epochs:
+            when.append(f"every {callback.every_n_epochs} epoch(s)")
+        keep = ("all" if callback.save_top_k == -1 else
+                f"the best {callback.save_top_k} by {callback.monitor} ({callback.mode})" if callback.monitor else
+                f"the newest {callback.save_top_k}")
+        text = f"{' and '.join(when) or 'never'}, named {callback.filename!r}, keeping {keep}"
+        if callback.save_last:
+            text += f", plus {dirpath.rstrip('/')}/last"
+        if trainer.fast_dev_run:
+            text = "none: fast_dev_run saves no checkpoints"
+        if callback.save_top_k == 0 and not callback.save_last:
+            text = "none (save_top_k=0)"
+        plan.add(_CKPT, "checkpoint schedule", text)
+        root = dirpath
+    else:
+        plan.add(_CKPT, "checkpoints", "none (enable_checkpointing=False)")
+    plan.add(_CKPT, "on preemption", f"{root.rstrip('/')}/preempted (SIGTERM/SIGUSR1 save one and exit)")
+    if ckpt_path is not None:
+        plan.add(_CKPT, "resume", "the newest whole checkpoint under " + root if ckpt_path == "last" else ckpt_path)
+    loggers = _logger_lines(trainer)
+    plan.add(_CKPT, "loggers", "; ".join(loggers) if loggers else "none (no logger callback)")
+
+    _trainer_conflicts(plan, trainer, module, launch)
+    _accelerator_conflicts(plan, accelerator, layout, launch)
+    return plan
+
+
+def _logger_lines(trainer: "Trainer") -> List[str]:
+    from fabric_lite.callbacks.loggers import _VersionedLogger, _version_dir
+
+    out = []
+    for cb in trainer.callbacks:
+        if isinstance(cb, _VersionedLogger):
+            where = cb.log_dir
+            if where is None:
+                try:
+                    where = _version_dir(cb.save_dir, cb.name, cb.version)  # reads the directory, creates nothing
+                    where += "" if cb.version is not None else " (the next free version)"
+                except Exception as err:  # a storage error is worth seeing, not worth failing the plan
+                    where = f"{cb.save_dir} (cannot list it: {err})"
+            out.append(f"{type(cb).__name__} -> {where}")
+    return out
+
+
+def _trainer_conflicts(plan: Plan, trainer: "Trainer", module: "TrainModule", launch: Any) -> None:
+    given = _given(trainer) or {}
+    no_val = not trainer._val_loaders
+    if no_val and trainer.limits["validate"] is not None and not trainer.fast_dev_run:
+        plan.add(_CONFLICTS, "limit_val_batches", f"limit_val_batches={trainer.limits['validate']!r} is ignored: "
+                                                  f"there is no val loader.")
+    if no_val and trainer.check_val_every_n_epoch != 1:
+        plan.add(_CONFLICTS, "check_val_every_n_epoch", f"check_val_every_n_epoch={trainer.check_val_every_n_epoch} "
+                                                        f"is ignored: there is no validation.")
+    if no_val and trainer.val_check_interval != 1.0:
+        plan.add(_CONFLICTS, "val_check_interval", f"val_check_interval={trainer.val_check_interval!r} is ignored: "
+                                                   f"there is no validation.")
+    if no_val and "num_sanity_val_steps" in given and not trainer.fast_dev_run:
+        plan.add(_CONFLICTS, "num_sanity_val_steps", "is ignored: there is no val loader.")
+    if not module.automatic_optimization:
+        if trainer.accumulate_grad_batches != 1:
+            plan.add(_CONFLICTS, "accumulate_grad_batches",
+                     f"accumulate_grad_batches={trainer.accumulate_grad_batches} is ignored with manual optimization "
+                     f"(automatic_optimization=False): the module decides when to step.")
+        if trainer.gradient_clip_val is not None:
+            plan.add(_CONFLICTS, "gradient_clip_val",
+                     f"gradient_clip_val={trainer.gradient_clip_val} is ignored with manual optimization: clip in "
+                     f"training_step before stepping.")
+    elif trainer.gradient_clip_val is None and trainer.gradient_clip_algorithm != "norm":
+        plan.add(_CONFLICTS, "gradient_clip_algorithm", f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r} "
+                                                        f"is ignored: gradient_clip_val is not set.")
+    if trainer.fast_dev_run:
+        plan.add(_CONFLICTS, "fast_dev_run", f"fast_dev_run={trainer.fast_dev_run!r} overrides max_epochs, max_steps, "
+                                             f"limit_*_batches and num_sanity_val_steps, and turns checkpointing off.")
+    if launch.gradient_accumulation_steps is not None:
+        origin = _origin("gradient_accumulation_steps", launch.gradient_accumulation_steps)
+        if launch.gradient_accumulation_steps != trainer.accumulate_grad_batches:
+            plan.add(_CONFLICTS, "gradient_accumulation_steps",
+                     f"{origin} is ignored: the Trainer accumulates accumulate_grad_batches="
+                     f"{trainer.accumulate_grad_batches}; pass Trainer(accumulate_grad_batches="
+                     f"{launch.gradient_accumulation_steps}) instead.")
+        else:
+            plan.add(_CONFLICTS, "gradient_accumulation_steps",
+                     f"set twice, same value: Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) "
+                     f"and {origin} (the Trainer's is the one used).")
+
+
+# -- `fabric-lite explain` -------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _recording() -> Iterator[None]:
+    """Record the constructor arguments of Accelerator and Trainer while the script runs; let a
+    one-process dry run construct what the planned launch would (devices, num_nodes)."""
+    from fabric_lite import accelerator as accelerator_module
+    from fabric_lite import trainer as trainer_module
+
+    acc_cls, trainer_cls = accelerator_module.Accelerator, trainer_module.Trainer
+    acc_init, trainer_init = acc_cls.__init__, trainer_cls.__init__
+    relaunch = trainer_module._relaunch_if_needed
+    acc_sig, trainer_sig = inspect.signature(acc_init), inspect.signature(trainer_init)
+
+    @functools.wraps(acc_init)
+    def accelerator_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = acc_sig.bind(self, *args, **kwargs)
+        given = {k: v for k, v in bound.arguments.items() if k != "self"}
+        self._explain_given = given
+        devices = given.get("devices")
+        if isinstance(devices, int) and not isinstance(devices, bool) and devices > 1:
+            bound.arguments["devices"] = None  # this lone process stands in for rank 0; the plan checks devices
+        acc_init(*bound.args, **bound.kwargs)
+
+    @functools.wraps(trainer_init)
+    def trainer_init_recorded(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            bound = trainer_sig.bind(self, *args, **kwargs)
+        except TypeError:
+            return trainer_init(self, *args, **kwargs)  # let the Trainer report the mistake itself
+        given = {k: v for k, v in bound.arguments.items() if k != "self"}
+        self._explain_given = given
+        if given.get("num_nodes", 1) != 1:
+            bound.arguments["num_nodes"] = 1  # one process on one node here; the plan compares it with the launch
+        trainer_init(*bound.args, **bound.kwargs)
+
+    acc_cls.__init__ = accelerator_init  # type: ignore[method-assign]
+    trainer_cls.__init__ = trainer_init_recorded  # type: ignore[method-assign]
+    trainer_module._relaunch_if_needed = lambda devices, num_nodes: None  # the plan reports the relaunch
+    try:
+        yield
+    finally:
+        acc_cls.__init__ = acc_init  # type: ignore[method-assign]
+        trainer_cls.__init__ = trainer_init  # type: ignore[method-assign]
+        trainer_module._relaunch_if_needed = relaunch
+
+
+@contextlib.contextmanager
+def _environ(values: Mapping[str, Optional[str]]) -> Iterator[None]:
+    """Set (str) or remove (None) environment variables for the duration."""
+    saved = {k: os.environ.get(k) for k in values}
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _flag_given(argv: Sequence[str], script: str, *names: str) -> bool:
+    """Whether one of the flag `names` appears on the command line before the script."""
+    head = list(argv)[:list(argv).index(script)] if script in argv else list(argv)
+    return any(tok == n or tok.startswith(n + "=") for tok in head for n in names)
+
+
+def _error(message: str) -> int:
+    print(f"fabric-lite explain: error: {message}", file=sys.stderr)
+    return 2
+
+
+def explain_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None) -> int:
+    """`fabric-lite explain [launch flags] train.py [args]`: the launch's plan from a one-process dry run."""
+    import runpy
+
+    from torch.distributed.run import determine_local_world_size
+
+    from fabric_lite.config_file import ConfigError, find_config, load_config
+    from fabric_lite.environments import ENV_EXPLAIN, ENV_STRATEGY
+    from fabric_lite.launch import (
+        _check_launch, _config_defaults, _settings_env, free_port, launch_command_parser,
+    )
+
+    env = os.environ if env is None else env
+    parser = launch_command_parser()
+    parser.prog = "fabric-lite explain"
+    parser.description = (
+        "Print the plan of a launch without running it: world size and node layout, strategy, precision, how "
+        "data is sharded, the effective global batch, where checkpoints go, and settings given twice or ignored. "
+        "Takes every `fabric-lite launch` flag; the script runs in ONE process up to its first "
+        "Accelerator.prepare(...) with a dataloader or Trainer.fit(...), then stops with status 0. "
+        "Example: fabric-lite explain --nproc-per-node 2 --mixed-precision bf16 train.py --epochs 3"
+    )
+    argv = list(argv)
+    flags = parser.parse_args(argv)  # the command line alone: tells a flag from a config default
+    args = flags
+    config_path = find_config(flags.config_file, env)
+    config = None
+    if config_path is not None:
+        try:
+            config = load_config(config_path)
+        except ConfigError as err:
+            return _error(str(err))
+        parser.set_defaults(**_config_defaults(config, env))
+        args = parser.parse_args(argv)
+    try:
+        _check_launch(args)
+        settings: Dict[str, Optional[str]] = dict(_settings_env(args.mixed_precision, args.gradient_accumulation_steps,
+                                                                args.cpu))
+        per_node = determine_local_world_size(str(args.nproc_per_node))
+    except ValueError as err:
+        return _error(f"{err} (the real launch would stop here too)")
+    if args.no_python:
+        return _error("--no-python: explain runs a Python script (or -m module) in this interpreter.")
+    script = args.training_script
+    nnodes_spec = "1" if args.standalone else str(args.nnodes)
+    low, _, high = nnodes_spec.partition(":")
+    nnodes_spec = low if not high or low == high else nnodes_spec  # torchrun's default is "1:1"
+    nodes = int(nnodes_spec.split(":")[-1])
+    in_file = "the config file"
+    origins: Dict[str, str] = {}
+    if args.mixed_precision is not None:
+        origins["mixed_precision"] = (f"--mixed-precision {flags.mixed_precision}" if flags.mixed_precision is not None
+                                      else f"{in_file} (mixed_precision: {args.mixed_precision})")
+    if args.gradient_accumulation_steps is not None:
+        origins["gradient_accumulation_steps"] = (
+            f"--gradient-accumulation-steps {flags.gradient_accumulation_steps}"
+            if flags.gradient_accumulation_steps is not None
+            else f"{in_file} (gradient_accumulation_steps: {args.gradient_accumulation_steps})")
+    origins["cpu"] = "--cpu" if flags.cpu else f"{in_file} (use_cpu: true)"
+    if config is not None:
+        settings[ENV_STRATEGY] = config.strategy
+        origins["strategy"] = f"{in_file} (strategy: {config.strategy})"
+        print(f"fabric-lite explain: using config file {config_path}", file=sys.stderr)
+
+    def where(flag: str, key: str, value: Any) -> str:
+        if _flag_given(argv, script, flag, flag.replace("-", "_").replace("__", "--")):
+            return f"{flag} {value}"
+        return f"{in_file} ({key}: {value})" if config is not None else f"the default {flag} {value}"
+
+    nproc_origin = where("--nproc-per-node", "nproc_per_node", args.nproc_per_node)
+    if str(args.nproc_per_node) != str(per_node):
+        nproc_origin += f" = {per_node}"
+    nnodes_origin = where("--nnodes", "nnodes", nnodes_spec)
+    source = f"torchrun, as `fabric-lite launch` would start it ({nproc_origin}, {nnodes_origin})"
+    if ":" in nnodes_spec:
+        source += f"; an elastic range of nodes: planned with the maximum, {nodes}"
+    request = {
+        "nproc_per_node": per_node, "nnodes": nodes, "source": source, "origins": origins,
+        "nproc_origin": nproc_origin, "nnodes_origin": nnodes_origin,
+        "config": str(config_path) if config_path is not None else None,
+        "master": (f"{args.master_addr}:{args.master_port or '<port>'} (this machine is node {args.node_rank})"
+                   if nodes > 1 else None),
+    }
+    # This process plays rank 0 of a one-process torchrun job (a 'ddp' strategy can start its group of one).
+    settings.update({ENV_EXPLAIN: json.dumps(request), "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0",
+                     "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                     "MASTER_PORT": str(free_port()), "TORCHELASTIC_RESTART_COUNT": None, "TORCHELASTIC_RUN_ID": None})
+    saved_argv, saved_path = list(sys.argv), list(sys.path)
+    _STATE["explained"] = False
+    code: Any = 0
+    try:
+        with _environ(settings), _recording():
+            sys.argv = [script, *args.training_script_args]
+            try:
+                if args.module:
+                    sys.path.insert(0, os.getcwd())
+                    runpy.run_module(script, run_name="__main__", alter_sys=True)
+                else:
+                    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+                    runpy.run_path(script, run_name="__main__")
+            except SystemExit as exc:
+                code = exc.code
+    finally:
+        sys.argv[:], sys.path[:] = saved_argv, saved_path
+    if _STATE["explained"]:
+        return 0 if code in (0, None) else (code if isinstance(code, int) else 1)
+    status = code if code not in (None,) else 0
+    print(f"fabric-lite explain: {script} ended (status {status}) without calling Accelerator.prepare(...) with a "
+          f"dataloader or Trainer.fit(...): there was nothing to explain, and what it did ran for real.",
+          file=sys.stderr)
+    return status if isinstance(status, int) and status != 0 else 1
