@@ -14,7 +14,8 @@ process, on the same tensors:
 
 Timed repeats alternate between the two (raw, fabric_lite, fabric_lite, raw, ...). The table gives
 MB/s (bytes on disk / seconds) and fabric_lite/raw throughput ratios; nothing passes or fails.
-After the repeats, cProfile splits one fabric_lite save and one load into their parts.
+After the repeats, cProfile times one save and one load of each side and sorts their own time into
+kinds of work (file writes, hashing, torch's record reader/writer, ...) side by side.
 
     python benchmarks/checkpoint.py               # 100M parameters, 5 repeats: a few minutes
     python benchmarks/checkpoint.py --quick       # ~5M parameters, 2 repeats: smoke run, ~20 s
@@ -34,6 +35,7 @@ import json
 import math
 import os
 import pstats
+import resource
 import shutil
 import statistics
 import subprocess
@@ -41,7 +43,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -56,6 +58,7 @@ MODES = (RAW, FRAMEWORK)
 OPS = ("save", "load")
 TARGET = 0.9  # fabric_lite / raw throughput
 MB = 1e6
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 # -- the model -------------------------------------------------------------------------------------
@@ -168,7 +171,7 @@ def resident_fraction(d: Path) -> Optional[float]:
     """Share of the bytes under `d` that sit in the page cache (mincore), or None where that fails."""
     try:
         libc = _libc()
-        page = os.sysconf("SC_PAGE_SIZE")
+        page = PAGE
         resident = total = 0
         for p in files_under(d):
             size = p.stat().st_size
@@ -202,24 +205,28 @@ def settle() -> None:
     os.sync()
 
 
+def measured(op: str, fn: Callable[[], None]) -> Dict[str, float]:
+    """Wall seconds, the process's user and sys CPU seconds (all threads) and minor page faults of fn()."""
+    r0, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    fn()
+    wall, r1 = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
+    return {f"{op}_s": wall, f"{op}_user_s": r1.ru_utime - r0.ru_utime, f"{op}_sys_s": r1.ru_stime - r0.ru_stime,
+            f"{op}_minflt": r1.ru_minflt - r0.ru_minflt}
+
+
 def one_round(side: Side, root: Path, cold_load: bool) -> Dict[str, float]:
     d = root / side.name
     if d.exists():
         shutil.rmtree(d)  # each save writes fresh files (and fabric_lite has no old checkpoint to replace)
     settle()
-    cpu, start = time.process_time(), time.perf_counter()
-    side.save(d)
-    save_s, save_cpu = time.perf_counter() - start, time.process_time() - cpu
-    size = bytes_under(d)
+    out = measured("save", lambda: side.save(d))
+    out["bytes"] = bytes_under(d)
     if cold_load:
         evict(d)
     settle()
-    resident = resident_fraction(d)
-    cpu, start = time.process_time(), time.perf_counter()
-    side.load(d)
-    load_s, load_cpu = time.perf_counter() - start, time.process_time() - cpu
-    return {"save_s": save_s, "load_s": load_s, "save_cpu_s": save_cpu, "load_cpu_s": load_cpu, "bytes": size,
-            "resident_before_load": resident}
+    out["resident_before_load"] = resident_fraction(d)
+    out.update(measured("load", lambda: side.load(d)))
+    return out
 
 
 def time_interleaved(sides: Dict[str, Side], root: Path, repeats: int, cold_load: bool) -> Dict[str, List[dict]]:
@@ -260,52 +267,34 @@ def top(stats: dict, column: int, n: int) -> List[Tuple[float, int, str]]:
     return [(v[column], v[1], label(k)) for k, v in rows]
 
 
-def cum(stats: dict, *names: Tuple[str, str]) -> float:
-    """Cumulative seconds of the functions named (file suffix, function name); 0 for those not called."""
-    total = 0.0
-    for (filename, _line, func), v in stats.items():
-        for suffix, name in names:
-            if func == name and filename.replace(os.sep, "/").endswith(suffix):
-                total += v[3]
-    return total
+# Own time (cProfile's tottime) sorted into kinds of work. Own times add up to the profiled wall time,
+# so the split is complete whatever the implementation calls. cProfile sees only the calling thread:
+# work on a helper thread shows as time waiting for it (lock acquire).
+KINDS: List[Tuple[str, Tuple[str, ...]]] = [
+    ("file writes (write syscalls into the page cache)", ("<method 'write' of '_io.", "<built-in method posix.write>")),
+    ("file reads", ("<method 'read' of '_io.", "<method 'readinto' of '_io.", "<built-in method posix.read>")),
+    ("sha256 on the calling thread", ("_hashlib.",)),
+    ("handing work to / waiting for a helper thread (hashing there)",
+     ("<method 'acquire' of '_thread.", "<method 'put' of '_queue.")),
+    ("torch.save records (write_record: CRC32 + copy; to a path it also writes)", ("torch._C.write_record",)),
+    ("torch.load records (get_storage_from_record: read/copy into new tensors)", ("torch._C.get_storage_from_record",)),
+    ("copies into the model's parameters (copy_)", ("<method 'copy_' of",)),
+    ("file system calls (open, close, rename, mkdir, stat, fsync, sync)",
+     ("<built-in method io.open>", "<method 'close' of '_io.", "<method '__exit__' of '_io.", "posix.rename",
+      "posix.replace", "posix.mkdir", "posix.stat", "posix.lstat", "posix.fsync", "posix.sync", "posix.open",
+      "posix.scandir", "posix.listdir", "posix.remove", "posix.unlink", "posix.rmdir")),
+]
+OTHER = "everything else (Python: pickling, state dicts, fsspec, bookkeeping)"
 
 
-def save_breakdown(stats: dict, total: float) -> List[Tuple[str, float]]:
-    to_bytes = cum(stats, ("checkpoint_io.py", "_to_bytes"))
-    sha = cum(stats, ("~", "<built-in method _hashlib.openssl_sha256>"),
-              ("~", "<method 'update' of '_hashlib.HASH' objects>"),
-              ("~", "<method 'hexdigest' of '_hashlib.HASH' objects>"))
-    writes = cum(stats, ("checkpoint_io.py", "write"))  # CheckpointWriter.write: serialize + open/write/close + hash
-    commit = cum(stats, ("checkpoint_io.py", "commit"))
-    setup = cum(stats, ("checkpoint_io.py", "__init__"), ("checkpoint_io.py", "clean_up_interrupted"))
-    parts = [
-        ("torch.save into an in-memory buffer (_to_bytes)", to_bytes),
-        ("sha256 of the bytes", sha),
-        ("open + write the bytes + close (staging file)", max(0.0, writes - to_bytes - sha)),
-        ("manifest.json + publish by move (commit)", commit),
-        ("staging directory set-up and clean-up scan", setup),
-    ]
-    parts.append(("other (state dicts, RNG state, os.sync with --fsync, ...)", max(0.0, total - sum(p[1] for p in parts))))
-    return parts
-
-
-def load_breakdown(stats: dict, total: float) -> List[Tuple[str, float]]:
-    load_file = cum(stats, ("checkpoint_io.py", "load_file"))
-    sha = cum(stats, ("~", "<built-in method _hashlib.openssl_sha256>"),
-              ("~", "<method 'update' of '_hashlib.HASH' objects>"),
-              ("~", "<method 'hexdigest' of '_hashlib.HASH' objects>"))
-    torch_load = cum(stats, ("torch/serialization.py", "load"))
-    manifest = cum(stats, ("checkpoint_io.py", "read_manifest"))
-    apply = cum(stats, ("torch/nn/modules/module.py", "load_state_dict"), ("torch/optim/optimizer.py", "load_state_dict"))
-    parts = [
-        ("read the whole file into bytes", max(0.0, load_file - sha - torch_load)),
-        ("sha256 of the bytes", sha),
-        ("torch.load from the in-memory bytes", torch_load),
-        ("load_state_dict (copy into model, optimizer)", apply),
-        ("read manifest.json", manifest),
-    ]
-    parts.append(("other", max(0.0, total - sum(p[1] for p in parts))))
-    return parts
+def split_by_kind(stats: dict) -> Dict[str, float]:
+    out = {kind: 0.0 for kind, _ in KINDS}
+    out[OTHER] = 0.0
+    for key, v in stats.items():
+        name = label(key)
+        kind = next((k for k, needles in KINDS if any(n in name for n in needles)), OTHER)
+        out[kind] += v[2]
+    return out
 
 
 # -- peak memory, one child process per mode -------------------------------------------------------
@@ -401,7 +390,8 @@ def main() -> None:
                              "(fsync + posix_fadvise DONTNEED, untimed)")
     parser.add_argument("--dir", type=Path, help="where to write (default: the system temp directory)")
     parser.add_argument("--top", type=int, default=8, help="functions listed per cProfile table (default 8)")
-    parser.add_argument("--profile-raw", action="store_true", help="also profile one raw save and load")
+    parser.add_argument("--profile-raw", action="store_true",
+                        help="also list raw's top functions (its split by kind is always printed)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory child processes")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     parser.add_argument("--_memory-child", dest="memory_child", choices=MODES, help=argparse.SUPPRESS)
@@ -435,16 +425,17 @@ def main() -> None:
         t0 = time.perf_counter()
         runs = time_interleaved(sides, root, repeats, args.cold_load)
         timing_s = time.perf_counter() - t0
-
-        # where fabric_lite's time goes: one save and one load under cProfile
         profiles: Dict[str, Dict[str, Tuple[float, dict]]] = {}
-        for name in (MODES if args.profile_raw else (FRAMEWORK,)):
-            d = root / f"profile_{name}"
+
+        # where the time goes: one save and one load of each side under cProfile, run as a timed round is
+        for name in MODES:
+            d = root / name
+            if d.exists():
+                shutil.rmtree(d)
             profiles[name] = {"save": profile(lambda: sides[name].save(d))}
             if args.cold_load:
                 evict(d)
             profiles[name]["load"] = profile(lambda: sides[name].load(d))
-            shutil.rmtree(d)
         for d in root.iterdir():
             shutil.rmtree(d)
         memory = None if args.no_memory else peak_memory(params, root, args.fsync)
@@ -456,20 +447,25 @@ def main() -> None:
                                 "runs": runs, "ops": {}}
     print()
     print(f"{'op':4} {'side':12} {'MB on disk':>10} {'median MB/s':>11} {'min':>7} {'max':>7} "
-          f"{'median s':>9} {'CPU s':>6} {'in page cache':>13}")
+          f"{'median s':>9} {'user s':>6} {'sys s':>6} {'faults MB':>9} {'in cache':>8}")
     for op in OPS:
         for name in MODES:
             rs = runs[name]
             mbps = [r["bytes"] / MB / r[f"{op}_s"] for r in rs]
             secs = [r[f"{op}_s"] for r in rs]
-            cpus = [r[f"{op}_cpu_s"] for r in rs]
+            users, syss = [r[f"{op}_user_s"] for r in rs], [r[f"{op}_sys_s"] for r in rs]
+            cpus = [u + k for u, k in zip(users, syss)]
+            faults = [r[f"{op}_minflt"] * PAGE / MB for r in rs]
             cached = [r["resident_before_load"] for r in rs]
-            cache_s = "" if op == "save" else (fmt_pct(statistics.median(cached)) if None not in cached else "n/a")
+            cache_s = "-" if op == "save" else (fmt_pct(statistics.median(cached)) if None not in cached else "n/a")
             results["ops"].setdefault(op, {})[name] = {
                 "mb_per_s": mbps, "seconds": secs, "median_mb_per_s": statistics.median(mbps),
-                "median_s": statistics.median(secs), "cpu_s": cpus, "median_cpu_s": statistics.median(cpus), "bytes": statistics.median(r["bytes"] for r in rs)}
+                "median_s": statistics.median(secs), "cpu_s": cpus, "median_cpu_s": statistics.median(cpus),
+                "median_user_s": statistics.median(users), "median_sys_s": statistics.median(syss),
+                "median_fault_mb": statistics.median(faults), "bytes": statistics.median(r["bytes"] for r in rs)}
             print(f"{op:4} {name:12} {rs[0]['bytes'] / MB:10.1f} {statistics.median(mbps):11.0f} {min(mbps):7.0f} "
-                  f"{max(mbps):7.0f} {statistics.median(secs):9.3f} {statistics.median(cpus):6.2f} {cache_s:>13}")
+                  f"{max(mbps):7.0f} {statistics.median(secs):9.3f} {statistics.median(users):6.2f} "
+                  f"{statistics.median(syss):6.2f} {statistics.median(faults):9.0f} {cache_s:>8}")
     print()
     print(f"{'op':4} {'ratio':>6} {'of bests':>8} {'paired: median [min..max]':>26} {'CPU ratio':>9} {'target':>7}")
     for op in OPS:
@@ -485,14 +481,16 @@ def main() -> None:
               f"{'>=' + str(TARGET):>7} {verdict}")
     print("\nratio = median(fabric_lite MB/s) / median(raw MB/s); of bests = the same with each side's fastest\n"
           "repeat; paired = per-repeat ratios of back-to-back runs. MB = 10^6 bytes on disk (each side's own files).\n"
-          "CPU s = the process's user+sys seconds (all threads, kernel page-cache copies included): it moves far less\n"
-          "with load on the machine than wall time. CPU ratio = median CPU s fabric_lite / raw (a cost: lower is better).\n"
+          "user s, sys s = the process's CPU seconds (all threads; sys = the kernel: page-cache copies, page faults),\n"
+          "medians. faults MB = minor page faults x page size: memory the operation touched for the first time\n"
+          "(buffers, new tensors); it does not move with load. in cache = share of the files in the page cache\n"
+          "just before the load. CPU ratio = median (user+sys) fabric_lite / raw (a cost: lower is better).\n"
           "Times include writing into the page cache" + (" and waiting for the disk (--fsync)" if args.fsync else
                                                         ", not waiting for the disk (see --fsync)") + ".")
 
     if memory is not None:
         results["peak_extra_memory_mb"] = memory
-        print(f"\npeak extra RSS during one operation (child process per side; VmHWM - VmRSS before)")
+        print("\npeak extra RSS during one operation (child process per side; VmHWM - VmRSS before)")
         print(f"{'side':12} {'save MB':>8} {'load MB':>8}")
         for name in MODES:
             m = memory[name]
@@ -500,8 +498,9 @@ def main() -> None:
             print(f"{name:12} {cells[0]:>8} {cells[1]:>8}")
 
     results["profile"] = {}
-    for name, ops in profiles.items():
-        for op, (wall, stats) in ops.items():
+    for name in (MODES if args.profile_raw else (FRAMEWORK,)):
+        for op in OPS:
+            wall, stats = profiles[name][op]
             print(f"\ncProfile: one {name} {op} ({wall:.3f} s wall) -- top {args.top} by cumulative time")
             print(f"{'cum s':>8} {'calls':>7}  function")
             for t, calls, fn in top(stats, 3, args.top):
@@ -509,15 +508,23 @@ def main() -> None:
             print(f"top {args.top} by own time")
             for t, calls, fn in top(stats, 2, args.top):
                 print(f"{t:8.3f} {calls:7d}  {fn}")
-            entry = {"wall_s": wall, "top_cumulative": top(stats, 3, args.top), "top_own": top(stats, 2, args.top)}
-            if name == FRAMEWORK:
-                parts = (save_breakdown if op == "save" else load_breakdown)(stats, wall)
-                raw_median = results["ops"][op][RAW]["median_s"]
-                print(f"{op} split (raw {op} median: {raw_median:.3f} s)")
-                for what, s in parts:
-                    print(f"{s:8.3f}  {100 * s / wall:4.0f}%  {what}")
-                entry["breakdown"] = parts
-            results["profile"].setdefault(name, {})[op] = entry
+    for op in OPS:
+        walls = {name: profiles[name][op][0] for name in MODES}
+        splits = {name: split_by_kind(profiles[name][op][1]) for name in MODES}
+        print(f"\n{op}, profiled once each: own seconds by kind of work "
+              f"(raw {walls[RAW]:.3f} s, fabric_lite {walls[FRAMEWORK]:.3f} s wall)")
+        print(f"{'raw':>7} {'fabric_lite':>11} {'extra':>7}  kind")
+        for kind in [k for k, _ in KINDS] + [OTHER]:
+            r, f = splits[RAW][kind], splits[FRAMEWORK][kind]
+            if r >= 0.0005 or f >= 0.0005:
+                print(f"{r:7.3f} {f:11.3f} {f - r:+7.3f}  {kind}")
+        for name in MODES:
+            results["profile"].setdefault(name, {})[op] = {
+                "wall_s": walls[name], "own_seconds_by_kind": splits[name],
+                "top_cumulative": top(profiles[name][op][1], 3, args.top),
+                "top_own": top(profiles[name][op][1], 2, args.top)}
+    print("(cProfile times the calling thread only: a helper thread's work shows as waiting for it; the user s\n"
+          " and sys s columns above count every thread)")
 
     load_after = os.getloadavg()
     results["loadavg_before_after"] = [load_before, load_after]
