@@ -478,14 +478,20 @@ class Accelerator(ProcessControl):
         Call it once per step; the first call installs the signal handlers. The processes compare
         notes in one small collective about once a second, so calling it every step costs nothing
         measurable. On True, save a checkpoint and exit, e.g.
-        ``accelerator.save_state(...); sys.exit(fabric_lite.EXIT_PREEMPTED)``.
+        ``accelerator.save_state(...); sys.exit(fabric_lite.EXIT_PREEMPTED)``. Once True, further
+        SIGTERM/SIGUSR1 are ignored, so the process leaves with that status even when a launcher
+        signals it again.
         """
         if self._preemption is None:
             from fabric_lite.preemption import PreemptionWatch
 
             self._preemption = PreemptionWatch()
             self._preemption.install()
-        return self._preemption.should_stop(self.strategy)
+        stop = self._preemption.should_stop(self.strategy)
+        if stop:
+            self._preemption.uninstall()
+            self._preemption.ignore_signals()
+        return stop
 
     def register_for_checkpointing(self, *objects: Any, per_process: bool = False) -> None:
         """Objects with `state_dict`/`load_state_dict` that `save_state`/`load_state` should include.

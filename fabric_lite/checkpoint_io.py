@@ -5,8 +5,8 @@ SHA-256 goes into ``manifest.json`` (written last), and only then is the staging
 into place. Loading reads the manifest and refuses a file whose bytes do not match.
 
 Next to the checkpoints of a run, ``latest`` names the newest whole one; it is rewritten only after
-that checkpoint is published. `newest_whole_checkpoint` starts there and falls back, with a warning
-naming what it skips, to the newest checkpoint that verifies.
+that checkpoint is published. `newest_whole_checkpoint` takes the newest checkpoint (by the time in
+its manifest) that verifies, with a warning naming each one it skips.
 """
 
 from __future__ import annotations
@@ -304,30 +304,32 @@ def _saved_at(fs: Any, path: str) -> float:
 def newest_whole_checkpoint(root: str, storage_options: Optional[dict] = None) -> Optional[str]:
     """The newest checkpoint directly under `root` that verifies, or None if there is none.
 
-    The one ``latest`` names comes first, then the others by the time in their manifests. A
-    candidate that does not verify (partial, corrupt, another format) is skipped with a warning.
+    Candidates go newest first by the time in their manifests (``latest`` breaks ties). A candidate
+    that does not verify (partial, corrupt, another format) is skipped with a warning.
     """
     fs, path = _fs(root, storage_options)
     root = os.fspath(root).rstrip("/")
     if not fs.exists(path):
         return None
-    names: List[str] = []
+    pointed = None
     try:
         with fs.open(_join(fs, path, LATEST), "r") as f:
-            names.append(json.load(f)["name"])
+            pointed = json.load(f)["name"]
     except (OSError, ValueError, KeyError):
         pass
     dirs = {e["name"].rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(path, detail=True) if e["type"] == "directory"}
     # a save interrupted between its two moves leaves only X.staging-*/X.old-*: reading X recovers it
     bases = {d.split(".staging-")[0].split(".old-")[0] for d in dirs}
-    dated = sorted(((_saved_at(fs, _join(fs, path, b)), b) for b in bases), reverse=True)
-    names += [name for _, name in dated if name not in names]
+    # newest first by the time in the manifest (a crash between a publish and the `latest` update
+    # must not lose the newer checkpoint); `latest` decides between equal times
+    dated = sorted(((_saved_at(fs, _join(fs, path, b)), b == pointed, b) for b in bases), reverse=True)
+    names = [name for _, _, name in dated]
     for name in names:
         candidate = f"{root}/{name}"
         try:
             verify(candidate, storage_options)
         except CheckpointError as err:
-            if name in bases:  # (`latest` may name a checkpoint pruned since: not worth a warning)
+            if name in bases:
                 warnings.warn(f"Skipping checkpoint {candidate}: {err} Trying an older one.", stacklevel=2)
             continue
         return candidate

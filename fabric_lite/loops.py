@@ -228,6 +228,10 @@ def _stop_preempted(trainer: "Trainer") -> None:
         reason = trainer._preemption.signal_name or "a signal on another process"
         print(f"fabric_lite: {reason} received; saved {path} at step {trainer.global_step}. Exiting with status "
               f"{EXIT_PREEMPTED}; fit(..., ckpt_path='last') resumes from there.", file=sys.stderr, flush=True)
+    # From here on the job is leaving on purpose: a launcher's SIGTERM to the other ranks must not
+    # turn their clean exit into a signal death.
+    trainer._preemption.uninstall()
+    trainer._preemption.ignore_signals()
     raise SystemExit(EXIT_PREEMPTED)
 
 

@@ -49,6 +49,13 @@ class PreemptionWatch:
             signal.signal(sig, previous)
         self._previous.clear()
 
+    @staticmethod
+    def ignore_signals() -> None:
+        """Ignore SIGTERM/SIGUSR1 from now on (a process on its way out after a preemption save)."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in _SIGNALS:
+                signal.signal(sig, signal.SIG_IGN)
+
     def _handle(self, signum: int, frame: Any) -> None:
         self.received = signum  # only a flag: the training loop acts on it at a step boundary
         previous: Optional[Callable[..., Any]] = self._previous.get(signum)
