@@ -826,25 +826,6 @@ def _recording() -> Iterator[None]:
         trainer_module._relaunch_if_needed = relaunch
 
 
-@contextlib.contextmanager
-def _environ(values: Mapping[str, Optional[str]]) -> Iterator[None]:
-    """Set (str) or remove (None) environment variables for the duration."""
-    saved = {k: os.environ.get(k) for k in values}
-    for key, value in values.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
 def _flag_given(argv: Sequence[str], script: str, *names: str) -> bool:
     """Whether one of the flag `names` appears on the command line before the script."""
     head = list(argv)[:list(argv).index(script)] if script in argv else list(argv)
@@ -865,7 +846,7 @@ def explain_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None
     from fabric_lite.config_file import ConfigError, find_config, load_config
     from fabric_lite.environments import ENV_EXPLAIN, ENV_STRATEGY
     from fabric_lite.launch import (
-        _check_launch, _config_defaults, _settings_env, free_port, launch_command_parser,
+        _check_launch, _config_defaults, _patched_environ, _settings_env, free_port, launch_command_parser,
     )
 
     env = os.environ if env is None else env
@@ -947,7 +928,7 @@ def explain_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None
     _STATE["explained"] = False
     code: Any = 0
     try:
-        with _environ(settings), _recording():
+        with _patched_environ(settings), _recording():
             sys.argv = [script, *args.training_script_args]
             try:
                 if args.module:

@@ -46,9 +46,14 @@ def _settings_env(mixed_precision: Optional[str], gradient_accumulation_steps: O
 
 
 @contextlib.contextmanager
-def _patched_environ(values: Dict[str, str]) -> Iterator[None]:
+def _patched_environ(values: Mapping[str, Optional[str]]) -> Iterator[None]:
+    """Set (str) or remove (None) environment variables for the duration."""
     saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     try:
         yield
     finally:
