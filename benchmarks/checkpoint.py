@@ -17,8 +17,8 @@ MB/s (bytes on disk / seconds) and fabric_lite/raw throughput ratios; nothing pa
 After the repeats, cProfile times one save and one load of each side and sorts their own time into
 kinds of work (file writes, hashing, torch's record reader/writer, ...) side by side.
 
-    python benchmarks/checkpoint.py               # 100M parameters, 5 repeats: a few minutes
-    python benchmarks/checkpoint.py --quick       # ~5M parameters, 2 repeats: smoke run, ~20 s
+    python benchmarks/checkpoint.py               # 100M parameters, 5 repeats: ~1.5 minutes
+    python benchmarks/checkpoint.py --quick       # ~5M parameters, 2 repeats: smoke run, ~15 s
     python benchmarks/checkpoint.py --fsync       # both sides wait until their bytes reach the disk
     python benchmarks/checkpoint.py --cold-load   # evict the files from the page cache before each load
 

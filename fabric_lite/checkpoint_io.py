@@ -1,7 +1,7 @@
 """Checkpoint files on any fsspec storage, written so that a crash never replaces a good checkpoint.
 
 A checkpoint is a directory. Its files are written under a staging name next to it, each file's
-SHA-256 goes into ``manifest.json`` (written last), and only then is the staging directory moved
+checksum goes into ``manifest.json`` (written last), and only then is the staging directory moved
 into place. Loading reads the manifest and refuses a file whose bytes do not match.
 
 Next to the checkpoints of a run, ``latest`` names the newest whole one; it is rewritten only after
@@ -18,6 +18,7 @@ import os
 import time
 import uuid
 import warnings
+import zlib
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -83,6 +84,30 @@ def save_file(obj: Any, url: str, storage_options: Optional[dict] = None) -> Non
 
 
 _POOL: Any = None
+#: The checksum new checkpoints record. CRC-32 catches torn and corrupted files (what it is for:
+#: untrusted content is handled by `weights_only=True` loading) at ~3.7 GB/s, against ~1.7 GB/s for
+#: SHA-256, which made saving a large checkpoint half as fast as a bare torch.save. Manifests name
+#: their algorithm; "sha256" ones still verify.
+CHECKSUM = "crc32"
+
+
+class _Crc32:
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: Any) -> None:
+        self.value = zlib.crc32(data, self.value)  # releases the GIL on large buffers
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
+
+
+def _digest(algorithm: str) -> Any:
+    if algorithm == "crc32":
+        return _Crc32()
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    raise CheckpointError(f"Unknown checksum {algorithm!r} in a manifest; this fabric_lite knows crc32 and sha256.")
 
 
 def _pool() -> Any:
@@ -90,12 +115,12 @@ def _pool() -> Any:
     if _POOL is None:
         from concurrent.futures import ThreadPoolExecutor
 
-        _POOL = ThreadPoolExecutor(1, thread_name_prefix="fabric_lite_sha256")
+        _POOL = ThreadPoolExecutor(1, thread_name_prefix="fabric_lite_checksum")
     return _POOL
 
 
 class _HashingWriter:
-    """A file-like `torch.save` writes into: bytes go to `f` and into a SHA-256 at the same time.
+    """A file-like `torch.save` writes into: bytes go to `f` and into a checksum at the same time.
 
     Large chunks are hashed on a helper thread while this one writes them (both release the GIL),
     so the checksum costs little beyond the write itself."""
@@ -104,7 +129,7 @@ class _HashingWriter:
 
     def __init__(self, f: Any) -> None:
         self.f = f
-        self.digest = hashlib.sha256()
+        self.digest = _digest(CHECKSUM)
 
     def write(self, data: Any) -> int:
         view = memoryview(data)
@@ -163,7 +188,7 @@ class CheckpointWriter:
 
     def commit(self, checksums: Dict[str, str], meta: Optional[Dict[str, Any]] = None) -> None:
         meta = {"saved_at": time.time(), **(meta or {})}
-        manifest = {"format_version": FORMAT_VERSION, "files": checksums, "meta": meta}
+        manifest = {"format_version": FORMAT_VERSION, "checksum": CHECKSUM, "files": checksums, "meta": meta}
         with self.fs.open(_join(self.fs, self.staging, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
         target = self.path.rstrip("/")
@@ -220,8 +245,8 @@ def read_manifest(url: str, storage_options: Optional[dict] = None) -> Dict[str,
     return manifest
 
 
-def _sha256_file(path: str) -> str:
-    digest = hashlib.sha256()
+def _digest_file(path: str, algorithm: str) -> str:
+    digest = _digest(algorithm)
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(_CHUNK), b""):
             digest.update(chunk)
@@ -232,7 +257,7 @@ def load_file(
     url: str, name: str, manifest: Dict[str, Any], map_location: Any = "cpu",
     weights_only: bool = True, storage_options: Optional[dict] = None,
 ) -> Any:
-    """Load one file of a checkpoint, checking its SHA-256 against the manifest.
+    """Load one file of a checkpoint, checking its checksum against the manifest.
 
     The checksum is computed on a helper thread while `torch.load` reads (it is safe to unpickle
     before the check: `weights_only=True` builds nothing but tensors and containers); a mismatch
@@ -242,17 +267,24 @@ def load_file(
     if expected is None:
         raise CheckpointError(f"{url} has no file {name!r} in its manifest (it holds {sorted(manifest['files'])}).")
     full = _join(fs, path, name)
+    algorithm = manifest.get("checksum", "sha256")
+    _digest(algorithm)  # an unknown algorithm is refused before anything is read
     protocol = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     if {"file", "local"} & set(protocol):
         local = fs._strip_protocol(full)
         if not os.path.exists(local):
             raise CheckpointError(f"{url} is missing {name}, which its manifest lists.")
-        pending = _pool().submit(_sha256_file, local)
+        pending = _pool().submit(_digest_file, local, algorithm)
         source: Any = local
     else:
         with fs.open(full, "rb") as f:
             data = f.read()
-        pending = _pool().submit(lambda: hashlib.sha256(data).hexdigest())
+        def digest_bytes() -> str:
+            d = _digest(algorithm)
+            d.update(data)
+            return d.hexdigest()
+
+        pending = _pool().submit(digest_bytes)
         source = io.BytesIO(data)
     try:
         obj = torch.load(source, map_location=map_location, weights_only=weights_only)
@@ -271,7 +303,7 @@ def verify(url: str, storage_options: Optional[dict] = None) -> Dict[str, Any]:
     manifest = read_manifest(url, storage_options)
     fs, path = _fs(url, storage_options)
     for name, expected in sorted(manifest["files"].items()):
-        digest = hashlib.sha256()
+        digest = _digest(manifest.get("checksum", "sha256"))
         try:
             with fs.open(_join(fs, path, name), "rb") as f:
                 for chunk in iter(lambda: f.read(_CHUNK), b""):

@@ -854,3 +854,24 @@ def test_project_dir_argument_sets_the_logging_dir_next_to_a_project_config(tmp_
     acc.log({"x": 1.0}, step=0)
     acc.end_training()
     assert glob.glob(str(tmp_path / "run" / "events.out.tfevents.*"))
+
+
+def test_manifests_name_their_checksum_and_sha256_ones_still_verify(tmp_path):
+    import hashlib
+    import json
+
+    acc = Accelerator()
+    model, _ = _training_objects(acc)[:2]
+    acc.save_state(tmp_path / "c")
+    manifest_path = tmp_path / "c" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest["checksum"] == "crc32" and all(len(v) == 8 for v in manifest["files"].values())
+    # a manifest that records SHA-256 digests (as earlier checkpoints did) loads
+    manifest["checksum"] = "sha256"
+    manifest["files"] = {n: hashlib.sha256((tmp_path / "c" / n).read_bytes()).hexdigest() for n in manifest["files"]}
+    manifest_path.write_text(json.dumps(manifest))
+    acc.load_state(tmp_path / "c")
+    manifest["checksum"] = "md4"
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="Unknown checksum 'md4'"):
+        acc.load_state(tmp_path / "c")
