@@ -287,7 +287,9 @@ def load_file(
         pending = _pool().submit(digest_bytes)
         source = io.BytesIO(data)
     try:
-        obj = torch.load(source, map_location=map_location, weights_only=weights_only)
+        # A local file is mapped, not read: tensors are views of the page cache until something
+        # writes to them, and load_state_dict copies weights into the existing parameters.
+        obj = torch.load(source, map_location=map_location, weights_only=weights_only, mmap=isinstance(source, str))
     except Exception:
         if pending.result() != expected:  # a damaged file explains the failure better than the unpickler
             raise CheckpointError(f"{url}/{name} does not match its checksum: the file is corrupt. "
