@@ -19,7 +19,7 @@ import time
 import uuid
 import warnings
 import zlib
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
