@@ -19,6 +19,7 @@ ENV_MIXED_PRECISION = "FABRIC_LITE_MIXED_PRECISION"
 ENV_GRAD_ACCUM = "FABRIC_LITE_GRADIENT_ACCUMULATION_STEPS"
 ENV_USE_CPU = "FABRIC_LITE_USE_CPU"
 ENV_STRATEGY = "FABRIC_LITE_STRATEGY"
+ENV_LAUNCHED = "FABRIC_LITE_LAUNCHED"  # set by `fabric-lite launch` / notebook_launcher in every worker
 # `fabric-lite explain`: print the plan at the first prepare(dataloader) / Trainer.fit and exit (explain.py).
 ENV_EXPLAIN = "FABRIC_LITE_EXPLAIN"
 
@@ -55,6 +56,7 @@ class LaunchSettings:
     gradient_accumulation_steps: Optional[int] = None
     use_cpu: bool = False
     strategy: Optional[str] = None
+    launched_by_fabric_lite: bool = False
     explain: Optional[str] = None  # FABRIC_LITE_EXPLAIN: None (off), "1", or the planned launch as JSON
 
 
@@ -207,5 +209,6 @@ def read_launch_settings(env: Optional[Mapping[str, str]] = None) -> LaunchSetti
         gradient_accumulation_steps=_int(env, ENV_GRAD_ACCUM),
         use_cpu=env.get(ENV_USE_CPU, "").lower() in {"1", "true", "yes"},
         strategy=env.get(ENV_STRATEGY) or None,
+        launched_by_fabric_lite=env.get(ENV_LAUNCHED) == "1",
         explain=None if env.get(ENV_EXPLAIN, "").strip().lower() in {"", "0", "false", "no"} else env[ENV_EXPLAIN],
     )

@@ -18,7 +18,7 @@ import uuid
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
 from fabric_lite.config_file import ConfigError, LaunchConfigFile, find_config, load_config
-from fabric_lite.environments import ENV_GRAD_ACCUM, ENV_MIXED_PRECISION, ENV_STRATEGY, ENV_USE_CPU
+from fabric_lite.environments import ENV_GRAD_ACCUM, ENV_LAUNCHED, ENV_MIXED_PRECISION, ENV_STRATEGY, ENV_USE_CPU
 from fabric_lite.precision import resolve_precision
 
 __all__ = ["notebook_launcher", "launch_command_parser", "launch_command", "free_port"]
@@ -33,7 +33,7 @@ def free_port() -> int:
 
 def _settings_env(mixed_precision: Optional[str], gradient_accumulation_steps: Optional[int],
                   cpu: bool) -> Dict[str, str]:
-    env: Dict[str, str] = {}
+    env: Dict[str, str] = {ENV_LAUNCHED: "1"}
     if mixed_precision is not None:
         env[ENV_MIXED_PRECISION] = resolve_precision(mixed_precision)
     if gradient_accumulation_steps is not None:

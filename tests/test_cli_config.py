@@ -353,3 +353,20 @@ def test_two_node_job_equals_two_processes_on_one_node(config_dir, tmp_path):
     w_nodes, w_single = torch.tensor(two_nodes[0]["weights"]), torch.tensor(one_node[0]["weights"])
     assert torch.allclose(w_nodes, w_single, atol=1e-6, rtol=0), (w_nodes - w_single).abs().max()
     assert two_nodes[0]["weights"] == two_nodes[1]["weights"]
+
+
+def test_torchrun_users_are_told_their_config_file_is_not_read(tmp_path):
+    config_dir = tmp_path / "cfg"
+    assert run_command([sys.executable, "-m", "fabric_lite.cli", "config", "--default"],
+                       env={"FABRIC_LITE_CONFIG_DIR": str(config_dir)}, timeout=60).returncode == 0
+    script = tmp_path / "s.py"
+    script.write_text("from fabric_lite import Accelerator\nAccelerator()\n")
+    env = {"FABRIC_LITE_CONFIG_DIR": str(config_dir)}
+    torchrun = run_command([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                            "--master-port", str(free_port()), str(script)], env=env, timeout=120)
+    assert torchrun.returncode == 0, torchrun.stderr[-3000:]
+    assert torchrun.stderr.count("is not read: the processes were started by torchrun") == 1
+    ours = run_command([sys.executable, "-m", "fabric_lite.cli", "launch", "--nproc-per-node", "2",
+                        "--master-port", str(free_port()), str(script)], env=env, timeout=120)
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    assert "is not read" not in ours.stderr
