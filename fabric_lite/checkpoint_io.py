@@ -112,11 +112,13 @@ def _digest(algorithm: str) -> Any:
 
 def _pool() -> Any:
     global _POOL
-    if _POOL is None:
+    # A forked child (notebook_launcher, dataloader workers) inherits the pool but not its thread:
+    # work given to it would wait for ever, so each process makes its own.
+    if _POOL is None or _POOL[0] != os.getpid():
         from concurrent.futures import ThreadPoolExecutor
 
-        _POOL = ThreadPoolExecutor(1, thread_name_prefix="fabric_lite_checksum")
-    return _POOL
+        _POOL = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="fabric_lite_checksum"))
+    return _POOL[1]
 
 
 class _HashingWriter:

@@ -875,3 +875,25 @@ def test_manifests_name_their_checksum_and_sha256_ones_still_verify(tmp_path):
     manifest_path.write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="Unknown checksum 'md4'"):
         acc.load_state(tmp_path / "c")
+
+
+def test_a_forked_child_can_save_and_load_after_its_parent_did(tmp_path):
+    # the checksum thread pool is per process: a child inheriting the parent's would wait for ever
+    import multiprocessing
+
+    acc = Accelerator()
+    _training_objects(acc)
+    acc.save_state(tmp_path / "parent")
+    acc.load_state(tmp_path / "parent")
+
+    def child():
+        acc.save_state(tmp_path / "child")
+        acc.load_state(tmp_path / "child")
+
+    proc = multiprocessing.get_context("fork").Process(target=child)
+    proc.start()
+    proc.join(60)
+    alive = proc.is_alive()
+    if alive:
+        proc.kill()
+    assert not alive and proc.exitcode == 0
