@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import sys
 import types
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
@@ -122,7 +121,9 @@ class Accelerator(ProcessControl):
 
         self._explain = launch.explain is not None
         if process.is_distributed and process.global_rank == 0 and not launch.launched_by_fabric_lite:
-            _note_unread_config(process.source)
+            from fabric_lite.config_file import note_unread_config
+
+            note_unread_config(process.source, os.environ)
         if strategy == "auto" and launch.strategy:
             strategy = launch.strategy  # from `fabric-lite config` through `fabric-lite launch`
         if isinstance(strategy, str):
@@ -556,17 +557,6 @@ class Accelerator(ProcessControl):
 
     def __repr__(self) -> str:
         return f"Accelerator({self.strategy!r}, gradient_accumulation_steps={self.gradient_accumulation_steps})"
-
-
-def _note_unread_config(source: str) -> None:
-    """A `fabric-lite config` file exists, but the processes were started by another launcher."""
-    from fabric_lite.config_file import find_config
-
-    path = find_config(None, os.environ)
-    if path is not None:
-        print(f"fabric_lite: {path} (from `fabric-lite config`) is not read: the processes were started by "
-              f"{source}, not `fabric-lite launch`. Pass its settings as flags/arguments, or use "
-              f"`fabric-lite launch`.", file=sys.stderr, flush=True)
 
 
 class _HookHandle:

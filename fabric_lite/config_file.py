@@ -21,6 +21,7 @@ environment as a mapping, so tests pass a dict.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, Mapping, Optional, Union
@@ -301,3 +302,13 @@ def questionnaire(ask: Callable[[str], str], say: Callable[[str], None],
     question("use_cpu", "Train on CPU only, even where a GPU is present? (yes/no)",
              "yes" if defaults.use_cpu else "no", _parse_yes_no)
     return validate(answers)
+
+
+def note_unread_config(launcher: str, env: Mapping[str, str]) -> None:
+    """Say (on stderr) that a `fabric-lite config` file exists but `launcher`, not `fabric-lite launch`,
+    started the processes, so its settings are not in force."""
+    path = find_config(None, env)
+    if path is not None:
+        print(f"fabric_lite: {path} (from `fabric-lite config`) is not read: the processes were started by "
+              f"{launcher}, not `fabric-lite launch`. Pass its settings as flags/arguments, or use "
+              f"`fabric-lite launch`.", file=sys.stderr, flush=True)

@@ -165,6 +165,19 @@ def _error(message: str) -> int:
     return 2
 
 
+def parse_with_config(parser: argparse.ArgumentParser, argv: Sequence[str], env: Mapping[str, str]) -> tuple:
+    """(flags alone, flags over the config file's values, the config's path or None, the config or None).
+    Raises ConfigError for a config file that cannot be used."""
+    argv = list(argv)
+    flags = parser.parse_args(argv)
+    config_path = find_config(flags.config_file, env)
+    if config_path is None:
+        return flags, flags, None, None
+    config = load_config(config_path)
+    parser.set_defaults(**_config_defaults(config, env))
+    return flags, parser.parse_args(argv), config_path, config  # again: flags on the command line win
+
+
 def launch_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None) -> int:
     """`fabric-lite launch`: config file defaults, then flags; checks; then torchrun."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -172,18 +185,11 @@ def launch_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None)
 
     env = os.environ if env is None else env
     parser = launch_command_parser()
-    argv = list(argv)
-    args = parser.parse_args(argv)
-    config_path = find_config(args.config_file, env)
-    suffix = ""
-    if config_path is not None:
-        try:
-            config = load_config(config_path)
-        except ConfigError as err:
-            return _error(str(err))
-        parser.set_defaults(**_config_defaults(config, env))
-        args = parser.parse_args(argv)  # again: flags on the command line win over the file
-        suffix = f" (defaults from config file {config_path})"
+    try:
+        _, args, config_path, config = parse_with_config(parser, argv, env)
+    except ConfigError as err:
+        return _error(str(err))
+    suffix = f" (defaults from config file {config_path})" if config_path is not None else ""
     try:
         _check_launch(args)
         settings = _settings_env(args.mixed_precision, args.gradient_accumulation_steps, args.cpu)

@@ -77,10 +77,10 @@ def explain_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None
 
     from torch.distributed.run import determine_local_world_size
 
-    from fabric_lite.config_file import ConfigError, find_config, load_config
+    from fabric_lite.config_file import ConfigError
     from fabric_lite.environments import ENV_EXPLAIN, ENV_STRATEGY
     from fabric_lite.launch import (
-        _check_launch, _config_defaults, _patched_environ, _settings_env, free_port, launch_command_parser,
+        _check_launch, _patched_environ, _settings_env, free_port, launch_command_parser, parse_with_config,
     )
 
     env = os.environ if env is None else env
@@ -94,17 +94,10 @@ def explain_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None
         "Example: fabric-lite explain --nproc-per-node 2 --mixed-precision bf16 train.py --epochs 3"
     )
     argv = list(argv)
-    flags = parser.parse_args(argv)  # the command line alone: tells a flag from a config default
-    args = flags
-    config_path = find_config(flags.config_file, env)
-    config = None
-    if config_path is not None:
-        try:
-            config = load_config(config_path)
-        except ConfigError as err:
-            return _error(str(err))
-        parser.set_defaults(**_config_defaults(config, env))
-        args = parser.parse_args(argv)
+    try:  # `flags`: the command line alone, to tell a flag from a config default
+        flags, args, config_path, config = parse_with_config(parser, argv, env)
+    except ConfigError as err:
+        return _error(str(err))
     try:
         _check_launch(args)
         settings: Dict[str, Optional[str]] = dict(_settings_env(args.mixed_precision, args.gradient_accumulation_steps,
