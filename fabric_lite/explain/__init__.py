@@ -25,8 +25,9 @@ the processes actually running, without the recorded arguments.
 
 from fabric_lite.explain.command import explain_command
 from fabric_lite.explain.plan import (
-    SECTIONS, Plan, explain_accelerator, explain_trainer, plan_for_accelerator, plan_for_trainer, requested,
+    SECTIONS, Plan, explain_accelerator, explain_trainer, plan_for_accelerator, requested,
 )
+from fabric_lite.explain.trainer_plan import plan_for_trainer
 from fabric_lite.explain.shares import Share, loader_share
 
 __all__ = [
