@@ -297,11 +297,29 @@ class Accelerator(ProcessControl):
                 f"{type(self.strategy).__name__} wraps one model together with its optimizer; prepare() got "
                 f"{len(models)} models. Pass exactly one model (and its optimizer) in one prepare() call."
             )
-        model, optimizers = self.strategy.setup(models[0], optimizers)
-        self._models.append(model)
-        swap = {id(models[0]): model}
-        swap.update({id(a): o for a, o in zip([a for a in args if isinstance(a, torch.optim.Optimizer)], optimizers)})
+        model, wrapped = self._setup_jointly(models[0], optimizers, self.gradient_accumulation_steps,
+                                             [a for a in args if isinstance(a, DataLoader)])
+        swap: Dict[int, Any] = {id(models[0]): model}
+        swap.update({id(raw): w for raw, w in zip(optimizers, wrapped)})
         return [swap.get(id(a), a) for a in args]
+
+    def _setup_jointly(self, model: nn.Module, optimizers: List[Any], accumulation_steps: int,
+                       loaders: Sequence[Any] = (), gradient_clip_val: Optional[float] = None) -> tuple:
+        """Hand model and optimizers to an engine strategy in one call, with what it must be configured with."""
+        batch_size = None
+        if loaders:  # the user's loaders, in this prepare() call
+            batch_size = loaders[0].batch_size
+            if batch_size is not None and self.split_batches:
+                batch_size //= self.num_processes
+        elif self._dataloaders and self._dataloaders[0].total_batch_size:  # prepared earlier (the Trainer)
+            batch_size = self._dataloaders[0].total_batch_size // self.num_processes
+        self.strategy.set_run_hints(micro_batch_size=batch_size, accumulation_steps=accumulation_steps,
+                                    gradient_clip_val=gradient_clip_val)
+        model, engine_optimizers = self.strategy.setup(model, optimizers)
+        self._models.append(model)
+        wrapped = [AcceleratedOptimizer(o, self.strategy, self.gradient_state) for o in engine_optimizers]
+        self._optimizers.extend(wrapped)
+        return model, wrapped
 
     def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None, evaluation_mode: bool = False) -> nn.Module:
         """Move the model to the device, give it mixed precision, and wrap it for the strategy."""

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
 import torch
 
 if TYPE_CHECKING:
-    from fabric_lite.accelerator import Accelerator
     from fabric_lite.optim import AcceleratedOptimizer
 
 __all__ = ["SchedulerConfig", "parse_optimizers"]
@@ -50,8 +49,19 @@ def _scheduler(entry: Any, optimizer: Any = None) -> SchedulerConfig:
     return config
 
 
-def parse_optimizers(config: Any, accelerator: "Accelerator") -> Tuple[List["AcceleratedOptimizer"], List[SchedulerConfig]]:
-    """Optimizers wrapped by the accelerator, and schedulers with their stepping rules."""
+def parse_optimizers(config: Any, prepare: Callable[[List[torch.optim.Optimizer]], List["AcceleratedOptimizer"]]
+                     ) -> Tuple[List["AcceleratedOptimizer"], List[SchedulerConfig]]:
+    """Optimizers prepared by `prepare` (one call for all of them), and schedulers with their stepping rules."""
+    optimizers, schedulers = _parse(config)
+    prepared = prepare(optimizers)
+    by_id = {id(raw): p for raw, p in zip(optimizers, prepared)}
+    for s in schedulers:
+        owner = s.optimizer or getattr(s.scheduler, "optimizer", None)
+        s.optimizer = by_id.get(id(owner), prepared[0] if prepared else None)
+    return prepared, schedulers
+
+
+def _parse(config: Any) -> Tuple[List[torch.optim.Optimizer], List[SchedulerConfig]]:
     optimizers: List[Any] = []
     schedulers: List[SchedulerConfig] = []
     if isinstance(config, torch.optim.Optimizer):
@@ -67,7 +77,7 @@ def parse_optimizers(config: Any, accelerator: "Accelerator") -> Tuple[List["Acc
         schedulers = [_scheduler(s) for s in config[1]]
     elif isinstance(config, (list, tuple)) and config and all(isinstance(c, dict) for c in config):
         for entry in config:
-            o, s = parse_optimizers(entry, accelerator)
+            o, s = _parse(entry)
             optimizers.extend(o)
             schedulers.extend(s)
         return optimizers, schedulers
@@ -77,8 +87,4 @@ def parse_optimizers(config: Any, accelerator: "Accelerator") -> Tuple[List["Acc
         raise ValueError(f"configure_optimizers returned {config!r}, which is not one of the accepted forms: {_FORMS}.")
     if not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
         raise ValueError(f"configure_optimizers must return torch optimizers; accepted forms: {_FORMS}.")
-    prepared = [accelerator.prepare_optimizer(o) for o in optimizers]
-    for s in schedulers:
-        owner = s.optimizer or getattr(s.scheduler, "optimizer", None)
-        s.optimizer = next((p for p in prepared if p.optimizer is owner), prepared[0])
-    return prepared, schedulers
+    return optimizers, schedulers

@@ -156,8 +156,9 @@ def save_state(acc: "Accelerator", output_dir: Optional[Union[str, os.PathLike]]
             for _, part in reports:
                 checksums.update(part)
             assert writer is not None
+            engine_meta = {"engine": strategy.checkpoint_engine} if strategy.checkpoint_engine else {}
             writer.commit(checksums, {"step": acc.step, "world_size": strategy.world_size,
-                                      "iteration": project.iteration, **(meta or {})})
+                                      "iteration": project.iteration, **engine_meta, **(meta or {})})
             if update_latest or automatic:
                 checkpoint_io.update_latest(url)
         except Exception as err:
@@ -178,13 +179,19 @@ def save_state(acc: "Accelerator", output_dir: Optional[Union[str, os.PathLike]]
 
 def _write_files(acc: "Accelerator", writer: CheckpointWriter, url: str) -> None:
     strategy = acc.strategy
-    # State dicts are built on every rank: sharded strategies need all ranks to assemble them.
-    weights = [strategy.module_state_dict(model) for model in acc._models]
+    engine = strategy.checkpoint_engine
+    if engine is None:
+        # State dicts are built on every rank: sharded strategies need all ranks to assemble them.
+        weights = [strategy.module_state_dict(model) for model in acc._models]
+    else:  # the engine writes model and optimizer state itself, each rank its own files
+        weights = []
+        strategy.save_engine_state(writer)
     for hook in acc._save_state_pre_hooks.values():
         hook(acc._models, weights, url)
     files: Dict[str, Any] = {f"model_{i}.pt": w for i, w in enumerate(weights)}
     files[TRAINING_STATE] = {
-        "optimizers": [opt.state_dict() for opt in acc._optimizers],
+        "models": len(acc._models),
+        "optimizers": [None if engine else opt.state_dict() for opt in acc._optimizers],
         "schedulers": [sched.state_dict() for sched in acc._schedulers],
         "dataloaders": [loader.state_dict() for loader in acc._dataloaders],
         "custom": [obj.state_dict() for obj in acc._custom_objects],
@@ -212,7 +219,14 @@ def _raise_if_any_failed(reports: List[Any], verb: str, url: str, error: Optiona
 def _process_local_state(acc: "Accelerator") -> Dict[str, Any]:
     """What differs between processes: RNG states, and mid-accumulation gradients (not yet all-reduced)."""
     state: Dict[str, Any] = {"rng": capture_rng_state(), "objects": [o.state_dict() for o in acc._per_process_objects]}
-    if not acc.gradient_state.sync_gradients:
+    if not acc.gradient_state.sync_gradients and acc.strategy.checkpoint_engine:
+        warnings.warn(
+            f"save_state inside a gradient accumulation window: the {acc.strategy.checkpoint_engine} engine keeps "
+            f"the window's partial gradients in its own buffers, which are not saved. A run resumed from this "
+            f"checkpoint steps with the rest of the window only. Save after an optimizer step to resume exactly.",
+            stacklevel=4,
+        )
+    elif not acc.gradient_state.sync_gradients:
         state["partial_grads"] = [
             {name: p.grad for name, p in acc.unwrap_model(m).named_parameters() if p.grad is not None}
             for m in acc._models
@@ -276,7 +290,15 @@ def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]],
     saved_models = sorted((f for f in manifest["files"] if re.fullmatch(r"model_\d+\.pt", f)),
                           key=lambda f: int(f[6:-3]))
     state = _load(url, TRAINING_STATE, manifest, weights_only)
-    expected = {"model": (len(saved_models), acc._models), "optimizer": (len(state["optimizers"]), acc._optimizers),
+    engine = strategy.checkpoint_engine
+    if manifest["meta"].get("engine") != engine:
+        saved_by = manifest["meta"].get("engine") or "a strategy without an engine (single, ddp)"
+        raise CheckpointError(
+            f"{url} was written by {saved_by}, but this run uses {type(strategy).__name__}; their model and "
+            f"optimizer state are stored differently. Resume with the strategy that saved it, or start this run "
+            f"from its weights: `fabric-lite consolidate {url} weights.pt`, then load_state_dict."
+        )
+    expected = {"model": (state.get("models", len(saved_models)), acc._models), "optimizer": (len(state["optimizers"]), acc._optimizers),
                 "scheduler": (len(state["schedulers"]), acc._schedulers),
                 "dataloader": (len(state["dataloaders"]), acc._dataloaders),
                 "registered object": (len(state["custom"]), acc._custom_objects)}
@@ -286,19 +308,23 @@ def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]],
                 f"{url} holds {saved} {kind}(s) but this Accelerator prepared {len(objects)}. Prepare (and register) "
                 f"the same objects, in the same order, as the run that saved it."
             )
-    weights = [_load(url, f"model_{i}.pt", manifest, weights_only) for i in range(len(acc._models))]
+    apply_engine = strategy.read_engine_state(url, manifest, strict) if engine else None
+    weights = [] if engine else [_load(url, f"model_{i}.pt", manifest, weights_only) for i in range(len(acc._models))]
     if strict:
         for i, (model, saved_weights) in enumerate(zip(acc._models, weights)):
             _check_keys(url, i, strategy.module_state_dict(model), saved_weights)
     rng_name = f"rng_{strategy.global_rank}.pt"
     local = _load(url, rng_name, manifest, weights_only=True) if rng_name in manifest["files"] else None
 
+    if apply_engine is not None:
+        apply_engine()
     for model, saved_weights in zip(acc._models, weights):
         strategy.load_module_state_dict(model, saved_weights, strict=strict)
     for kind, objects in (("optimizers", acc._optimizers), ("schedulers", acc._schedulers),
                           ("dataloaders", acc._dataloaders), ("custom", acc._custom_objects)):
         for obj, saved_state in zip(objects, state[kind]):
-            obj.load_state_dict(saved_state)
+            if saved_state is not None:  # None: an engine's optimizer, restored with its own files
+                obj.load_state_dict(saved_state)
     strategy.precision.load_state_dict(state["precision"])
     if local is not None:
         _restore_process_local_state(acc, local)
@@ -318,11 +344,19 @@ def export_weights(checkpoint: Union[str, os.PathLike], out: Union[str, os.PathL
     ends in .safetensors, else torch.save). Checks the checksum first; returns the number of tensors."""
     url = os.fspath(checkpoint)
     manifest = checkpoint_io.read_manifest(url)
+    out = os.fspath(out)
+    if manifest["meta"].get("engine") == "deepspeed":
+        if model_index != 0:
+            raise CheckpointError(f"{url} is a DeepSpeed checkpoint, which holds one model; model_index must be 0.")
+        from fabric_lite.strategies.deepspeed_checkpoint import consolidate
+
+        state = consolidate(url, manifest)
+        save_object(state, out, safe_serialization=out.endswith(".safetensors"))
+        return len(state)
     name = f"model_{model_index}.pt"
     if name not in manifest["files"]:
         models = sorted(f for f in manifest["files"] if re.fullmatch(r"model_\d+\.pt", f))
         raise CheckpointError(f"{url} has no {name}; it holds {models or 'no model weights'}.")
     state = checkpoint_io.load_file(url, name, manifest, weights_only=True)
-    out = os.fspath(out)
     save_object(state, out, safe_serialization=out.endswith(".safetensors"))
     return len(state)

@@ -260,15 +260,17 @@ class Trainer:
         self.accelerator.free_memory()
         self.accelerator._custom_objects.clear()
         self.accelerator._per_process_objects.clear()
-        self._attach(module)
-        self._optimizers, self._schedulers = parse_optimizers(module.configure_optimizers(), self.accelerator)
+        self._train_loader = self.accelerator.prepare_data_loader(train)
+        self._val_loaders = [self._prepare_eval_loader(v) for v in _as_list(val)]
+        self._attach(module, with_optimizers=True)
         for sched in self._schedulers:
             self.accelerator.register_for_checkpointing(sched.scheduler)
         if not module.automatic_optimization:
             for opt in self._optimizers:  # global_step counts optimizer steps, which the module takes itself
+                if not hasattr(opt.optimizer, "register_step_post_hook"):
+                    raise ValueError(f"{type(self.strategy).__name__} steps its optimizer inside its engine; manual "
+                                     f"optimization (automatic_optimization=False) is not available with it.")
                 opt.optimizer.register_step_post_hook(self._count_manual_step)
-        self._train_loader = self.accelerator.prepare_data_loader(train)
-        self._val_loaders = [self._prepare_eval_loader(v) for v in _as_list(val)]
         if self.explain or self.accelerator._explain:  # print the plan instead of training
             from fabric_lite.explain import explain_trainer
 
@@ -357,12 +359,29 @@ class Trainer:
         name = {"validate": "val_dataloader", "test": "test_dataloader", "predict": "predict_dataloader"}[stage]
         return getattr(datamodule, name)(), None
 
-    def _attach(self, module: TrainModule) -> None:
+    def _attach(self, module: TrainModule, with_optimizers: bool = False) -> None:
         if not isinstance(module, TrainModule):
             raise TypeError(f"Trainer runs TrainModule subclasses, got {type(module).__name__}.")
         module._trainer = self
         self.module = module
-        self.model = self.accelerator.prepare_model(_StepRunner(module))
+        acc = self.accelerator
+        if self.strategy.requires_joint_setup:  # an engine that owns model and optimizer (DeepSpeed)
+            clip = self.gradient_clip_val if self.gradient_clip_algorithm == "norm" else None
+
+            def prepare(optimizers: List[Any]) -> List[Any]:
+                self.model, prepared = acc._setup_jointly(_StepRunner(module), optimizers, self.accumulate_grad_batches,
+                                                          gradient_clip_val=clip)
+                return prepared
+
+            if with_optimizers:
+                self._optimizers, self._schedulers = parse_optimizers(module.configure_optimizers(), prepare)
+            else:
+                prepare([])
+        else:
+            self.model = acc.prepare_model(_StepRunner(module))
+            if with_optimizers:
+                self._optimizers, self._schedulers = parse_optimizers(
+                    module.configure_optimizers(), lambda opts: [acc.prepare_optimizer(o) for o in opts])
         # Evaluation runs without the DDP wrapper: no gradients to sync, and no per-forward buffer
         # broadcast that would wait for a process that has run out of (unpadded) batches.
         self.eval_model = self.accelerator.unwrap_model(self.model)

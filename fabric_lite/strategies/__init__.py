@@ -48,3 +48,10 @@ def create_strategy(name: str, world_size: int = 1) -> Strategy:
 for _cls in (SingleDeviceStrategy, DDPStrategy):
     for _alias in _cls.aliases:
         register_strategy(_alias, _cls)
+
+_DEEPSPEED = "fabric_lite.strategies.deepspeed:DeepSpeedStrategy"
+register_strategy("deepspeed", _DEEPSPEED)
+for _stage in (1, 2, 3):
+    register_strategy(f"deepspeed_stage_{_stage}", _DEEPSPEED, stage=_stage)
+register_strategy("deepspeed_stage_2_offload", _DEEPSPEED, stage=2, offload_optimizer=True)
+register_strategy("deepspeed_stage_3_offload", _DEEPSPEED, stage=3, offload_optimizer=True, offload_parameters=True)

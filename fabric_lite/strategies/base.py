@@ -35,6 +35,9 @@ class Strategy:
     handles_gradient_accumulation: ClassVar[bool] = False
     #: `no_backward_sync` really skips a gradient all-reduce (so accumulation saves communication).
     supports_no_sync: ClassVar[bool] = False
+    #: The name of an engine that saves model and optimizer state in its own per-rank files (written by
+    #: `save_engine_state`, read by `read_engine_state`), or None: the doors save state dicts.
+    checkpoint_engine: ClassVar[Optional[str]] = None
 
     def __init__(self) -> None:
         self.process = ProcessInfo()
@@ -73,6 +76,10 @@ class Strategy:
     def unwrap_module(self, module: nn.Module) -> nn.Module:
         """The user's module without the strategy's wrapper."""
         return module
+
+    def set_run_hints(self, micro_batch_size: Optional[int] = None, accumulation_steps: int = 1,
+                      gradient_clip_val: Optional[float] = None) -> None:
+        """What the front door knows about the run before `setup`, for engines configured with it (DeepSpeed)."""
 
     def teardown(self) -> None:
         """Release what `setup_environment` took."""
@@ -158,6 +165,14 @@ class Strategy:
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: Dict[str, Any]) -> None:
         optimizer.load_state_dict(state)
+
+    def save_engine_state(self, writer: Any) -> None:
+        """Every rank: write the engine's files through `writer` (only when `checkpoint_engine` is set)."""
+        raise NotImplementedError(f"{type(self).__name__} has no checkpoint engine.")
+
+    def read_engine_state(self, url: str, manifest: Dict[str, Any], strict: bool) -> Callable[[], None]:
+        """Read and verify the engine's files; return what applies them (after every other check passed)."""
+        raise NotImplementedError(f"{type(self).__name__} has no checkpoint engine.")
 
     # -- collectives (identities on one process) ---------------------------------------------------
     def barrier(self, name: Optional[str] = None) -> None:

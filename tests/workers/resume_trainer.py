@@ -12,6 +12,7 @@ Each rank writes rank{r}.json: final weights (as a list of floats), counters, an
 A run that ends with SystemExit (preemption) writes its exit status before exiting with it.
 """
 
+import contextlib
 import os
 import signal
 import sys
@@ -40,6 +41,7 @@ args = parse({
     "--kill-where": {"default": "mid-window", "choices": ["mid-window", "window-end"]},
     "--once-by": {"default": "marker", "choices": ["marker", "restart"]},
     "--check-seconds": {"type": float, "default": None},
+    "--strategy": {"default": "auto"},
 })
 
 
@@ -102,6 +104,7 @@ rank = int(os.environ.get("RANK", "0"))
 killer = Killer(rank)
 checkpoint = ModelCheckpoint(every_n_train_steps=args.every, save_top_k=1)
 trainer = Trainer(max_epochs=args.epochs, accumulate_grad_batches=args.accumulate, precision=args.precision,
+                  strategy=args.strategy,
                   default_root_dir=args.root, callbacks=[checkpoint, killer], enable_progress_bar=False,
                   num_sanity_val_steps=0, log_every_n_steps=1)
 loader = DataLoader(regression_data(args.samples), batch_size=4, shuffle=True, num_workers=args.workers,
@@ -117,8 +120,15 @@ except SystemExit as exit_:
     result.update(exit=exit_.code, global_step=trainer.global_step, start=killer.start_step)
     write_result(args.out, trainer.strategy.global_rank, result)
     raise
+gathered = contextlib.nullcontext()
+if args.strategy.startswith("deepspeed_stage_3"):  # ZeRO-3 holds a slice of each parameter per rank
+    import deepspeed
+
+    gathered = deepspeed.zero.GatheredParameters(list(module.parameters()))
+with gathered:
+    weights = torch.cat([p.detach().reshape(-1).float() for p in module.parameters()]).tolist()
 result.update(exit=0, global_step=trainer.global_step, epoch=trainer.current_epoch, start=killer.start_step,
-              weights=torch.cat([p.detach().reshape(-1) for p in module.parameters()]).tolist(),
+              weights=weights,
               scale=(trainer.strategy.precision.scaler.get_scale() if trainer.strategy.precision.scaler else None),
               lr=trainer.optimizers[0].param_groups[0]["lr"])
 write_result(args.out, trainer.strategy.global_rank, result)

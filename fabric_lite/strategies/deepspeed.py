@@ -1,0 +1,374 @@
+"""DeepSpeed: ZeRO stages 0-3, optimizer and parameter offload, through the real `deepspeed` engine.
+
+The engine owns the model, the optimizer, loss scaling, gradient partitioning and clipping. This
+strategy builds its config from what the front door knows (micro-batch size, accumulation,
+clipping, precision), merges the user's own config over it (refusing contradictions), and drives the
+engine's accumulation boundary from the door's micro-step, so both doors accumulate exactly as they
+do under DDP. Checkpoints go through `strategies/deepspeed_checkpoint.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.util
+import json
+import logging
+import os
+from typing import Any, ClassVar, ContextManager, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from fabric_lite._tree import tree_map
+from fabric_lite.strategies.ddp import DDPStrategy
+
+__all__ = ["DeepSpeedStrategy", "INSTALL_HINT"]
+
+INSTALL_HINT = "pip install 'fabric-lite[deepspeed]'  (or: pip install deepspeed)"
+_STAGES = (0, 1, 2, 3)
+# Config keys the door also decides: (key path, what the door calls it).
+_DS_PRECISION = {"32-true": None, "bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16"}
+
+
+def _require_deepspeed(name: str) -> None:
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ImportError(f"strategy {name!r} needs the deepspeed package, which is not installed. Run: {INSTALL_HINT}")
+
+
+def _read_config(config: Union[None, dict, str, os.PathLike]) -> Dict[str, Any]:
+    if config is None:
+        return {}
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    path = os.fspath(config)
+    if not os.path.isfile(path):
+        raise ValueError(f"DeepSpeed config {path!r} does not exist. Pass a dict or the path of a JSON file.")
+    with open(path) as f:
+        text = f.read()
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"DeepSpeed config {path} is not valid JSON: {err}. Fix the file or pass a dict.") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"DeepSpeed config {path} holds a {type(parsed).__name__}, not a JSON object.")
+    return parsed
+
+
+class DeepSpeedStrategy(DDPStrategy):
+    """Train with DeepSpeed's engine (data parallel, ZeRO-partitioned state).
+
+    >>> DeepSpeedStrategy(stage=3, offload_optimizer=True)              # doctest: +SKIP
+    >>> DeepSpeedStrategy(config="ds_config.json")                      # doctest: +SKIP
+
+    Names: "deepspeed" (stage 2), "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_2_offload",
+    "deepspeed_stage_3", "deepspeed_stage_3_offload". Settings given both here (or by the front door:
+    batch size, accumulation, clipping, precision) and in `config` must agree.
+    """
+
+    aliases: ClassVar[Tuple[str, ...]] = ("deepspeed",)
+    requires_joint_setup: ClassVar[bool] = True
+    supports_no_sync: ClassVar[bool] = False
+    #: Model and optimizer state are written by the engine, one file per rank (see deepspeed_checkpoint.py).
+    checkpoint_engine: ClassVar[Optional[str]] = "deepspeed"
+
+    def __init__(
+        self,
+        stage: Optional[int] = None,
+        offload_optimizer: bool = False,
+        offload_parameters: bool = False,
+        config: Union[None, dict, str, os.PathLike] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Any = None,
+        **zero_kwargs: Any,
+    ) -> None:
+        _require_deepspeed("deepspeed" if stage is None else f"deepspeed_stage_{stage}")
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout)
+        user = _read_config(config)
+        if stage is None:
+            stage = int(user.get("zero_optimization", {}).get("stage", 2))
+        elif not isinstance(stage, int) or isinstance(stage, bool) or stage not in _STAGES:
+            raise ValueError(f"DeepSpeed ZeRO stage={stage!r} is not valid: allowed values are 0, 1, 2, 3.")
+        if offload_parameters and stage != 3:
+            raise ValueError(f"offload_parameters=True needs ZeRO stage 3 (parameters are partitioned only "
+                             f"there); this strategy has stage={stage}. Use stage=3 or drop the offload.")
+        if offload_optimizer and stage == 0:
+            raise ValueError("offload_optimizer=True needs ZeRO stage 1, 2 or 3; stage=0 keeps the optimizer whole.")
+        self.stage = stage
+        self.offload_optimizer = offload_optimizer
+        self.offload_parameters = offload_parameters
+        self.user_config = user
+        self.zero_kwargs = zero_kwargs
+        self.micro_batch_size: Optional[int] = None
+        self.accumulation_steps = 1
+        self.gradient_clip_val: Optional[float] = None
+        self.config: Dict[str, Any] = {}
+        self.engine: Any = None
+        self._boundary = True
+        self._dtype: Optional[torch.dtype] = None
+
+    # -- what the front door knows ------------------------------------------------------------------
+    def set_run_hints(self, micro_batch_size: Optional[int] = None, accumulation_steps: int = 1,
+                      gradient_clip_val: Optional[float] = None) -> None:
+        if micro_batch_size is not None:
+            self.micro_batch_size = micro_batch_size
+        self.accumulation_steps = accumulation_steps
+        if gradient_clip_val is not None:
+            self.gradient_clip_val = gradient_clip_val
+
+    def build_config(self) -> Dict[str, Any]:
+        """The engine config: this strategy's settings, then the user's config over them."""
+        precision = _DS_PRECISION[self.precision.name]
+        zero: Dict[str, Any] = {"stage": self.stage, **self.zero_kwargs}
+        if self.offload_optimizer:
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": self.root_device.type == "cuda"}
+        if self.offload_parameters:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": self.root_device.type == "cuda"}
+        ours: Dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": self.micro_batch_size or 1,
+            "gradient_accumulation_steps": self.accumulation_steps,
+            "zero_optimization": zero,
+            # The user's torch optimizer is kept under offload (DeepSpeedCPUAdam is optional, and compiles).
+            "zero_force_ds_cpu_optimizer": False,
+            "steps_per_print": 2**31 - 1,
+        }
+        if self.gradient_clip_val is not None:
+            ours["gradient_clipping"] = float(self.gradient_clip_val)
+        if precision is not None:
+            ours[precision] = {"enabled": True}
+            if precision == "fp16":
+                ours["fp16"].update(loss_scale=0, initial_scale_power=16)  # dynamic, as torch's GradScaler
+        user = self.user_config
+        self._check_agreement(ours, user, precision)
+        config = copy.deepcopy(ours)
+        for key, value in user.items():
+            if key == "zero_optimization" and isinstance(value, dict):
+                config["zero_optimization"] = {**zero, **value}
+            else:
+                config[key] = copy.deepcopy(value)
+        # The door decides these; the user's config may only repeat them (checked above).
+        config.pop("train_batch_size", None)
+        return config
+
+    def _check_agreement(self, ours: Dict[str, Any], user: Dict[str, Any], precision: Optional[str]) -> None:
+        def clash(key: str, theirs: Any, mine: Any, source: str) -> ValueError:
+            return ValueError(
+                f"The DeepSpeed config sets {key}={theirs!r}, but {source} gives {mine!r}. Make them agree, or "
+                f"leave {key} out of the config."
+            )
+
+        mb = user.get("train_micro_batch_size_per_gpu")
+        if mb is not None and self.micro_batch_size is not None and mb != self.micro_batch_size:
+            raise clash("train_micro_batch_size_per_gpu", mb, self.micro_batch_size, "the dataloader's batch_size")
+        if mb is not None:
+            ours["train_micro_batch_size_per_gpu"] = mb
+        gas = user.get("gradient_accumulation_steps")
+        if gas is not None and gas != self.accumulation_steps:
+            raise clash("gradient_accumulation_steps", gas, self.accumulation_steps, "the front door's accumulation")
+        total = user.get("train_batch_size")
+        expected = ours["train_micro_batch_size_per_gpu"] * self.accumulation_steps * self.world_size
+        if total is not None and total != expected:
+            raise clash("train_batch_size", total, expected,
+                        f"micro-batch {ours['train_micro_batch_size_per_gpu']} x accumulation "
+                        f"{self.accumulation_steps} x {self.world_size} process(es)")
+        clip = user.get("gradient_clipping")
+        if clip is not None and self.gradient_clip_val is not None and float(clip) != float(self.gradient_clip_val):
+            raise clash("gradient_clipping", clip, self.gradient_clip_val, "gradient_clip_val")
+        for key in ("fp16", "bf16"):
+            enabled = bool(user.get(key, {}).get("enabled", False)) if isinstance(user.get(key), dict) else False
+            if key in user and enabled != (precision == key):
+                raise clash(f"{key}.enabled", enabled, self.precision.name, "precision")
+        stage = user.get("zero_optimization", {}).get("stage")
+        if stage is not None and stage != self.stage:
+            raise clash("zero_optimization.stage", stage, self.stage, "the strategy")
+
+    def _check_device_support(self) -> None:
+        from deepspeed.accelerator import get_accelerator
+
+        acc = get_accelerator()
+        precision = _DS_PRECISION[self.precision.name]
+        offload = " with offload" if (self.offload_optimizer or self.offload_parameters) else ""
+        if precision == "fp16" and not acc.is_fp16_supported():
+            raise ValueError(
+                f"precision={self.precision.name!r}{offload}: DeepSpeed's {acc.device_name()} backend cannot train in "
+                f"fp16. Use precision='bf16-mixed' or '32-true' here."
+            )
+        if precision == "bf16" and not acc.is_bf16_supported():
+            raise ValueError(
+                f"precision={self.precision.name!r}{offload}: DeepSpeed's {acc.device_name()} backend has no bf16 "
+                f"here. Use precision='16-mixed' or '32-true'."
+            )
+
+    # -- set-up -------------------------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        import torch.distributed as dist
+
+        p = self.process
+        # DeepSpeed reads its place from the environment (and looks for MPI when it finds nothing).
+        for key, value in (("RANK", p.global_rank), ("LOCAL_RANK", p.local_rank), ("WORLD_SIZE", p.world_size),
+                           ("LOCAL_WORLD_SIZE", p.local_world_size), ("MASTER_ADDR", p.master_addr)):
+            os.environ.setdefault(key, str(value))
+        if self.root_device.type == "cpu":
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        if self.world_size == 1 and not dist.is_initialized():
+            # A lone process: a one-member group over an in-memory store, no port needed.
+            if self.root_device.type == "cuda":
+                torch.cuda.set_device(self.root_device)
+            dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=self.timeout)
+            self._owns_process_group = True
+        else:
+            super().setup_environment()
+        import deepspeed
+        from deepspeed.utils import logger as ds_logger
+
+        if ds_logger.level < logging.WARNING:  # its INFO lines on every rank drown the user's output
+            ds_logger.setLevel(logging.WARNING)
+        deepspeed.init_distributed(dist_backend=self.backend, auto_mpi_discovery=False, dist_init_required=False,
+                                   timeout=self.timeout)
+
+    def setup(self, module: nn.Module, optimizers: Sequence[Any]) -> Tuple[nn.Module, List[Any]]:
+        import deepspeed
+
+        if len(optimizers) > 1:
+            raise ValueError(f"DeepSpeed drives one optimizer per model; got {len(optimizers)}. Put the parameter "
+                             f"groups into one optimizer.")
+        self._check_device_support()
+        self.config = self.build_config()
+        self._dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(_DS_PRECISION[self.precision.name] or "")
+        if self._dtype is not None:
+            _CastingHooks.install(module, self._dtype)
+        engine, optimizer, _, _ = deepspeed.initialize(
+            model=module, optimizer=optimizers[0] if optimizers else None, config=self.config,
+            dist_init_required=False,
+        )
+        # Checkpoints are published by checkpoint_io and consolidated by `fabric-lite consolidate`; the
+        # engine's copy of its recovery scripts into the (staging) directory is not wanted.
+        engine._copy_recovery_script = lambda *_: None
+        self.engine = engine
+        return engine, ([optimizer] if optimizers else [])
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        raise RuntimeError("DeepSpeed wraps the model together with its optimizer: prepare them in one call, "
+                           "accelerator.prepare(model, optimizer, dataloader).")
+
+    def unwrap_module(self, module: nn.Module) -> nn.Module:
+        return getattr(module, "module", module) if module is self.engine else module
+
+    # -- the step -----------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, module: Optional[nn.Module] = None, **kwargs: Any) -> None:
+        engine = self.engine
+        engine.set_gradient_accumulation_boundary(self._boundary)
+        # The doors scale the loss by the accumulation window themselves (its real length at an epoch's end).
+        engine.backward(loss, scale_wrt_gas=False, **kwargs)
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        if kwargs.get("closure") is not None:
+            raise ValueError("DeepSpeed's engine steps without a closure; call optimizer.step() with no arguments.")
+        self.engine.set_gradient_accumulation_boundary(True)
+        self.engine.step()
+        return self.engine.was_step_applied()
+
+    @contextlib.contextmanager
+    def _micro_step(self) -> Any:
+        saved, self._boundary = self._boundary, False
+        try:
+            yield
+        finally:
+            self._boundary = saved
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:
+        """Backward passes inside are accumulation micro-steps: the engine does not close its window."""
+        return self._micro_step() if enabled else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def force_backward_sync(self, module: nn.Module) -> Any:
+        saved, self._boundary = self._boundary, True
+        try:
+            yield
+        finally:
+            self._boundary = saved
+
+    def clip_gradients_norm(self, parameters: Iterable[torch.Tensor], optimizer: Any, max_norm: float,
+                            norm_type: float = 2.0) -> Optional[torch.Tensor]:
+        """The engine clips inside its step; this sets its limit. The norm is not known yet: returns None."""
+        if norm_type != 2.0:
+            raise ValueError(f"DeepSpeed clips the 2-norm only; norm_type={norm_type} is not available.")
+        engine = self.engine
+        if float(engine._config.gradient_clipping) != float(max_norm):
+            engine._config.gradient_clipping = float(max_norm)
+            if hasattr(engine.optimizer, "clip_grad"):
+                engine.optimizer.clip_grad = float(max_norm)
+        return None
+
+    def clip_gradients_value(self, parameters: Iterable[torch.Tensor], optimizer: Any, clip_value: float) -> None:
+        raise ValueError("DeepSpeed clips gradients by norm only. Use gradient_clip_algorithm='norm' "
+                         "(Trainer) or accelerator.clip_grad_norm_.")
+
+    # -- state --------------------------------------------------------------------------------------
+    def module_state_dict(self, module: nn.Module) -> Dict[str, Any]:
+        """The full weights in the engine's dtype (gathered from every rank at stage 3); valid on rank 0."""
+        engine = self.engine
+        if self.stage == 3:
+            state = engine._zero3_consolidated_16bit_state_dict()
+            return state if state is not None else {}
+        return engine.module.state_dict()
+
+    def load_module_state_dict(self, module: nn.Module, state: Dict[str, Any], strict: bool = True) -> None:
+        engine = self.engine
+        if self.stage == 3:
+            import deepspeed
+
+            params = list(engine.module.parameters())
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+                if self.is_global_zero:
+                    engine.module.load_state_dict(state, strict=strict)
+        else:
+            engine.module.load_state_dict(state, strict=strict)
+        if hasattr(engine.optimizer, "refresh_fp32_params"):
+            engine.optimizer.refresh_fp32_params()  # the optimizer's fp32 master copy follows the weights
+
+    def optimizer_state_dict(self, optimizer: Any) -> Dict[str, Any]:
+        raise RuntimeError("DeepSpeed's optimizer state is partitioned across processes; save it with "
+                           "save_state(), which writes every rank's part.")
+
+    def save_engine_state(self, writer: Any) -> None:
+        from fabric_lite.strategies.deepspeed_checkpoint import save_engine_state
+
+        save_engine_state(self, writer)
+
+    def read_engine_state(self, url: str, manifest: Dict[str, Any], strict: bool) -> Any:
+        from fabric_lite.strategies.deepspeed_checkpoint import read_engine_state
+
+        return read_engine_state(self, url, manifest, strict)
+
+    def teardown(self) -> None:
+        self.engine = None
+        super().teardown()
+
+    def __repr__(self) -> str:
+        return (f"DeepSpeedStrategy(stage={self.stage}, offload_optimizer={self.offload_optimizer}, "
+                f"offload_parameters={self.offload_parameters}, precision={self.precision.name!r}, "
+                f"rank={self.global_rank}/{self.world_size})")
+
+
+class _CastingHooks:
+    """A 16-bit engine runs on 16-bit inputs: floating inputs are cast on the way in, outputs back to fp32.
+
+    Hooks sit on the user's module (not the engine), so evaluation through the unwrapped module casts too.
+    """
+
+    @staticmethod
+    def install(module: nn.Module, dtype: torch.dtype) -> None:
+        if getattr(module, "_fabric_lite_casts", None) == dtype:
+            return
+
+        def to_engine(_module: nn.Module, args: Any, kwargs: Any) -> Any:
+            cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+            return tree_map(cast, args), tree_map(cast, kwargs)
+
+        def to_fp32(_module: nn.Module, _args: Any, output: Any) -> Any:
+            return tree_map(lambda t: t.float() if t.is_floating_point() else t, output)
+
+        module.register_forward_pre_hook(to_engine, with_kwargs=True)
+        module.register_forward_hook(to_fp32)
+        module._fabric_lite_casts = dtype

@@ -1,0 +1,70 @@
+"""DeepSpeed in a lone process (no launcher): the Trainer in bf16, a checkpoint, and the errors a user meets.
+
+Writes rank0.json with what the test asserts: losses, parameter and input dtypes, the checkpoint's files,
+and the message of each expected error (or None where no error came).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from common import parse, write_result
+from fabric_lite import Accelerator, Trainer, TrainModule, set_seed
+from fabric_lite.checkpoint_io import CheckpointError
+
+args = parse({"--root": {"required": True}, "--foreign": {"default": None}})
+
+
+class Regression(TrainModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+        self.input_dtypes = set()
+        self.losses = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.input_dtypes.add(str(x.dtype))
+        loss = F.mse_loss(self.net(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def error_of(fn):
+    try:
+        fn()
+    except (ValueError, CheckpointError) as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+set_seed(0)
+g = torch.Generator().manual_seed(0)
+x = torch.randn(128, 4, generator=g)
+data = TensorDataset(x, x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]]))
+module = Regression()
+trainer = Trainer(max_epochs=4, strategy="deepspeed_stage_2", precision="bf16-mixed", default_root_dir=args.root,
+                  enable_progress_bar=False, accumulate_grad_batches=2, gradient_clip_val=1.0)
+trainer.fit(module, DataLoader(data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(1)))
+checkpoint = f"{args.root}/checkpoints/last-check"
+trainer.save_checkpoint(checkpoint)
+result = {
+    "first_loss": sum(module.losses[:8]) / 8, "last_loss": sum(module.losses[-8:]) / 8,
+    "param_dtypes": sorted({str(p.dtype) for p in module.parameters()}), "input_dtypes": sorted(module.input_dtypes),
+    "config": trainer.strategy.config, "checkpoint": checkpoint,
+    # a checkpoint of another strategy, and a DeepSpeed checkpoint loaded without DeepSpeed
+    "foreign_into_deepspeed": error_of(lambda: trainer.accelerator.load_state(args.foreign)) if args.foreign else None,
+    "clip_by_value": error_of(lambda: trainer.strategy.clip_gradients_value([], None, 1.0)),
+}
+ddp_door = Accelerator(strategy="ddp")
+ddp_door.prepare(torch.nn.Linear(4, 1), torch.optim.SGD(torch.nn.Linear(4, 1).parameters(), lr=0.1))
+result["deepspeed_into_ddp"] = error_of(lambda: ddp_door.load_state(checkpoint))
+conflicting = Accelerator(strategy=__import__("fabric_lite.strategies.deepspeed", fromlist=["x"]).DeepSpeedStrategy(
+    stage=1, config={"train_micro_batch_size_per_gpu": 4}))
+model = torch.nn.Linear(4, 1)
+result["conflicting_batch"] = error_of(lambda: conflicting.prepare(
+    model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(data, batch_size=8)))
+write_result(args.out, 0, result)
