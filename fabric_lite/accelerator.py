@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from fabric_lite import state_io
 from fabric_lite._tree import tree_map
 from fabric_lite.configs import (
-    DataLoaderConfiguration, DistributedDataParallelKwargs, GradientAccumulationPlugin, GradScalerKwargs,
+    DataLoaderConfiguration, DeepSpeedPlugin, DistributedDataParallelKwargs, GradientAccumulationPlugin, GradScalerKwargs,
     InitProcessGroupKwargs, KwargsHandler, ProjectConfiguration,
 )
 from fabric_lite.connector import connect
@@ -85,8 +85,14 @@ class Accelerator(ProcessControl):
         strategy: Union[str, Strategy] = "auto",
         devices: Union[int, str, None] = None,
         accelerator: str = "auto",
+        deepspeed_plugin: Optional[DeepSpeedPlugin] = None,
     ) -> None:
         launch = read_launch_settings()
+        if deepspeed_plugin is not None:
+            if strategy != "auto":
+                raise ValueError(f"Pass strategy={strategy!r} or deepspeed_plugin, not both.")
+            strategy = deepspeed_plugin.to_strategy()
+            gradient_accumulation_steps = gradient_accumulation_steps or deepspeed_plugin.gradient_accumulation_steps
         process = detect_process()
         handlers = {type(h): h for h in (kwargs_handlers or [])}
         for h in handlers.values():
@@ -208,6 +214,8 @@ class Accelerator(ProcessControl):
 
     @property
     def distributed_type(self) -> str:
+        if self.strategy.checkpoint_engine == "deepspeed":
+            return DistributedType.DEEPSPEED
         if self.num_processes == 1:
             return DistributedType.NO
         return DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU

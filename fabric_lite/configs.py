@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, fields
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Union
 
 __all__ = [
     "KwargsHandler", "DistributedDataParallelKwargs", "GradScalerKwargs", "InitProcessGroupKwargs",
-    "DataLoaderConfiguration", "ProjectConfiguration", "GradientAccumulationPlugin",
+    "DataLoaderConfiguration", "ProjectConfiguration", "GradientAccumulationPlugin", "DeepSpeedPlugin",
 ]
 
 
@@ -87,3 +87,32 @@ class GradientAccumulationPlugin(KwargsHandler):
     adjust_scheduler: bool = True
     sync_with_dataloader: bool = True
     sync_each_batch: bool = False
+
+
+@dataclass
+class DeepSpeedPlugin:
+    """Accelerate's way to ask for DeepSpeed: `Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2))`.
+
+    `hf_ds_config` is a DeepSpeed config (dict or JSON path); settings given here and there must agree.
+    """
+
+    hf_ds_config: Union[None, dict, str] = None
+    gradient_accumulation_steps: Optional[int] = None
+    gradient_clipping: Optional[float] = None
+    zero_stage: Optional[int] = None
+    offload_optimizer_device: str = "none"
+    offload_param_device: str = "none"
+    zero3_init_flag: bool = False  # accepted for compatibility: models are partitioned when prepared
+    zero3_save_16bit_model: bool = False  # accepted: save_model() always gathers the whole model
+
+    def to_strategy(self) -> Any:
+        from fabric_lite.strategies.deepspeed import DeepSpeedStrategy
+
+        for name in ("offload_optimizer_device", "offload_param_device"):
+            if getattr(self, name) not in ("none", "cpu"):
+                raise ValueError(f"DeepSpeedPlugin({name}={getattr(self, name)!r}): 'none' and 'cpu' are available.")
+        strategy = DeepSpeedStrategy(stage=self.zero_stage, config=self.hf_ds_config,
+                                     offload_optimizer=self.offload_optimizer_device == "cpu",
+                                     offload_parameters=self.offload_param_device == "cpu")
+        strategy.gradient_clip_val = self.gradient_clipping
+        return strategy

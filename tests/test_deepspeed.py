@@ -159,6 +159,11 @@ def test_lone_process_bf16_trainer_and_errors(tmp_path):
     assert "was written by deepspeed" in result["deepspeed_into_ddp"] and "fabric-lite consolidate" in result["deepspeed_into_ddp"]
     assert "train_micro_batch_size_per_gpu=4" in result["conflicting_batch"] and "batch_size" in result["conflicting_batch"]
     assert "norm only" in result["clip_by_value"]
+    assert result["plugin"] == {
+        "distributed_type": "DEEPSPEED", "stage": 3, "accumulation": 2, "clipping": 1.0,
+        "exported_keys": ["0.bias", "0.weight", "2.bias", "2.weight"], "exported_numel": 4 * 8 + 8 + 8 + 1,
+    }
+    assert result["trainer_z3_keys"] == ["net.0.bias", "net.0.weight", "net.2.bias", "net.2.weight"]
 
 
 # -- bad input, caught before any engine starts ----------------------------------------------------------
@@ -240,3 +245,29 @@ def test_without_deepspeed_installed_the_error_says_what_to_install(monkeypatch)
     with pytest.raises(ImportError, match=r"strategy 'deepspeed_stage_3' needs the deepspeed package.*"
                                           r"pip install 'fabric-lite\[deepspeed\]'"):
         create_strategy("deepspeed_stage_3")
+
+
+# -- the raw door on S3: every rank writes its engine files to the bucket; killed, load_state(), exact ----
+
+@pytest.mark.slow
+def test_raw_door_zero3_checkpoints_on_s3_sigkill_then_load_state_is_bit_exact(tmp_path, s3_bucket):
+    import fsspec
+
+    root = f"{s3_bucket}/project"
+    flags = ("--strategy", "deepspeed_stage_3")
+    code, output, results = Run("resume_raw.py", tmp_path / "killed", "--root", root, "--kill-step", 5,
+                                "--kill-rank", 1, *flags, nproc=2, launcher="torchrun", timeout=FIRST_START).wait()
+    assert code != 0 and "SIGKILLs itself" in output, output[-4000:]
+    fs, path = fsspec.core.url_to_fs(f"{root}/checkpoints/checkpoint_0")
+    names = {p.rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)}
+    # each rank's ZeRO-3 partition (parameters and optimizer) went to the bucket
+    assert {f"deepspeed_zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in (0, 1) for kind in ("model", "optim")} <= names
+
+    resumed = Run("resume_raw.py", tmp_path / "resumed", "--root", root, "--resume", *flags, nproc=2,
+                  launcher="torchrun", timeout=FIRST_START).ok()
+    for rank, r in enumerate(resumed):
+        assert r["loaded"] == f"{root}/checkpoints/checkpoint_0"
+        assert r["restored"] == {"steps": 4, "epoch": 1, "batches_seen": 2}
+        assert r["checkpoints"] == ["checkpoint_0", "checkpoint_1", "latest"]   # total_limit=2 on the bucket
+        assert_bit_equal(r["resumed"], r["uninterrupted"], f"rank {rank}")
+    assert resumed[0]["resumed"] == resumed[1]["resumed"]

@@ -309,8 +309,10 @@ class DeepSpeedStrategy(DDPStrategy):
         """The full weights in the engine's dtype (gathered from every rank at stage 3); valid on rank 0."""
         engine = self.engine
         if self.stage == 3:
-            state = engine._zero3_consolidated_16bit_state_dict()
-            return state if state is not None else {}
+            from fabric_lite.strategies.deepspeed_checkpoint import match_module_keys
+
+            state = engine._zero3_consolidated_16bit_state_dict() or {}
+            return match_module_keys(state, engine.module.state_dict()) if state else {}
         return engine.module.state_dict()
 
     def load_module_state_dict(self, module: nn.Module, state: Dict[str, Any], strict: bool = True) -> None:

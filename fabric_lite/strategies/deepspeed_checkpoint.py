@@ -27,7 +27,7 @@ from fabric_lite.checkpoint_io import CheckpointError, CheckpointWriter
 if TYPE_CHECKING:
     from fabric_lite.strategies.deepspeed import DeepSpeedStrategy
 
-__all__ = ["save_engine_state", "read_engine_state", "consolidate", "PREFIX", "ENGINE"]
+__all__ = ["save_engine_state", "read_engine_state", "consolidate", "match_module_keys", "PREFIX", "ENGINE"]
 
 ENGINE = "deepspeed"
 PREFIX = "deepspeed_"
@@ -207,9 +207,17 @@ def consolidate(url: str, manifest: Dict[str, Any]) -> Dict[str, torch.Tensor]:
         else:  # ZeRO stage 0 in fp32: the module states hold the whole model
             model_states = next(obj for n, obj in loaded.items() if n.endswith("_model_states.pt"))
             state = {k: v.float() if v.is_floating_point() else v for k, v in model_states["module"].items()}
-    # The Trainer's engine wraps the TrainModule one level down; its saved keys are the module's own.
-    if module_keys and set(state) != set(module_keys):
-        stripped = {k.split(".", 1)[1]: v for k, v in state.items() if "." in k}
-        if set(stripped) == set(module_keys):
-            state = stripped
+    state = match_module_keys(state, module_keys)
     return {k: v.detach().clone() for k, v in state.items()}
+
+
+def match_module_keys(state: Dict[str, Any], module_keys: Any) -> Dict[str, Any]:
+    """Name `state` (built from named parameters) the way the module's own `state_dict` names it.
+
+    The Trainer's engine wraps the TrainModule one level down, so parameter names carry one more
+    component than the module's keys; a state that already matches is returned as it is."""
+    keys = set(module_keys)
+    if not keys or set(state) == keys:
+        return state
+    stripped = {k.split(".", 1)[1]: v for k, v in state.items() if "." in k}
+    return stripped if set(stripped) == keys else state

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from common import parse, write_result
-from fabric_lite import Accelerator, Trainer, TrainModule, set_seed
+from fabric_lite import Accelerator, DeepSpeedPlugin, Trainer, TrainModule, set_seed
 from fabric_lite.checkpoint_io import CheckpointError
 
 args = parse({"--root": {"required": True}, "--foreign": {"default": None}})
@@ -67,4 +67,31 @@ conflicting = Accelerator(strategy=__import__("fabric_lite.strategies.deepspeed"
 model = torch.nn.Linear(4, 1)
 result["conflicting_batch"] = error_of(lambda: conflicting.prepare(
     model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(data, batch_size=8)))
+# Accelerate's spelling: DeepSpeedPlugin, and save_model() of a ZeRO-3 model (gathered, the module's own keys)
+plugin_door = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=3, gradient_accumulation_steps=2,
+                                                           gradient_clipping=1.0))
+net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+net, opt, loader = plugin_door.prepare(net, opt, DataLoader(data, batch_size=8))
+for xb, yb in loader:
+    with plugin_door.accumulate(net):
+        plugin_door.backward(F.mse_loss(net(xb), yb))
+        opt.step()
+        opt.zero_grad()
+plugin_door.save_model(net, f"{args.root}/exported")
+from safetensors.torch import load_file  # noqa: E402
+
+exported = load_file(f"{args.root}/exported/model.safetensors")
+result["plugin"] = {
+    "distributed_type": plugin_door.distributed_type, "stage": plugin_door.strategy.stage,
+    "accumulation": plugin_door.gradient_accumulation_steps,
+    "clipping": plugin_door.strategy.config["gradient_clipping"],
+    "exported_keys": sorted(exported), "exported_numel": sum(t.numel() for t in exported.values()),
+}
+# the Trainer at ZeRO-3: get_state_dict gathers the TrainModule's weights under its own keys
+module3 = Regression()
+trainer3 = Trainer(max_epochs=1, strategy="deepspeed_stage_3", default_root_dir=f"{args.root}/z3",
+                   enable_progress_bar=False)
+trainer3.fit(module3, DataLoader(data, batch_size=16))
+result["trainer_z3_keys"] = sorted(trainer3.accelerator.get_state_dict(trainer3.model))
 write_result(args.out, 0, result)

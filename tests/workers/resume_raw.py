@@ -11,10 +11,12 @@ optimizer steps.
   Each rank reports the micro-step at which it saw True, saves state and exits with EXIT_PREEMPTED.
 """
 
+import contextlib
 import os
 import signal
 import sys
 
+import fsspec
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,6 +34,7 @@ args = parse({
     "--kill-rank": {"type": int, "default": 0},
     "--resume": {"action": "store_true"},
     "--preempt": {"action": "store_true"},
+    "--strategy": {"default": "auto"},
 })
 
 
@@ -55,7 +58,7 @@ class Counter:
 
 def build(seed, project):
     set_seed(seed)
-    acc = Accelerator(gradient_accumulation_steps=2, project_config=ProjectConfiguration(
+    acc = Accelerator(gradient_accumulation_steps=2, strategy=args.strategy, project_config=ProjectConfiguration(
         project_dir=project, automatic_checkpoint_naming=True, total_limit=2))
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 1))
@@ -79,7 +82,7 @@ def micro_step(acc, model, opt, sched, batch):
 
 
 def train(acc, model, opt, loader, sched, counter, kill_step=None):
-    marker = os.path.join(args.root, f"killed-{acc.process_index}")
+    marker = os.path.join(args.out, f"killed-{acc.process_index}")  # local even when root is a URL
     for _ in range(loader.epoch, args.epochs):   # after load_state the loader is at its saved position
         for batch in loader:
             micro_step(acc, model, opt, sched, batch)
@@ -96,12 +99,19 @@ def train(acc, model, opt, loader, sched, counter, kill_step=None):
 
 
 def weights(acc, model):
-    return torch.cat([p.detach().reshape(-1) for p in acc.unwrap_model(model).parameters()]).tolist()
+    params = list(acc.unwrap_model(model).parameters())
+    gathered = contextlib.nullcontext()
+    if getattr(acc.strategy, "stage", None) == 3:  # ZeRO-3 holds a slice of each parameter per rank
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(params)
+    with gathered:
+        return torch.cat([p.detach().reshape(-1).float() for p in params]).tolist()
 
 
 def checkpoints(root):
-    path = os.path.join(root, "checkpoints")
-    return sorted(os.listdir(path)) if os.path.isdir(path) else []
+    fs, path = fsspec.core.url_to_fs(f"{root}/checkpoints")
+    return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)) if fs.isdir(path) else []
 
 
 if args.preempt:
@@ -135,7 +145,7 @@ resumed = weights(acc, objs[0])
 saved = checkpoints(args.root)
 acc.free_memory()
 
-acc, *objs = build(1, os.path.join(args.root, "uninterrupted"))
+acc, *objs = build(1, f"{args.root}/uninterrupted")
 train(acc, *objs)
 write_result(args.out, acc.process_index, {
     "loaded": loaded, "restored": restored, "resumed": resumed, "uninterrupted": weights(acc, objs[0]),
