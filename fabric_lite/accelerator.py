@@ -8,9 +8,7 @@ delegated to the one Strategy it holds; nothing here branches on which strategy 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
-import types
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
@@ -18,7 +16,6 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from fabric_lite import state_io
-from fabric_lite._tree import tree_map
 from fabric_lite.configs import (
     DataLoaderConfiguration, DeepSpeedPlugin, DistributedDataParallelKwargs, GradientAccumulationPlugin, GradScalerKwargs,
     InitProcessGroupKwargs, KwargsHandler, ProjectConfiguration,
@@ -27,6 +24,7 @@ from fabric_lite.connector import connect
 from fabric_lite.data import DataLoaderShard, GradientState, shard_dataloader, skip_first_batches
 from fabric_lite.environments import detect_process, read_launch_settings
 from fabric_lite.optim import AcceleratedOptimizer, AcceleratedScheduler
+from fabric_lite.precision import PrecisionForward
 from fabric_lite.process_control import ProcessControl
 from fabric_lite.strategies import Strategy
 from fabric_lite.tracking import GeneralTracker, make_trackers
@@ -332,8 +330,8 @@ class Accelerator(ProcessControl):
     def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None, evaluation_mode: bool = False) -> nn.Module:
         """Move the model to the device, give it mixed precision, and wrap it for the strategy."""
         precision = self.strategy.precision
-        if precision.wraps_forward and not isinstance(getattr(model.forward, "__func__", None), _PrecisionForward):
-            _PrecisionForward.install(model, precision)
+        if precision.wraps_forward and not isinstance(getattr(model.forward, "__func__", None), PrecisionForward):
+            PrecisionForward.install(model, precision)
         if evaluation_mode or (device_placement is False and not self.use_distributed):
             prepared = precision.convert_module(model)
         else:
@@ -478,7 +476,7 @@ class Accelerator(ProcessControl):
         inner = self.strategy.unwrap_module(model)
         inner = getattr(inner, "_orig_mod", inner)  # torch.compile
         if not keep_fp32_wrapper:
-            _PrecisionForward.remove(inner)
+            PrecisionForward.remove(inner)
         return inner
 
     def save(self, obj: Any, f: Union[str, os.PathLike], safe_serialization: bool = False) -> None:
@@ -598,43 +596,3 @@ class _HookHandle:
 
     def remove(self) -> None:
         self._hooks.pop(self.id, None)
-
-
-class _PrecisionForward:
-    """The function behind a prepared model's `forward`: inputs converted, autocast on, fp32 outputs.
-
-    It is bound to the module with MethodType (not a closure over the module), so `copy.deepcopy`
-    of a prepared model gives a copy that runs its own weights.
-    """
-
-    def __init__(self, func: Callable, precision: Any, previous: Any) -> None:
-        self.func = func
-        self.precision = precision
-        self.previous = previous  # an instance-level forward the user had set, restored by remove()
-        functools.update_wrapper(self, func)
-
-    def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        precision = self.precision
-        if precision.converts_input:
-            args, kwargs = precision.convert_input(args), precision.convert_input(kwargs)
-        with precision.autocast():
-            out = self.func(module, *args, **kwargs)
-        return tree_map(lambda t: t.float() if t.is_floating_point() else t, out)
-
-    @classmethod
-    def install(cls, module: nn.Module, precision: Any) -> None:
-        previous = module.__dict__.get("forward")
-        current = module.forward
-        func = getattr(current, "__func__", None)
-        if func is None or getattr(current, "__self__", None) is not module:
-            func = lambda _module, *a, **k: current(*a, **k)  # noqa: E731 (a plain callable set by the user)
-        module.forward = types.MethodType(cls(func, precision, previous), module)
-
-    @staticmethod
-    def remove(module: nn.Module) -> None:
-        bound = module.__dict__.get("forward")
-        wrapper = getattr(bound, "__func__", None)
-        if isinstance(wrapper, _PrecisionForward):
-            del module.forward
-            if wrapper.previous is not None:
-                module.forward = wrapper.previous

@@ -8,13 +8,15 @@ gradients overflowed. Strategies call it; the front doors never branch on the pr
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Dict, Optional, Union
+import functools
+import types
+from typing import Any, Callable, ContextManager, Dict, Optional, Union
 
 import torch
 
 from fabric_lite._tree import tree_map
 
-__all__ = ["Precision", "resolve_precision", "PRECISION_ALIASES"]
+__all__ = ["Precision", "PrecisionForward", "resolve_precision", "PRECISION_ALIASES"]
 
 # Canonical name <- every spelling accepted (Lightning's and Accelerate's).
 PRECISION_ALIASES: Dict[str, str] = {
@@ -68,7 +70,7 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=self.autocast_dtype)
 
-    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+    def convert_module(self, module: torch.torch.nn.Module) -> torch.torch.nn.Module:
         if self.name == "bf16-true":
             return module.to(torch.bfloat16)
         return module
@@ -135,3 +137,43 @@ def resolve_precision(name: Any) -> str:
             f"For mixed precision on a GPU use 'bf16-mixed' (or 'fp16'); on CPU use 'bf16-mixed'."
         )
     return PRECISION_ALIASES[key]
+
+
+class PrecisionForward:
+    """The function behind a prepared model's `forward`: inputs converted, autocast on, fp32 outputs.
+
+    It is bound to the module with MethodType (not a closure over the module), so `copy.deepcopy`
+    of a prepared model gives a copy that runs its own weights.
+    """
+
+    def __init__(self, func: Callable, precision: Any, previous: Any) -> None:
+        self.func = func
+        self.precision = precision
+        self.previous = previous  # an instance-level forward the user had set, restored by remove()
+        functools.update_wrapper(self, func)
+
+    def __call__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        precision = self.precision
+        if precision.converts_input:
+            args, kwargs = precision.convert_input(args), precision.convert_input(kwargs)
+        with precision.autocast():
+            out = self.func(module, *args, **kwargs)
+        return tree_map(lambda t: t.float() if t.is_floating_point() else t, out)
+
+    @classmethod
+    def install(cls, module: torch.nn.Module, precision: Any) -> None:
+        previous = module.__dict__.get("forward")
+        current = module.forward
+        func = getattr(current, "__func__", None)
+        if func is None or getattr(current, "__self__", None) is not module:
+            func = lambda _module, *a, **k: current(*a, **k)  # noqa: E731 (a plain callable set by the user)
+        module.forward = types.MethodType(cls(func, precision, previous), module)
+
+    @staticmethod
+    def remove(module: torch.nn.Module) -> None:
+        bound = module.__dict__.get("forward")
+        wrapper = getattr(bound, "__func__", None)
+        if isinstance(wrapper, PrecisionForward):
+            del module.forward
+            if wrapper.previous is not None:
+                module.forward = wrapper.previous
