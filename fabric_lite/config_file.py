@@ -8,7 +8,7 @@ A small YAML mapping; every key is optional and an absent key keeps its default:
     master_addr: 127.0.0.1              # address of machine 0 (multi-node)
     master_port: null                   # port on machine 0; null: any free port (one machine)
     nproc_per_node: 2                   # processes on each machine (an integer, or auto/cpu/gpu)
-    strategy: auto                      # auto | ddp
+    strategy: auto                      # auto | ddp | deepspeed_stage_1/2/3[_offload]
     mixed_precision: 'no'               # no | fp16 | bf16
     gradient_accumulation_steps: 1
     use_cpu: false
@@ -33,7 +33,8 @@ __all__ = [
 
 CONFIG_NAME = "default_config.yaml"
 COMPUTE_ENVIRONMENTS = ("this_machine", "multi_node")
-STRATEGIES = ("auto", "ddp")
+STRATEGIES = ("auto", "ddp", "deepspeed", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_2_offload",
+              "deepspeed_stage_3", "deepspeed_stage_3_offload")
 MIXED_PRECISIONS = ("no", "fp16", "bf16")
 NPROC_WORDS = ("auto", "cpu", "gpu")
 # Other spellings the launcher and the Accelerator accept, mapped to the config's three names.

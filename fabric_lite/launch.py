@@ -17,7 +17,7 @@ import sys
 import uuid
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
-from fabric_lite.config_file import ConfigError, LaunchConfigFile, find_config, load_config
+from fabric_lite.config_file import STRATEGIES, ConfigError, LaunchConfigFile, find_config, load_config
 from fabric_lite.environments import ENV_GRAD_ACCUM, ENV_LAUNCHED, ENV_MIXED_PRECISION, ENV_STRATEGY, ENV_USE_CPU
 from fabric_lite.precision import resolve_precision
 
@@ -83,6 +83,8 @@ def launch_command_parser() -> argparse.ArgumentParser:
     group.add_argument("--mixed-precision", "--mixed_precision", default=None,
                        help="no | fp16 | bf16 (or 32-true, 16-mixed, bf16-mixed, bf16-true).")
     group.add_argument("--gradient-accumulation-steps", "--gradient_accumulation_steps", type=int, default=None)
+    group.add_argument("--strategy", default=None, choices=STRATEGIES,
+                       help="What Accelerator(strategy='auto') / Trainer(strategy='auto') become in the workers.")
     return parser
 
 
@@ -98,7 +100,7 @@ def _config_defaults(config: LaunchConfigFile, env: Mapping[str, str]) -> Dict[s
     }
     values = {k: v for k, v in values.items() if f"PET_{k.upper()}" not in env}
     values.update(mixed_precision=config.mixed_precision, cpu=config.use_cpu,
-                  gradient_accumulation_steps=config.gradient_accumulation_steps)
+                  gradient_accumulation_steps=config.gradient_accumulation_steps, strategy=config.strategy)
     return values
 
 
@@ -195,10 +197,11 @@ def launch_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None)
         settings = _settings_env(args.mixed_precision, args.gradient_accumulation_steps, args.cpu)
     except ValueError as err:
         return _error(f"{err}{suffix}")
+    if args.strategy is not None:
+        settings[ENV_STRATEGY] = args.strategy
     if config_path is not None:
-        settings[ENV_STRATEGY] = config.strategy
         print(f"fabric-lite launch: using config file {config_path}", file=sys.stderr)
-    for name in ("cpu", "mixed_precision", "gradient_accumulation_steps", "config_file"):
+    for name in ("cpu", "mixed_precision", "gradient_accumulation_steps", "config_file", "strategy"):
         delattr(args, name)
     with _patched_environ(settings):
         try:

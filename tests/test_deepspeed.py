@@ -271,3 +271,22 @@ def test_raw_door_zero3_checkpoints_on_s3_sigkill_then_load_state_is_bit_exact(t
         assert r["checkpoints"] == ["checkpoint_0", "checkpoint_1", "latest"]   # total_limit=2 on the bucket
         assert_bit_equal(r["resumed"], r["uninterrupted"], f"rank {rank}")
     assert resumed[0]["resumed"] == resumed[1]["resumed"]
+
+
+# -- the command line ----------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_launch_strategy_flag_reaches_the_trainer_as_explain_shows(tmp_path):
+    proc = run_command([sys.executable, "-m", "fabric_lite.cli", "explain", "--nproc-per-node", "2", "--strategy",
+                        "deepspeed_stage_3", "examples/trainer_digits.py", "--root", str(tmp_path)], timeout=180,
+                       env={"FABRIC_LITE_CONFIG_DIR": str(tmp_path / "no-config")})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "DeepSpeedStrategy" in proc.stdout
+    assert "(9,610 parameters, 9,610 trainable)" in proc.stdout  # counted whole, though ZeRO-3 partitions them
+
+
+def test_launch_refuses_an_unknown_strategy_listing_the_known_ones(tmp_path):
+    proc = run_command([sys.executable, "-m", "fabric_lite.cli", "launch", "--strategy", "deepspeed_stage_4",
+                        "train.py"], timeout=60, env={"FABRIC_LITE_CONFIG_DIR": str(tmp_path)})
+    assert proc.returncode == 2
+    assert "invalid choice: 'deepspeed_stage_4'" in proc.stderr and "deepspeed_stage_3_offload" in proc.stderr

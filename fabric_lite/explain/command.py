@@ -123,9 +123,11 @@ def explain_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None
             if flags.gradient_accumulation_steps is not None
             else f"{in_file} (gradient_accumulation_steps: {args.gradient_accumulation_steps})")
     origins["cpu"] = "--cpu" if flags.cpu else f"{in_file} (use_cpu: true)"
+    if args.strategy is not None:
+        settings[ENV_STRATEGY] = args.strategy
+        origins["strategy"] = (f"--strategy {flags.strategy}" if flags.strategy is not None
+                               else f"{in_file} (strategy: {args.strategy})")
     if config is not None:
-        settings[ENV_STRATEGY] = config.strategy
-        origins["strategy"] = f"{in_file} (strategy: {config.strategy})"
         print(f"fabric-lite explain: using config file {config_path}", file=sys.stderr)
 
     def where(flag: str, key: str, value: Any) -> str:

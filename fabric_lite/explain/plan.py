@@ -364,8 +364,9 @@ def _model_line(plan: Plan, models: Sequence[Any], accelerator: "Accelerator") -
     for model in models:
         inner = accelerator.unwrap_model(model)
         inner = getattr(inner, "module", inner) if type(inner).__name__ == "_StepRunner" else inner
-        count = sum(p.numel() for p in inner.parameters())
-        trainable = sum(p.numel() for p in inner.parameters() if p.requires_grad)
+        # ZeRO-3 leaves each parameter empty between uses; its full size is kept in `ds_numel`
+        count = sum(getattr(p, "ds_numel", p.numel()) for p in inner.parameters())
+        trainable = sum(getattr(p, "ds_numel", p.numel()) for p in inner.parameters() if p.requires_grad)
         words.append(f"{type(inner).__name__} ({count:,} parameters, {trainable:,} trainable)")
     plan.add(_HW, "model", "; ".join(words))
 
