@@ -164,6 +164,8 @@ def test_lone_process_bf16_trainer_and_errors(tmp_path):
         "exported_keys": ["0.bias", "0.weight", "2.bias", "2.weight"], "exported_numel": 4 * 8 + 8 + 8 + 1,
     }
     assert result["trainer_z3_keys"] == ["net.0.bias", "net.0.weight", "net.2.bias", "net.2.weight"]
+    (warning,) = [w for w in result["mid_window_warnings"] if "accumulation window" in w]
+    assert "partial gradients" in warning and "Save after an optimizer step" in warning
 
 
 # -- bad input, caught before any engine starts ----------------------------------------------------------

@@ -128,7 +128,9 @@ class DeepSpeedStrategy(DDPStrategy):
             "train_micro_batch_size_per_gpu": self.micro_batch_size or 1,
             "gradient_accumulation_steps": self.accumulation_steps,
             "zero_optimization": zero,
-            # The user's torch optimizer is kept under offload (DeepSpeedCPUAdam is optional, and compiles).
+            # The user's torch optimizer is kept, whatever it is (DeepSpeed otherwise refuses all but a few
+            # under ZeRO) and under offload (DeepSpeedCPUAdam is optional, and compiles for minutes).
+            "zero_allow_untested_optimizer": True,
             "zero_force_ds_cpu_optimizer": False,
             "steps_per_print": 2**31 - 1,
         }

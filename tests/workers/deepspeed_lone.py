@@ -4,6 +4,8 @@ Writes rank0.json with what the test asserts: losses, parameter and input dtypes
 and the message of each expected error (or None where no error came).
 """
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -94,4 +96,16 @@ trainer3 = Trainer(max_epochs=1, strategy="deepspeed_stage_3", default_root_dir=
                    enable_progress_bar=False)
 trainer3.fit(module3, DataLoader(data, batch_size=16))
 result["trainer_z3_keys"] = sorted(trainer3.accelerator.get_state_dict(trainer3.model))
+# a checkpoint inside an accumulation window says what it cannot carry
+mid = Accelerator(strategy="deepspeed_stage_2", gradient_accumulation_steps=2)
+net = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+net, opt, loader = mid.prepare(net, opt, DataLoader(data, batch_size=8))
+xb, yb = next(iter(loader))
+with mid.accumulate(net):
+    mid.backward(F.mse_loss(net(xb), yb))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    mid.save_state(f"{args.root}/mid-window")
+result["mid_window_warnings"] = [str(w.message) for w in caught]
 write_result(args.out, 0, result)
