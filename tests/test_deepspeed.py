@@ -164,6 +164,14 @@ def test_lone_process_bf16_trainer_and_errors(tmp_path):
         "exported_keys": ["0.bias", "0.weight", "2.bias", "2.weight"], "exported_numel": 4 * 8 + 8 + 8 + 1,
     }
     assert result["trainer_z3_keys"] == ["net.0.bias", "net.0.weight", "net.2.bias", "net.2.weight"]
+    # a bf16 Trainer checkpoint consolidates to the fp32 master weights, under the TrainModule's own keys
+    out = tmp_path / "weights.pt"
+    proc = run_command([sys.executable, "-m", "fabric_lite.cli", "consolidate", result["checkpoint"], str(out)],
+                       timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    weights = torch.load(out, weights_only=True)
+    assert sorted(weights) == ["net.0.bias", "net.0.weight", "net.2.bias", "net.2.weight"]
+    assert {w.dtype for w in weights.values()} == {torch.float32}
     (warning,) = [w for w in result["mid_window_warnings"] if "accumulation window" in w]
     assert "partial gradients" in warning and "Save after an optimizer step" in warning
 
