@@ -27,7 +27,7 @@ __all__ = ["DeepSpeedStrategy", "INSTALL_HINT"]
 
 INSTALL_HINT = "pip install 'fabric-lite[deepspeed]'  (or: pip install deepspeed)"
 _STAGES = (0, 1, 2, 3)
-# Config keys the door also decides: (key path, what the door calls it).
+# fabric_lite precision -> the DeepSpeed config section that enables it (None: fp32).
 _DS_PRECISION = {"32-true": None, "bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16"}
 
 
