@@ -22,10 +22,18 @@ example: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra
 
+# peers.py compares with Hugging Face Accelerate and Lightning where they are installed (it names the
+# missing ones): PEERS_PYTHON=/path/to/other/venv/bin/python points it at an environment that has them.
+PEERS_PYTHON ?= $(BIN)/python
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/import_time.py
 	$(BIN)/python benchmarks/trainer_overhead.py
+	$(BIN)/python -m torch.distributed.run --nproc-per-node 2 benchmarks/trainer_overhead.py --ddp
+	$(BIN)/python benchmarks/memory.py
+	$(PEERS_PYTHON) benchmarks/peers.py
+	$(BIN)/python benchmarks/deepspeed_memory.py
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

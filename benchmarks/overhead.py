@@ -47,8 +47,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from fabric_lite import Accelerator  # noqa: E402
+# fabric_lite is imported where the Accelerator loop is built: memory.py's raw-loop child imports this
+# module for its workload and must not load the framework.
 
 RAW, FRAMEWORK = "raw", "accelerator"
 
@@ -100,9 +100,13 @@ def endless(loader: Iterable, set_epoch: Optional[Callable[[int], None]] = None)
         epoch += 1
 
 
-def raw_loop(spec: Spec, data: Tuple[torch.Tensor, torch.Tensor], ddp: bool) -> Tuple[Runner, int]:
-    """The loop as written without a framework (DDP and DistributedSampler set up by hand)."""
-    device = torch.device("cpu")
+def raw_loop(spec: Spec, data: Tuple[torch.Tensor, torch.Tensor], ddp: bool,
+             device: Optional[torch.device] = None) -> Tuple[Runner, int]:
+    """The loop as written without a framework (DDP and DistributedSampler set up by hand).
+
+    `device` defaults to the CPU; memory.py passes the GPU when it measures CUDA memory.
+    """
+    device = device or torch.device("cpu")
     torch.manual_seed(0)
     model: nn.Module = build_mlp(spec.sizes).to(device)
     if ddp:
@@ -134,6 +138,8 @@ def raw_loop(spec: Spec, data: Tuple[torch.Tensor, torch.Tensor], ddp: bool) -> 
 
 def framework_loop(spec: Spec, data: Tuple[torch.Tensor, torch.Tensor], ddp: bool) -> Tuple[Runner, int]:
     """The same loop through the Accelerator: prepare(model, optimizer, loader) and backward(loss)."""
+    from fabric_lite import Accelerator
+
     accelerator = Accelerator()
     torch.manual_seed(0)
     model = build_mlp(spec.sizes)
@@ -206,13 +212,13 @@ def label(key: Tuple[str, int, str]) -> str:
     return f"{path}:{line}({func})"
 
 
-def print_diff(mode: str, raw: Dict, fw: Dict, top: int) -> None:
+def print_diff(mode: str, raw: Dict, fw: Dict, top: int, name: str = "Accelerator", short: str = "accel") -> None:
     keys = set(raw) | set(fw)
     rows = [(fw.get(k, 0.0) - raw.get(k, 0.0), raw.get(k, 0.0), fw.get(k, 0.0), k) for k in keys]
     extra = sorted((r for r in rows if r[0] > 1e-9), key=lambda r: (-r[0], label(r[3])))
     fewer = sorted((r for r in rows if r[0] < -1e-9), key=lambda r: (r[0], label(r[3])))
-    print(f"\n{mode}: functions called more often per step by the Accelerator loop than by the raw loop")
-    print(f"{'+calls/step':>11} {'raw':>8} {'accel':>8}  function")
+    print(f"\n{mode}: functions called more often per step by the {name} loop than by the raw loop")
+    print(f"{'+calls/step':>11} {'raw':>8} {short:>8}  function")
     for d, r, f, k in extra[:top]:
         print(f"{d:11.3f} {r:8.3f} {f:8.3f}  {label(k)}")
     if len(extra) > top:

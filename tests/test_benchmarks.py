@@ -1,0 +1,76 @@
+"""The benchmark scripts keep working: each runs in its quick mode, exits 0 and prints its table.
+
+Timings are not checked here (they depend on the machine and its load); benchmarks/README.md records
+them. The file takes ~40 s on 2 quiet cores. Left out or cut short to stay near that: import_time.py
+(no quick mode: a run starts 45 fresh interpreters), checkpoint.py runs --quick without its
+peak-memory children (--no-memory, 6 s instead of 13 s), and of the two DDP benchmarks only
+trainer_overhead.py --ddp runs (it uses the same launch path as overhead.py --ddp).
+peers.py runs with whatever is installed: in the project's environment it names the missing peers
+and still compares fabric_lite with the raw loop.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from conftest import ROOT, free_port, run_command
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+BENCH = ROOT / "benchmarks"
+
+
+def run_quick(cmd, timeout=120):
+    proc = run_command(cmd, timeout=timeout)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+@pytest.mark.parametrize("script, extra, rows", [
+    ("overhead.py", [], ["calls/step", "tiny   raw", "tiny   accelerator", "small  accelerator", "time ratio"]),
+    ("trainer_overhead.py", [], ["median s/step", "raw", "trainer bare", "trainer full", "set-up calls"]),
+    ("memory.py", [], ["peak MB", "tiny   raw", "tiny   accelerator", "tiny   trainer bare", "target: peak RSS"]),
+    ("checkpoint.py", ["--no-memory"], ["median MB/s", "save raw", "save fabric_lite", "load fabric_lite"]),
+])
+def test_quick_run_prints_its_table(script, extra, rows):
+    out = run_quick([sys.executable, str(BENCH / script), "--quick", *extra])
+    for row in rows:
+        assert row in out, f"{row!r} missing from the output of {script}:\n{out}"
+
+
+def test_peers_quick_names_what_is_missing():
+    out = run_quick([sys.executable, str(BENCH / "peers.py"), "--quick"])
+    for row in ("calls/step", "raw", "fabric_lite Accelerator", "fabric_lite Trainer bare"):
+        assert row in out, out
+    for module, row in (("accelerate", "HF Accelerate Accelerator"), ("lightning", "Lightning Trainer bare")):
+        installed = _importable(module)
+        assert (row in out) == installed, out
+        if not installed:
+            assert "NOT INSTALLED" in out, out
+
+
+def test_trainer_overhead_ddp_quick():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(BENCH / "trainer_overhead.py"), "--ddp", "--quick"]
+    out = run_quick(cmd)
+    assert "2 process(es)" in out and "DDP" in out, out
+    for row in ("raw", "trainer bare", "trainer full"):
+        assert row in out, out
+    assert out.count("Trainer overhead |") == 1, f"only rank 0 prints the table:\n{out}"
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def test_deepspeed_memory_quick_shows_the_zero3_saving():
+    pytest.importorskip("deepspeed")
+    out = run_quick([sys.executable, str(BENCH / "deepspeed_memory.py"), "--quick"], timeout=170)
+    rows = [line.split() for line in out.splitlines() if line.startswith(("ddp ", "deepspeed_stage_3 "))]
+    assert len(rows) == 4, out
+    # exact byte counts: ZeRO-3 holds half the parameters and half the optimizer state of DDP per process
+    assert all(r[-2] == "1.00" for r in rows[:2]) and all(r[-2] == "0.50" for r in rows[2:]), out
