@@ -92,19 +92,25 @@ class ShardedBatchSampler:
         self.drop_last = drop_last
         self.skip = 0  # batches of this rank to pass over at the start of the next iteration
 
-    def _user_batches(self) -> Iterator[List[int]]:
-        """The user's batches for this epoch. For torch's own BatchSampler over a RandomSampler or
-        SequentialSampler they are cut from one permutation drawn exactly as the sampler would draw
-        it (same generator, same call), instead of pulling the indices one by one. A generator, so
-        nothing is drawn until the first batch is asked for (DataLoader may call iter() twice)."""
+    def _draw_order(self) -> Optional[List[int]]:
+        """For torch's own BatchSampler over a RandomSampler or SequentialSampler: the epoch's order,
+        drawn exactly as the sampler would draw it (same generator, same call). None otherwise."""
         bs = self.batch_sampler
         sampler = getattr(bs, "sampler", None)
-        order: Optional[List[int]] = None
         if type(bs) is BatchSampler and type(sampler) is SequentialSampler:
-            order = list(range(len(sampler.data_source)))
-        elif (type(bs) is BatchSampler and type(sampler) is RandomSampler and not sampler.replacement
-              and sampler.generator is not None and sampler.num_samples == len(sampler.data_source)):
-            order = torch.randperm(sampler.num_samples, generator=sampler.generator).tolist()
+            return list(range(len(sampler.data_source)))
+        if (type(bs) is BatchSampler and type(sampler) is RandomSampler and not sampler.replacement
+                and sampler.generator is not None and sampler.num_samples == len(sampler.data_source)):
+            return torch.randperm(sampler.num_samples, generator=sampler.generator).tolist()
+        return None
+
+    def _user_batches(self, order: Optional[List[int]] = None) -> Iterator[List[int]]:
+        """The user's batches for this epoch, cut from `_draw_order` where there is one instead of
+        pulling the indices one by one. A generator, so nothing is drawn until the first batch is
+        asked for (DataLoader may call iter() twice)."""
+        if order is None:
+            order = self._draw_order()
+        bs = self.batch_sampler
         if order is None:
             yield from bs
             return
@@ -166,6 +172,27 @@ class ShardedBatchSampler:
 
     def _iter_sharded(self, skip: int) -> Iterator[List[int]]:
         r = self.rank
+        order = self._draw_order() if not self.split_batches and self.batch_size else None
+        if order is not None:
+            # The common case in one generator (one resumption a step, not four): global step k is the
+            # W batches order[(kW + j)b : (kW + j + 1)b], and this rank's is j = r. What is left after
+            # the whole steps is one incomplete step, dealt with below as on the general path.
+            W, b = self.num_replicas, self.batch_size
+            whole = len(order) // (W * b)
+            for k in range(skip, whole):
+                start = (k * W + r) * b
+                yield order[start:start + b]
+            if whole < skip:
+                return
+            rest = order[whole * W * b:]
+            tail = [rest[i:i + b] for i in range(0, len(rest) - len(rest) % b if self.batch_sampler.drop_last
+                                                  else len(rest), b)]
+            if tail:
+                head = [order[j * b:(j + 1) * b] for j in range(W)] if whole else tail
+                mine = self._this_rank(tail, head)
+                if mine is not None:
+                    yield mine
+            return
         head: List[List[int]] = []  # the epoch's first global step: what padding repeats
         for n, (group, complete) in enumerate(self._groups()):
             if not head:

@@ -6,6 +6,7 @@ only decide *when* things happen.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
@@ -125,6 +126,11 @@ def _should_validate_in_epoch(trainer: "Trainer", batch_idx: int, limit: Optiona
     return (batch_idx + 1) % every == 0 and not (last and isinstance(interval, float))
 
 
+# The last micro-step of a window (every step without accumulation) syncs as usual: one reusable
+# do-nothing context instead of asking the strategy for one each step.
+_SYNCS = contextlib.nullcontext()
+
+
 def _train_epoch(trainer: "Trainer") -> None:
     module, model, strategy, metrics = trainer.module, trainer.model, trainer.strategy, trainer._metrics
     loader = trainer._train_loader
@@ -159,7 +165,7 @@ def _train_epoch(trainer: "Trainer") -> None:
             last_micro = batch_idx - window_start == window - 1
             # a checkpoint taken before the window closes must carry its partial gradients
             gradient_state.sync_gradients = last_micro
-            with strategy.no_backward_sync(model, enabled=not last_micro):
+            with _SYNCS if last_micro else strategy.no_backward_sync(model):
                 out = model(batch, batch_idx)
                 loss = _extract_loss(out, batch_idx)
                 if hooks.before_backward is not None:

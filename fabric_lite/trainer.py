@@ -28,6 +28,10 @@ from fabric_lite.preemption import PreemptionWatch
 __all__ = ["Trainer"]
 
 
+_STEP_METHODS = {"train": "training_step", "validate": "validation_step", "test": "test_step",
+                 "predict": "predict_step"}
+
+
 class _StepRunner(nn.Module):
     """Routes the strategy's wrapped forward to the module's step methods (so DDP sees a forward)."""
 
@@ -44,9 +48,7 @@ class _StepRunner(nn.Module):
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def forward(self, batch: Any, batch_idx: int, stage: str = "train") -> Any:
-        step = {"train": self.module.training_step, "validate": self.module.validation_step,
-                "test": self.module.test_step, "predict": self.module.predict_step}[stage]
-        return step(batch, batch_idx)
+        return getattr(self.module, _STEP_METHODS[stage])(batch, batch_idx)
 
 
 class _TrainerState:

@@ -523,3 +523,29 @@ def test_num_workers_gives_the_same_batches():
         with_workers = [y.tolist() for _, y in a]
         assert with_workers == [y.tolist() for _, y in b]
         assert sorted(_flat(with_workers)) == list(range(20))
+
+
+@pytest.mark.parametrize("W", [2, 3])
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("even", [True, False])
+def test_sharding_shortcut_gives_the_general_paths_batches(W, shuffle, drop_last, even):
+    # torch's BatchSampler over a Random/SequentialSampler takes a one-generator shortcut; any other
+    # sampler takes the general path. Both must hand every rank the same batches, resumed or not.
+    from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
+
+    from fabric_lite.data import ShardedBatchSampler
+
+    for b, n, skip in itertools.product([1, 3, 4], [1, 5, 12, 13, 25], [0, 1, 3]):
+        got = {}
+        for shortcut in (True, False):
+            for r in range(W):
+                data = list(range(n))
+                sampler = RandomSampler(data, generator=torch.Generator().manual_seed(5)) if shuffle else SequentialSampler(data)
+                s = ShardedBatchSampler(BatchSampler(sampler, b, drop_last), num_replicas=W, rank=r, batch_size=b,
+                                        even_batches=even, drop_last=drop_last)
+                s.skip = skip
+                if not shortcut:
+                    s._draw_order = lambda: None  # indices pulled from the sampler one by one
+                got[shortcut, r] = list(s)
+        assert all(got[True, r] == got[False, r] for r in range(W)), (b, n, skip, got)
