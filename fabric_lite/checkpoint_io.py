@@ -121,7 +121,7 @@ def _pool() -> Any:
     return _POOL[1]
 
 
-class _HashingWriter:
+class _HashingWriter(io.RawIOBase):
     """A file-like `torch.save` writes into: bytes go to `f` and into a checksum at the same time.
 
     Large chunks are hashed on a helper thread while this one writes them (both release the GIL),
@@ -130,8 +130,12 @@ class _HashingWriter:
     _PARALLEL = 1 << 20
 
     def __init__(self, f: Any) -> None:
+        super().__init__()
         self.f = f
         self.digest = _digest(CHECKSUM)
+
+    def writable(self) -> bool:
+        return True
 
     def write(self, data: Any) -> int:
         view = memoryview(data)
@@ -185,7 +189,10 @@ class CheckpointWriter:
     def write(self, name: str, obj: Any) -> None:
         with self.fs.open(_join(self.fs, self.staging, name), "wb") as f:
             out = _HashingWriter(f)
-            torch.save(obj, out)  # streamed: no in-memory copy of the whole file
+            # streamed (no in-memory copy of the whole file); torch's many small records are gathered
+            # into 64 KiB writes, large tensors pass straight through
+            with io.BufferedWriter(out, 1 << 16) as buffered:
+                torch.save(obj, buffered)
         self.checksums[name] = out.hexdigest()
 
     def commit(self, checksums: Dict[str, str], meta: Optional[Dict[str, Any]] = None) -> None:
