@@ -274,11 +274,12 @@ class Accelerator(ProcessControl):
         placement = list(device_placement) if device_placement is not None else [self.device_placement] * len(args)
         if len(placement) != len(args):
             raise ValueError(f"device_placement has {len(placement)} entries for {len(args)} objects to prepare.")
-        if self.strategy.requires_joint_setup:
+        joint = self.strategy.requires_joint_setup and any(isinstance(a, nn.Module) for a in args)
+        if joint:  # (a later prepare() of loaders or schedulers alone takes the usual path)
             args = self._joint_setup(args)
         result: List[Any] = []
         for obj, place in zip(args, placement):
-            if isinstance(obj, nn.Module) and obj not in self._models and not self.strategy.requires_joint_setup:
+            if isinstance(obj, nn.Module) and obj not in self._models and not joint:
                 result.append(self.prepare_model(obj, device_placement=place))
             elif isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, AcceleratedOptimizer):
                 result.append(self.prepare_optimizer(obj))
@@ -412,11 +413,14 @@ class Accelerator(ProcessControl):
         """One micro-step: gradients sync (and the optimizer steps) only every N-th time, and at the
         last batch of the dataloader."""
         self._do_sync()
+        strategy = self.strategy
         with contextlib.ExitStack() as stack:
-            # sync_each_batch all-reduces every micro-step (saves memory) but still steps every N
-            if not (self.gradient_state.sync_gradients or self.gradient_accumulation_plugin.sync_each_batch):
-                for m in models:
-                    stack.enter_context(self.strategy.no_backward_sync(m))
+            # sync_each_batch all-reduces every micro-step (saves memory) but still steps every N; an engine
+            # that owns the model (DeepSpeed) must always hear that a micro-step does not end the window.
+            each = self.gradient_accumulation_plugin.sync_each_batch and not strategy.requires_joint_setup
+            if not (self.gradient_state.sync_gradients or each):
+                for m in models or (self._models if strategy.requires_joint_setup else ()):
+                    stack.enter_context(strategy.no_backward_sync(m))
             yield
 
     @contextlib.contextmanager

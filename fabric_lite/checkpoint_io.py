@@ -232,6 +232,11 @@ def _recover(fs: Any, path: str) -> None:
         _move_dir(fs, old[0], target)
 
 
+def _plain_name(name: Any) -> bool:
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and "\0" not in name)
+
+
 def read_manifest(url: str, storage_options: Optional[dict] = None) -> Dict[str, Any]:
     fs, path = _fs(url, storage_options)
     if not fs.exists(path):
@@ -246,6 +251,10 @@ def read_manifest(url: str, storage_options: Optional[dict] = None) -> Dict[str,
         raise CheckpointError(f"No checkpoint at {url}.")
     with fs.open(manifest_path, "r") as f:
         manifest = json.load(f)
+    bad = [n for n in manifest.get("files", {}) if not _plain_name(n)]
+    if bad:  # a name like "../x" or "/abs" would make loading read, or consolidation write, outside it
+        raise CheckpointError(f"{url}/{MANIFEST} lists file names that are not plain names: {bad[:5]}. "
+                              f"It is damaged or was not written by fabric_lite; nothing was read.")
     version = manifest.get("format_version")
     if version != FORMAT_VERSION:
         raise CheckpointError(

@@ -6,7 +6,7 @@ writes (every `log_every_n_steps`) or at an epoch end.
 
 from __future__ import annotations
 
-import zlib
+import hashlib
 
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -208,7 +208,8 @@ class MetricStore:
             return
         # One tiny all-reduce compares a fingerprint of each process's names (max and -min at once);
         # only when they differ are the names themselves gathered, to say which process logged what.
-        fingerprint = zlib.crc32("\0".join(sorted(names)).encode())
+        digest = hashlib.blake2b("\0".join(sorted(names)).encode(), digest_size=8).digest()
+        fingerprint = int.from_bytes(digest, "little") >> 1  # 63 bits: -fingerprint fits an int64 too
         spread = self.strategy.all_reduce(
             torch.tensor([fingerprint, -fingerprint], dtype=torch.long, device=self.strategy.root_device), "max")
         highest, minus_lowest = spread.tolist()

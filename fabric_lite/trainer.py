@@ -340,8 +340,10 @@ class Trainer:
         return [self._prepare_eval_loader(d) for d in _as_list(loaders)]
 
     def _prepare_eval_loader(self, loader: Any) -> Any:
-        # Every sample exactly once (no even-batch padding), so metrics over the whole set are exact.
-        return self.accelerator.prepare_data_loader(loader, even_batches=False)
+        # Every sample exactly once (no even-batch padding), so metrics over the whole set are exact;
+        # unless each forward is a collective (ZeRO-3), where a process that ran out would hang the rest:
+        # then the last step is padded as in training, and its repeated samples count in epoch means.
+        return self.accelerator.prepare_data_loader(loader, even_batches=self.strategy.forward_is_collective)
 
     # -- plumbing ----------------------------------------------------------------------------------
     def _loaders(self, module: TrainModule, datamodule: Optional[DataModule], stage: str, first: Any,

@@ -174,6 +174,10 @@ def test_lone_process_bf16_trainer_and_errors(tmp_path):
     assert {w.dtype for w in weights.values()} == {torch.float32}
     (warning,) = [w for w in result["mid_window_warnings"] if "accumulation window" in w]
     assert "partial gradients" in warning and "Save after an optimizer step" in warning
+    assert result["second_prepare_batches"] == 32
+    assert "already drives a model" in result["second_model"]
+    assert "does not fit this model" in result["strict_false_other_model"] and "even with strict=False" in result[
+        "strict_false_other_model"]
 
 
 # -- bad input, caught before any engine starts ----------------------------------------------------------
@@ -300,3 +304,67 @@ def test_launch_refuses_an_unknown_strategy_listing_the_known_ones(tmp_path):
                         "train.py"], timeout=60, env={"FABRIC_LITE_CONFIG_DIR": str(tmp_path)})
     assert proc.returncode == 2
     assert "invalid choice: 'deepspeed_stage_4'" in proc.stderr and "deepspeed_stage_3_offload" in proc.stderr
+
+
+# -- found in review: each a real scenario ---------------------------------------------------------------
+
+@pytest.mark.slow
+def test_zero3_trainer_with_uneven_validation_batches_does_not_hang(tmp_path):
+    # 297 validation samples in batches of 64: 5 batches, 3 for rank 0 and 2 for rank 1 unless padded. At
+    # ZeRO-3 each forward gathers parameters from every process, so the ranks must run as many.
+    proc = run_command([sys.executable, "-m", "fabric_lite.cli", "launch", "--nproc-per-node", "2", "--strategy",
+                        "deepspeed_stage_3", "examples/trainer_digits.py", "--epochs", "2", "--root", str(tmp_path)],
+                       timeout=240, env={"FABRIC_LITE_CONFIG_DIR": str(tmp_path / "no-config")})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "val/acc" in proc.stdout + proc.stderr
+
+
+def test_fp16_leaves_loss_scaling_to_the_engine():
+    strategy = configured(DeepSpeedStrategy(stage=2), "16-mixed")
+    assert strategy.precision.scaler is None  # torch's GradScaler would try to unscale the engine's optimizer
+    assert strategy.precision.name == "16-mixed"
+
+
+def test_clipping_reaches_the_optimizer_that_took_its_value_back_from_a_checkpoint():
+    from types import SimpleNamespace
+
+    strategy = DeepSpeedStrategy(stage=2)
+    strategy.engine = SimpleNamespace(_config=SimpleNamespace(gradient_clipping=1.0),
+                                      optimizer=SimpleNamespace(clip_grad=0.0))  # as restored from a checkpoint
+    assert strategy.clip_gradients_norm([], None, 1.0) is None
+    assert strategy.engine.optimizer.clip_grad == 1.0 and strategy.engine._config.gradient_clipping == 1.0
+
+
+def test_auto_values_of_a_hugging_face_style_config_are_filled_by_the_door():
+    user = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto", "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 3,
+                                                                                             "reduce_bucket_size": "auto"}}
+    strategy = configured(DeepSpeedStrategy(config=user), "bf16-mixed")
+    strategy.set_run_hints(micro_batch_size=16, accumulation_steps=2, gradient_clip_val=0.5)
+    config = strategy.build_config()
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (16, 2)
+    assert config["gradient_clipping"] == 0.5 and config["bf16"] == {"enabled": True}
+    assert config["zero_optimization"]["stage"] == 3 and "reduce_bucket_size" not in config["zero_optimization"]
+
+
+def test_a_manifest_naming_a_file_outside_the_checkpoint_is_refused(tmp_path):
+    from fabric_lite import Accelerator
+    from fabric_lite.checkpoint_io import CheckpointError
+
+    acc = Accelerator()
+    model = torch.nn.Linear(2, 1)
+    acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    url = acc.save_state(str(tmp_path / "ckpt"))
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
+    for name in ("../victim.txt", str(victim), "deepspeed_" + str(victim)):
+        manifest["files"] = {**{k: v for k, v in manifest["files"].items() if "victim" not in k}, name: "00000000"}
+        (tmp_path / "ckpt" / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(CheckpointError, match="not plain names"):
+            acc.load_state(url)
+        with pytest.raises(CheckpointError, match="not plain names"):
+            from fabric_lite.state_io import export_weights
+
+            export_weights(url, tmp_path / "out.pt")
+    assert victim.read_text() == "keep me"

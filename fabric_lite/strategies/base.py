@@ -38,6 +38,9 @@ class Strategy:
     #: The name of an engine that saves model and optimizer state in its own per-rank files (written by
     #: `save_engine_state`, read by `read_engine_state`), or None: the doors save state dicts.
     checkpoint_engine: ClassVar[Optional[str]] = None
+    #: Every forward is a collective (ZeRO-3 gathers parameters): evaluation must give every process
+    #: the same number of batches, padding included.
+    forward_is_collective: bool = False
 
     def __init__(self) -> None:
         self.process = ProcessInfo()

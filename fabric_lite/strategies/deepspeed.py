@@ -36,11 +36,25 @@ def _require_deepspeed(name: str) -> None:
         raise ImportError(f"strategy {name!r} needs the deepspeed package, which is not installed. Run: {INSTALL_HINT}")
 
 
+def _without_auto(config: Dict[str, Any]) -> Dict[str, Any]:
+    """Hugging Face style configs say "auto" where the framework should fill a value in: leave those out."""
+    return {k: _without_auto(v) if isinstance(v, dict) else v for k, v in config.items() if v != "auto"}
+
+
+def _merged(ours: Dict[str, Any], theirs: Dict[str, Any]) -> Dict[str, Any]:
+    """`theirs` over `ours`, section by section (a user's {"bf16": {"loss_scale": 0}} keeps our "enabled")."""
+    out = copy.deepcopy(ours)
+    for key, value in theirs.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merged(out[key], value) if both else copy.deepcopy(value)
+    return out
+
+
 def _read_config(config: Union[None, dict, str, os.PathLike]) -> Dict[str, Any]:
     if config is None:
         return {}
     if isinstance(config, dict):
-        return copy.deepcopy(config)
+        return _without_auto(copy.deepcopy(config))
     path = os.fspath(config)
     if not os.path.isfile(path):
         raise ValueError(f"DeepSpeed config {path!r} does not exist. Pass a dict or the path of a JSON file.")
@@ -52,7 +66,7 @@ def _read_config(config: Union[None, dict, str, os.PathLike]) -> Dict[str, Any]:
         raise ValueError(f"DeepSpeed config {path} is not valid JSON: {err}. Fix the file or pass a dict.") from None
     if not isinstance(parsed, dict):
         raise ValueError(f"DeepSpeed config {path} holds a {type(parsed).__name__}, not a JSON object.")
-    return parsed
+    return _without_auto(parsed)
 
 
 class DeepSpeedStrategy(DDPStrategy):
@@ -95,6 +109,8 @@ class DeepSpeedStrategy(DDPStrategy):
         if offload_optimizer and stage == 0:
             raise ValueError("offload_optimizer=True needs ZeRO stage 1, 2 or 3; stage=0 keeps the optimizer whole.")
         self.stage = stage
+        # ZeRO-3 gathers parameters inside every forward: all processes must run the same number of them.
+        self.forward_is_collective = stage == 3
         self.offload_optimizer = offload_optimizer
         self.offload_parameters = offload_parameters
         self.user_config = user
@@ -142,12 +158,7 @@ class DeepSpeedStrategy(DDPStrategy):
                 ours["fp16"].update(loss_scale=0, initial_scale_power=16)  # dynamic, as torch's GradScaler
         user = self.user_config
         self._check_agreement(ours, user, precision)
-        config = copy.deepcopy(ours)
-        for key, value in user.items():
-            if key == "zero_optimization" and isinstance(value, dict):
-                config["zero_optimization"] = {**zero, **value}
-            else:
-                config[key] = copy.deepcopy(value)
+        config = _merged(ours, user)
         # The door decides these; the user's config may only repeat them (checked above).
         config.pop("train_batch_size", None)
         return config
@@ -177,9 +188,9 @@ class DeepSpeedStrategy(DDPStrategy):
         if clip is not None and self.gradient_clip_val is not None and float(clip) != float(self.gradient_clip_val):
             raise clash("gradient_clipping", clip, self.gradient_clip_val, "gradient_clip_val")
         for key in ("fp16", "bf16"):
-            enabled = bool(user.get(key, {}).get("enabled", False)) if isinstance(user.get(key), dict) else False
-            if key in user and enabled != (precision == key):
-                raise clash(f"{key}.enabled", enabled, self.precision.name, "precision")
+            section = user.get(key)
+            if isinstance(section, dict) and "enabled" in section and bool(section["enabled"]) != (precision == key):
+                raise clash(f"{key}.enabled", bool(section["enabled"]), self.precision.name, "precision")
         stage = user.get("zero_optimization", {}).get("stage")
         if stage is not None and stage != self.stage:
             raise clash("zero_optimization.stage", stage, self.stage, "the strategy")
@@ -202,6 +213,12 @@ class DeepSpeedStrategy(DDPStrategy):
             )
 
     # -- set-up -------------------------------------------------------------------------------------
+    def configure(self, process: Any, root_device: torch.device, precision: Any) -> None:
+        super().configure(process, root_device, precision)
+        # The engine scales fp16 losses itself: torch's GradScaler must neither unscale its optimizer nor
+        # show up as `accelerator.scaler`.
+        self.precision.scaler = None
+
     def setup_environment(self) -> None:
         import torch.distributed as dist
 
@@ -234,6 +251,12 @@ class DeepSpeedStrategy(DDPStrategy):
         if len(optimizers) > 1:
             raise ValueError(f"DeepSpeed drives one optimizer per model; got {len(optimizers)}. Put the parameter "
                              f"groups into one optimizer.")
+        if self.engine is not None:
+            raise RuntimeError(
+                "This DeepSpeed strategy already drives a model: its backward and step act on that engine. "
+                "Prepare one model (with its optimizer) per Accelerator or Trainer; for a second model, or a "
+                "second fit(), create a new one."
+            )
         self._check_device_support()
         self.config = self.build_config()
         self._dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(_DS_PRECISION[self.precision.name] or "")
@@ -295,11 +318,12 @@ class DeepSpeedStrategy(DDPStrategy):
         """The engine clips inside its step; this sets its limit. The norm is not known yet: returns None."""
         if norm_type != 2.0:
             raise ValueError(f"DeepSpeed clips the 2-norm only; norm_type={norm_type} is not available.")
-        engine = self.engine
-        if float(engine._config.gradient_clipping) != float(max_norm):
-            engine._config.gradient_clipping = float(max_norm)
-            if hasattr(engine.optimizer, "clip_grad"):
-                engine.optimizer.clip_grad = float(max_norm)
+        engine, max_norm = self.engine, float(max_norm)
+        # Also the optimizer's own copy: ZeRO and the 16-bit optimizers take it back from a checkpoint.
+        if float(engine._config.gradient_clipping) != max_norm:
+            engine._config.gradient_clipping = max_norm
+        if getattr(engine.optimizer, "clip_grad", max_norm) != max_norm:
+            engine.optimizer.clip_grad = max_norm
         return None
 
     def clip_gradients_value(self, parameters: Iterable[torch.Tensor], optimizer: Any, clip_value: float) -> None:

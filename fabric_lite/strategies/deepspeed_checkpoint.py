@@ -113,9 +113,21 @@ def _shadow_directory(manifest: Dict[str, Any]) -> Any:
 def save_engine_state(strategy: "DeepSpeedStrategy", writer: CheckpointWriter) -> None:
     """Every rank: the engine writes its files (module states, this rank's ZeRO partition) through `writer`."""
     engine = strategy.engine
-    adapter = _adapter(save=lambda name, obj: writer.write(PREFIX + name, obj))
-    with _engine_io(engine, adapter):
+    failures: List[BaseException] = []
+
+    def save(name: str, obj: Any) -> None:
+        # A failed write must not leave this rank out of the engine's barriers (the others would wait
+        # there for ever): note it, let the engine finish, and raise after; save_state then reports
+        # every rank's failure together.
+        try:
+            writer.write(PREFIX + name, obj)
+        except Exception as err:
+            failures.append(err)
+
+    with _engine_io(engine, _adapter(save=save)):
         engine.save_checkpoint(_ROOT, tag=_TAG, client_state={}, save_latest=False)
+    if failures:
+        raise failures[0]
 
 
 def _module_keys(state: Dict[str, Any]) -> List[str]:
@@ -148,17 +160,20 @@ def read_engine_state(strategy: "DeepSpeedStrategy", url: str, manifest: Dict[st
     own = [os.path.basename(p) for p in _own_files(engine, manifest)]
     for name in own:
         load(name)
-    if strict:
-        current = set(engine.module.state_dict())
-        for name in own:
-            if name.endswith("_model_states.pt"):
-                saved = set(_module_keys(cache[name]))
-                missing, unexpected = sorted(current - saved), sorted(saved - current)
-                if missing or unexpected:
-                    raise CheckpointError(
-                        f"{url}/{PREFIX}{name} does not fit this model: missing keys: {missing[:10] or 'none'}; "
-                        f"unexpected keys: {unexpected[:10] or 'none'}. Nothing was loaded."
-                    )
+    # Checked with strict=False too: ZeRO restores its optimizer partitions by position, so a model with
+    # other parameters would be half loaded, or silently loaded into the wrong places.
+    current = set(engine.module.state_dict())
+    for name in own:
+        if name.endswith("_model_states.pt"):
+            saved = set(_module_keys(cache[name]))
+            missing, unexpected = sorted(current - saved), sorted(saved - current)
+            if missing or unexpected:
+                raise CheckpointError(
+                    f"{url}/{PREFIX}{name} does not fit this model: missing keys: {missing[:10] or 'none'}; "
+                    f"unexpected keys: {unexpected[:10] or 'none'}. Nothing was loaded. A DeepSpeed checkpoint "
+                    f"resumes the same model only (even with strict=False); to start another model from its "
+                    f"weights, consolidate it (`fabric-lite consolidate`) and load_state_dict(..., strict=False)."
+                )
 
     def apply() -> None:
         with _shadow_directory(manifest) as root, _engine_io(engine, _adapter(load=load)):

@@ -108,4 +108,18 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     mid.save_state(f"{args.root}/mid-window")
 result["mid_window_warnings"] = [str(w.message) for w in caught]
+# prepare() again with a loader only (Accelerate scripts do); a second model is refused; a checkpoint of
+# another model is refused even with strict=False (ZeRO restores its partitions by position)
+extra = mid.prepare(DataLoader(data, batch_size=4))
+result["second_prepare_batches"] = len(extra)
+other = torch.nn.Linear(4, 2)
+result["second_model"] = None
+try:
+    mid.prepare(other, torch.optim.SGD(other.parameters(), lr=0.1))
+except RuntimeError as err:
+    result["second_model"] = str(err)
+changed = Accelerator(strategy="deepspeed_stage_2")
+wide = torch.nn.Sequential(torch.nn.Linear(4, 1), torch.nn.Linear(1, 1))
+changed.prepare(wide, torch.optim.SGD(wide.parameters(), lr=0.1), DataLoader(data, batch_size=8))
+result["strict_false_other_model"] = error_of(lambda: changed.load_state(f"{args.root}/mid-window", strict=False))
 write_result(args.out, 0, result)
