@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Accelerator": "fabric_lite.accelerator",
-    "DistributedType": "fabric_lite.accelerator",
+    "DistributedType": "fabric_lite.configs",
     "notebook_launcher": "fabric_lite.launch",
     "set_seed": "fabric_lite.seed",
     "seed_everything": "fabric_lite.seed",

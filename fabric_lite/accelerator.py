@@ -17,8 +17,8 @@ from torch.utils.data import DataLoader
 
 from fabric_lite import state_io
 from fabric_lite.configs import (
-    DataLoaderConfiguration, DeepSpeedPlugin, DistributedDataParallelKwargs, GradientAccumulationPlugin, GradScalerKwargs,
-    InitProcessGroupKwargs, KwargsHandler, ProjectConfiguration,
+    DataLoaderConfiguration, DeepSpeedPlugin, DistributedDataParallelKwargs, DistributedType,
+    GradientAccumulationPlugin, GradScalerKwargs, InitProcessGroupKwargs, KwargsHandler, ProjectConfiguration,
 )
 from fabric_lite.connector import connect
 from fabric_lite.data import DataLoaderShard, GradientState, shard_dataloader, skip_first_batches
@@ -30,20 +30,6 @@ from fabric_lite.strategies import Strategy
 from fabric_lite.tracking import GeneralTracker, make_trackers
 
 __all__ = ["Accelerator", "DistributedType"]
-
-
-class DistributedType:
-    """Accelerate's names for the kind of run, as plain strings (compare with ==)."""
-
-    NO = "NO"
-    MULTI_CPU = "MULTI_CPU"
-    MULTI_GPU = "MULTI_GPU"
-    MULTI_XPU = "MULTI_XPU"
-    MULTI_NPU = "MULTI_NPU"
-    MULTI_MLU = "MULTI_MLU"
-    FSDP = "FSDP"
-    DEEPSPEED = "DEEPSPEED"
-    XLA = "XLA"
 
 
 def _is_scheduler(obj: Any) -> bool:

@@ -9,6 +9,7 @@ from typing import Any, Dict, Optional, Union
 __all__ = [
     "KwargsHandler", "DistributedDataParallelKwargs", "GradScalerKwargs", "InitProcessGroupKwargs",
     "DataLoaderConfiguration", "ProjectConfiguration", "GradientAccumulationPlugin", "DeepSpeedPlugin",
+    "DistributedType",
 ]
 
 
@@ -116,3 +117,17 @@ class DeepSpeedPlugin:
                                      offload_parameters=self.offload_param_device == "cpu")
         strategy.gradient_clip_val = self.gradient_clipping
         return strategy
+
+
+class DistributedType:
+    """Accelerate's names for the kind of run, as plain strings (compare with ==)."""
+
+    NO = "NO"
+    MULTI_CPU = "MULTI_CPU"
+    MULTI_GPU = "MULTI_GPU"
+    MULTI_XPU = "MULTI_XPU"
+    MULTI_NPU = "MULTI_NPU"
+    MULTI_MLU = "MULTI_MLU"
+    FSDP = "FSDP"
+    DEEPSPEED = "DEEPSPEED"
+    XLA = "XLA"

@@ -6,7 +6,7 @@ from fabric_lite.configs import (  # noqa: F401
 )
 from fabric_lite.data import skip_first_batches  # noqa: F401
 from fabric_lite.seed import set_seed  # noqa: F401
-from fabric_lite.accelerator import DistributedType  # noqa: F401
+from fabric_lite.configs import DistributedType  # noqa: F401
 
 __all__ = [
     "DataLoaderConfiguration", "DistributedDataParallelKwargs", "GradientAccumulationPlugin", "GradScalerKwargs",
