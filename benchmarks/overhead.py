@@ -136,11 +136,14 @@ def raw_loop(spec: Spec, data: Tuple[torch.Tensor, torch.Tensor], ddp: bool,
     return run, len(loader)
 
 
-def framework_loop(spec: Spec, data: Tuple[torch.Tensor, torch.Tensor], ddp: bool) -> Tuple[Runner, int]:
-    """The same loop through the Accelerator: prepare(model, optimizer, loader) and backward(loss)."""
+def framework_loop(spec: Spec, data: Tuple[torch.Tensor, torch.Tensor], ddp: bool,
+                   device: Optional[torch.device] = None) -> Tuple[Runner, int]:
+    """The same loop through the Accelerator: prepare(model, optimizer, loader) and backward(loss).
+
+    On the CPU unless `device` is a GPU, like the raw loop (the Accelerator alone would pick a GPU)."""
     from fabric_lite import Accelerator
 
-    accelerator = Accelerator()
+    accelerator = Accelerator(cpu=device is None or device.type == "cpu")
     torch.manual_seed(0)
     model = build_mlp(spec.sizes)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -236,6 +239,8 @@ def fmt_s(x: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where both loops train (default cpu; cuda: one process only)")
     parser.add_argument("--ddp", action="store_true",
                         help="2-process run; start with torchrun --nproc-per-node 2 (gloo on CPU)")
     parser.add_argument("--quick", action="store_true", help="a few steps only: checks that the script works")
@@ -252,6 +257,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25, help="rows in the --profile-diff listing")
     parser.add_argument("--json", type=Path, help="also write the figures to this file (rank 0)")
     args = parser.parse_args()
+    if args.device == "cuda" and (args.ddp or not torch.cuda.is_available()):
+        parser.error("--device cuda needs a visible GPU and one process (the DDP set-up here is gloo on the CPU)")
 
     if args.ddp:
         if "WORLD_SIZE" not in os.environ:
@@ -292,8 +299,9 @@ def main() -> None:
         if args.warmup is not None:
             spec.warmup = args.warmup
         data = synthetic_data(spec)
-        raw_run, raw_epoch = raw_loop(spec, data, args.ddp)
-        fw_run, fw_epoch = framework_loop(spec, data, args.ddp)
+        device = torch.device(args.device)
+        raw_run, raw_epoch = raw_loop(spec, data, args.ddp, device)
+        fw_run, fw_epoch = framework_loop(spec, data, args.ddp, device)
         if raw_epoch != fw_epoch:
             raise RuntimeError(f"{mode}: loaders differ in length ({raw_epoch} vs {fw_epoch} batches per epoch)")
         loops = {RAW: raw_run, FRAMEWORK: fw_run}

@@ -68,8 +68,10 @@ class TinyModule(TrainModule):
 def trainer_loop(spec, data, full: bool, root: str, expect_ddp: bool = False) -> Callable[[int], None]:
     def run(n: int) -> None:
         callbacks = [TensorBoardLogger(root, name="tb"), ModelCheckpoint(dirpath=f"{root}/ckpt", save_top_k=1)] if full else []
-        trainer = Trainer(max_steps=n, enable_progress_bar=full, enable_checkpointing=full, callbacks=callbacks,
-                          log_every_n_steps=50 if full else 10**9, num_sanity_val_steps=0, default_root_dir=root)
+        # on the CPU, as the raw loop it is compared with (the Trainer alone would pick a GPU)
+        trainer = Trainer(max_steps=n, accelerator="cpu", enable_progress_bar=full, enable_checkpointing=full,
+                          callbacks=callbacks, log_every_n_steps=50 if full else 10**9, num_sanity_val_steps=0,
+                          default_root_dir=root)
         loader = DataLoader(TensorDataset(*data), batch_size=spec.batch, shuffle=True)
         with open(os.devnull, "w") as sink, contextlib.redirect_stderr(sink):
             trainer.fit(TinyModule(spec.sizes), loader)
