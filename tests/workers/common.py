@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, TensorDataset
 
 
 def parse(extra=None):
@@ -42,3 +42,11 @@ def make_model(seed=0, dim=4):
 
 def flat_weights(model):
     return torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+
+
+def regression_data(n, seed=0):
+    """y = x·w + noise for 4 features: the resume workers' data (the same samples in every worker)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g)
+    w = torch.tensor([[1.5], [-2.0], [0.5], [3.0]])
+    return TensorDataset(x, x @ w + 0.1 * torch.randn(n, 1, generator=g))

@@ -25,22 +25,15 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
-from common import parse, write_result
+from common import parse, regression_data, write_result
 from fabric_lite import Trainer, TrainModule, set_seed
 from fabric_lite.callbacks import Callback, ModelCheckpoint
 
 args = parse({"--root": {"required": True}, "--events": {"default": "2"}, "--trials": {"default": "all"},
               "--parallel": {"type": int, "default": 2}})
 WATCHED = {int(e) for e in args.events.split(",")}
-
-
-def regression_data(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 4, generator=g)
-    w = torch.tensor([[1.5], [-2.0], [0.5], [3.0]])
-    return TensorDataset(x, x @ w + 0.1 * torch.randn(n, 1, generator=g))
 
 
 class Dropout(TrainModule):

@@ -20,9 +20,9 @@ import fsspec
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
-from common import parse, write_result
+from common import parse, regression_data, write_result
 from fabric_lite import EXIT_PREEMPTED, Accelerator, ProjectConfiguration, set_seed
 
 args = parse({
@@ -36,13 +36,6 @@ args = parse({
     "--preempt": {"action": "store_true"},
     "--strategy": {"default": "auto"},
 })
-
-
-def regression_data(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 4, generator=g)
-    w = torch.tensor([[1.5], [-2.0], [0.5], [3.0]])
-    return TensorDataset(x, x @ w + 0.1 * torch.randn(n, 1, generator=g))
 
 
 class Counter:
