@@ -91,12 +91,12 @@ def child(loop: str, model: str, steps: int, quick: bool, cpu: bool) -> None:
             run, _ = raw_loop(spec, data, ddp=False, device=device)
             run(steps)
         elif loop == "accelerator":
-            run, _ = framework_loop(spec, data, ddp=False)
+            run, _ = framework_loop(spec, data, ddp=False, device=device)
             run(steps)
         elif loop == "trainer":
             from trainer_overhead import trainer_loop
 
-            trainer_loop(spec, data, full=False, root=root)(steps)  # one fit of `steps` steps
+            trainer_loop(spec, data, full=False, root=root, device=device)(steps)  # one fit of `steps` steps
         else:
             raise SystemExit(f"unknown loop {loop!r}")
         if cuda:

@@ -27,7 +27,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -65,11 +65,12 @@ class TinyModule(TrainModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-def trainer_loop(spec, data, full: bool, root: str, expect_ddp: bool = False) -> Callable[[int], None]:
+def trainer_loop(spec, data, full: bool, root: str, expect_ddp: bool = False,
+                 device: Optional[torch.device] = None) -> Callable[[int], None]:
     def run(n: int) -> None:
         callbacks = [TensorBoardLogger(root, name="tb"), ModelCheckpoint(dirpath=f"{root}/ckpt", save_top_k=1)] if full else []
-        # on the CPU, as the raw loop it is compared with (the Trainer alone would pick a GPU)
-        trainer = Trainer(max_steps=n, accelerator="cpu", enable_progress_bar=full, enable_checkpointing=full,
+        # on the raw loop's device, the CPU by default (the Trainer alone would pick a GPU)
+        trainer = Trainer(max_steps=n, accelerator=device.type if device is not None else "cpu", enable_progress_bar=full, enable_checkpointing=full,
                           callbacks=callbacks, log_every_n_steps=50 if full else 10**9, num_sanity_val_steps=0,
                           default_root_dir=root)
         loader = DataLoader(TensorDataset(*data), batch_size=spec.batch, shuffle=True)

@@ -40,6 +40,74 @@ def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False)
     return tree_map(lambda t: t.to(device, non_blocking=non_blocking), batch, other)
 
 
+class _CudaFeed:
+    """Copies batches to a GPU on a side stream, so batch k+1 travels while step k's kernels run.
+
+    The copy is `non_blocking` (asynchronous from pinned memory), so the host does not wait for the
+    kernels queued before it, as a plain `.to(device)` does. The step's stream waits for the copy on
+    the GPU (an event), and each moved tensor is marked as used by that stream, so the allocator does
+    not hand its memory to the next copy too early. The host waits for copy k only before the loader
+    builds batch k+1 (`wait_host`): a loader may refill the host memory that copy k reads from.
+    Batches holding CUDA tensors already, or objects with their own `.to`, are moved on the step's
+    stream as before.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.event = torch.cuda.Event()
+        self.pending = False
+
+    def wait_host(self) -> None:
+        if self.pending:
+            self.event.synchronize()
+            self.pending = False
+
+    def __call__(self, batch: Any) -> Any:
+        kind = type(batch)
+        leaves: Any = None
+        if kind is torch.Tensor:
+            leaves = (batch,)
+        elif kind is tuple or kind is list:  # the common case: tensors side by side, no tree walk
+            leaves = batch
+            for t in batch:
+                if type(t) is not torch.Tensor:
+                    leaves = kind = None
+                    break
+        if leaves is None:
+            found: List[Any] = []
+
+            def other(obj: Any) -> Any:
+                if callable(getattr(obj, "to", None)) and not isinstance(obj, (str, bytes, type)):
+                    found.append(None)  # an object with its own `.to`: the plain path
+                return obj
+
+            tree_map(found.append, batch, other)
+            leaves = found
+        for t in leaves:
+            if t is None or t.is_cuda:
+                return move_to_device(batch, self.device)
+        if not leaves:
+            return batch
+        step_stream = torch.cuda.current_stream(self.device)
+        torch.cuda.set_stream(self.stream)
+        try:
+            moved = move_to_device(batch, self.device, non_blocking=True)
+        finally:
+            torch.cuda.set_stream(step_stream)
+        self.event.record(self.stream)
+        step_stream.wait_event(self.event)
+        self.pending = True
+        if kind is torch.Tensor:
+            moved.record_stream(step_stream)
+        elif kind is tuple or kind is list:
+            for t in moved:
+                t.record_stream(step_stream)
+        else:
+            tree_map(lambda t: t.record_stream(step_stream), moved)
+        return moved
+
+
 @dataclass
 class GradientState:
     """Per-Accelerator facts the step needs: sync now? is the active loader at its last batch?"""
@@ -358,6 +426,7 @@ class DataLoaderShard(DataLoader):
         self._at_last = False
         state._enter(self)
         device, convert, non_blocking = self.device, self._convert, self._non_blocking
+        feed = self._cuda_feed() if device is not None and device.type == "cuda" else None
         try:
             iterator = super().__iter__()
             if self._batch_sampler is not None:
@@ -370,7 +439,9 @@ class DataLoaderShard(DataLoader):
                 # the global RNG (random transforms in __getitem__) out of order, and a resumed run
                 # would not repeat it.
                 for current in iterator:
-                    if device is not None:
+                    if feed is not None:
+                        current = feed(current)
+                    elif device is not None:
                         current = move_to_device(current, device, non_blocking)
                     if convert is not None:
                         current = convert(current)
@@ -380,11 +451,17 @@ class DataLoaderShard(DataLoader):
                         state._mark_last()
                     pos.batches_seen += 1
                     yield current
+                    if feed is not None:
+                        feed.wait_host()  # before the loader builds the next batch
             else:
                 sentinel = object()
                 current = next(iterator, sentinel)
                 while current is not sentinel:
-                    if device is not None:
+                    if feed is not None:
+                        current = feed(current)
+                        if self.num_workers == 0:  # (workers hand over fresh memory every batch)
+                            feed.wait_host()
+                    elif device is not None:
                         current = move_to_device(current, device, non_blocking)
                     if convert is not None:
                         current = convert(current)
@@ -400,6 +477,12 @@ class DataLoaderShard(DataLoader):
         finally:
             self._at_last = False
             state._leave(self)
+
+    def _cuda_feed(self) -> _CudaFeed:
+        feed = self.__dict__.get("_feed")
+        if feed is None or feed.device != self.device:
+            feed = self._feed = _CudaFeed(self.device)
+        return feed
 
     def _batches_left_without_look_ahead(self) -> Optional[int]:
         """Batches left in this epoch when that is known and loading happens in this process; else None

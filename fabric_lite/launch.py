@@ -69,6 +69,7 @@ def launch_command_parser() -> argparse.ArgumentParser:
     from torch.distributed.run import get_args_parser
 
     parser = get_args_parser()
+    parser.set_defaults(master_port=None)  # (older torch defaults to 29500: see _free_port_rendezvous)
     parser.prog = "fabric-lite launch"
     parser.description = (
         "Start a training script on one or many processes (a front over torch.distributed.run; all of its "
@@ -134,6 +135,15 @@ def _check_launch(args: argparse.Namespace) -> None:
                               f"free port, or leave --master-port out on a single machine (a free one is chosen).")
 
 
+def _free_port_rendezvous(args: argparse.Namespace) -> None:
+    """One machine and no port given: meet on a port the OS picks (c10d rendezvous at localhost:0).
+
+    torch >= 2.13 does this itself; older torch would take port 29500, or fail on a port of None."""
+    if args.master_port is None and args.rdzv_backend == "static" and not args.rdzv_endpoint \
+            and not args.standalone and int(str(args.nnodes).split(":")[-1]) == 1:
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+
+
 def _port_taken(addr: str, port: int) -> bool:
     """Whether a socket on this machine holds `port` at `addr` or on every interface (the store
     listens on all). An address of another machine (or one that does not resolve) is not checked."""
@@ -194,6 +204,7 @@ def launch_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None)
     suffix = f" (defaults from config file {config_path})" if config_path is not None else ""
     try:
         _check_launch(args)
+        _free_port_rendezvous(args)
         settings = _settings_env(args.mixed_precision, args.gradient_accumulation_steps, args.cpu)
     except ValueError as err:
         return _error(f"{err}{suffix}")

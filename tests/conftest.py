@@ -18,6 +18,16 @@ LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "FABRIC_LI
 
 
 @pytest.fixture(autouse=True)
+def _cpu_unless_a_cuda_test(request, monkeypatch):
+    """Every test trains on the CPU, as in CI, also on a machine with a GPU ("auto" would pick it);
+    tests/test_cuda.py (the `cuda` marker) is where the GPU paths are tested."""
+    if request.node.get_closest_marker("cuda") is None:
+        import torch
+
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.fixture(autouse=True)
 def _lone_process(monkeypatch, tmp_path_factory):
     for name in LAUNCH_ENV:
         monkeypatch.delenv(name, raising=False)
@@ -31,11 +41,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_command(cmd, timeout=180, env=None, cwd=None):
-    """Run a command with a hard timeout; a hang fails the test instead of blocking CI."""
+def run_command(cmd, timeout=180, env=None, cwd=None, gpus=False):
+    """Run a command with a hard timeout; a hang fails the test instead of blocking CI.
+
+    The child sees no GPU unless `gpus`: the multi-process tests are about gloo on CPUs, and on a
+    machine with one GPU their processes would otherwise pick it (and NCCL, one GPU per process)."""
     full_env = dict(os.environ)
     full_env.pop("WORLD_SIZE", None)
     full_env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    if not gpus:
+        full_env["CUDA_VISIBLE_DEVICES"] = ""
     full_env.update(env or {})
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or ROOT)

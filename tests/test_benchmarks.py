@@ -33,6 +33,7 @@ def run_quick(cmd, timeout=120):
     ("trainer_overhead.py", [], ["median s/step", "raw", "trainer bare", "trainer full", "set-up calls"]),
     ("memory.py", [], ["peak MB", "tiny   raw", "tiny   accelerator", "tiny   trainer bare", "target: peak RSS"]),
     ("checkpoint.py", ["--no-memory"], ["median MB/s", "save raw", "save fabric_lite", "load fabric_lite"]),
+    ("gpt_gpu.py", [], ["tokens/s", "raw ", "accelerator ", "trainer ", "calls/step"]),
 ])
 def test_quick_run_prints_its_table(script, extra, rows):
     out = run_quick([sys.executable, str(BENCH / script), "--quick", *extra])

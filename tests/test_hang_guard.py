@@ -1,6 +1,5 @@
 """The hang guard: a collective that one rank skips fails within the timeout and names that rank."""
 
-import types
 
 import pytest
 import torch

@@ -50,7 +50,7 @@ class Run:
         cmd += ["--out", str(self.out_dir), *map(str, args)]
         self.cmd = cmd
         env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
-        env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+        env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "",  # gloo on CPUs
                     # `fabric-lite launch` reads a user config file: never the developer's own
                     "FABRIC_LITE_CONFIG_DIR": str(self.out_dir / "no-fabric-lite-config")})
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

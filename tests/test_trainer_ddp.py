@@ -35,7 +35,7 @@ def launch(script, nproc, out_dir, *args, timeout=120):
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in _ENV}
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""})  # gloo on CPUs
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
            "127.0.0.1", "--master-port", str(free_port()), str(WORKERS / script), "--out", str(out_dir),
            *map(str, args)]

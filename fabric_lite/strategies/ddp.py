@@ -10,6 +10,7 @@ import contextlib
 import sys
 from typing import Any, ClassVar, ContextManager, Optional, Tuple
 
+import torch
 from torch import nn
 
 from fabric_lite.strategies.base import Strategy
@@ -72,6 +73,13 @@ class DDPStrategy(Strategy):
                 pass
             return
         p = self.process
+        if self.backend == "nccl" and p.local_world_size > torch.cuda.device_count():
+            visible = torch.cuda.device_count()
+            raise RuntimeError(
+                f"{p.local_world_size} processes were started on this node, but {visible} GPU(s) are visible: "
+                f"NCCL needs a GPU of its own for each process. Launch with --nproc-per-node {visible} (check "
+                f"CUDA_VISIBLE_DEVICES), or train on the CPU with accelerator='cpu' (gloo)."
+            )
         if p.master_port is None:
             raise RuntimeError(
                 f"strategy='ddp' with WORLD_SIZE={p.world_size} needs MASTER_ADDR and MASTER_PORT. Launch "
