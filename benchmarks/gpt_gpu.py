@@ -47,7 +47,9 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # Dense bf16 tensor-core peaks (no sparsity), FLOP/s, by a substring of torch.cuda.get_device_name().
-PEAK_BF16 = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362.05e12, "A10G": 70e12}
+# The first match wins, so the PCIe and NVL H100s come before the SXM one.
+PEAK_BF16 = {"H200": 989.4e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989.4e12, "A100": 312e12,
+             "L40S": 362.05e12, "A10G": 70e12}
 
 
 @dataclass
@@ -292,8 +294,10 @@ def main() -> None:
         for w in wanted:
             extra = (root,) if w == "trainer" else ()
             loops[w] = builders[w](c, args.batch, samples, device, args.compile, *extra)
-        per_token = flops_per_token(c, build(c, torch.device("cpu")))
-        params = sum(p.numel() for p in GPT(c).parameters())
+        with torch.device("meta"):  # shapes only: no memory, no draw from the global generator
+            shapes = GPT(c)
+        per_token = flops_per_token(c, shapes)
+        params = sum(p.numel() for p in shapes.parameters())
         sink = open(os.devnull, "w")
         with contextlib.redirect_stderr(sink):  # the Trainer's start-up lines
             for run in loops.values():

@@ -10,10 +10,11 @@ step, where `remainder` says how many of its samples are real.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
@@ -63,7 +64,7 @@ class _CudaFeed:
             self.event.synchronize()
             self.pending = False
 
-    def __call__(self, batch: Any) -> Any:
+    def __call__(self, batch: Any, non_blocking: bool = False) -> Any:
         kind = type(batch)
         leaves: Any = None
         if kind is torch.Tensor:
@@ -75,37 +76,58 @@ class _CudaFeed:
                     leaves = kind = None
                     break
         if leaves is None:
-            found: List[Any] = []
-
-            def other(obj: Any) -> Any:
-                if callable(getattr(obj, "to", None)) and not isinstance(obj, (str, bytes, type)):
-                    found.append(None)  # an object with its own `.to`: the plain path
-                return obj
-
-            tree_map(found.append, batch, other)
-            leaves = found
+            leaves, kind = _leaves(batch), None
         for t in leaves:
-            if t is None or t.is_cuda:
-                return move_to_device(batch, self.device)
+            # None: an object with its own `.to`; sparse and nested tensors have no `record_stream`
+            if t is None or t.is_cuda or t.layout is not torch.strided or t.is_nested:
+                return move_to_device(batch, self.device, non_blocking)
         if not leaves:
             return batch
-        step_stream = torch.cuda.current_stream(self.device)
+        device = self.device
+        step_stream = torch.cuda.current_stream(device)
         torch.cuda.set_stream(self.stream)
         try:
-            moved = move_to_device(batch, self.device, non_blocking=True)
+            if kind is torch.Tensor:
+                moved = batch.to(device, non_blocking=True)
+                moved_leaves: Any = (moved,)
+            elif kind is not None:
+                moved = moved_leaves = kind(t.to(device, non_blocking=True) for t in batch)
+            else:
+                moved_leaves = []
+
+                def move(t: torch.Tensor) -> torch.Tensor:
+                    t = t.to(device, non_blocking=True)
+                    moved_leaves.append(t)
+                    return t
+
+                moved = tree_map(move, batch)
         finally:
             torch.cuda.set_stream(step_stream)
         self.event.record(self.stream)
         step_stream.wait_event(self.event)
         self.pending = True
-        if kind is torch.Tensor:
-            moved.record_stream(step_stream)
-        elif kind is tuple or kind is list:
-            for t in moved:
-                t.record_stream(step_stream)
-        else:
-            tree_map(lambda t: t.record_stream(step_stream), moved)
+        for t in moved_leaves:
+            t.record_stream(step_stream)
         return moved
+
+
+def _leaves(batch: Any) -> List[Any]:
+    """The tensors of a nested batch, and None for each object with its own `.to` (nothing rebuilt)."""
+    found: List[Any] = []
+    stack = [batch]
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            found.append(obj)
+        elif isinstance(obj, (tuple, list)):
+            stack.extend(obj)
+        elif isinstance(obj, Mapping):
+            stack.extend(obj.values())
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            stack.extend(getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init)
+        elif callable(getattr(obj, "to", None)) and not isinstance(obj, (str, bytes, type)):
+            found.append(None)
+    return found
 
 
 @dataclass
@@ -440,7 +462,7 @@ class DataLoaderShard(DataLoader):
                 # would not repeat it.
                 for current in iterator:
                     if feed is not None:
-                        current = feed(current)
+                        current = feed(current, non_blocking)
                     elif device is not None:
                         current = move_to_device(current, device, non_blocking)
                     if convert is not None:
@@ -458,7 +480,7 @@ class DataLoaderShard(DataLoader):
                 current = next(iterator, sentinel)
                 while current is not sentinel:
                     if feed is not None:
-                        current = feed(current)
+                        current = feed(current, non_blocking)
                         if self.num_workers == 0:  # (workers hand over fresh memory every batch)
                             feed.wait_host()
                     elif device is not None:
@@ -475,6 +497,8 @@ class DataLoaderShard(DataLoader):
             pos.epoch += 1
             pos.batches_seen = 0
         finally:
+            if feed is not None:
+                feed.wait_host()  # (also when the loop was left early: the next iteration may reuse memory)
             self._at_last = False
             state._leave(self)
 

@@ -69,7 +69,9 @@ def launch_command_parser() -> argparse.ArgumentParser:
     from torch.distributed.run import get_args_parser
 
     parser = get_args_parser()
-    parser.set_defaults(master_port=None)  # (older torch defaults to 29500: see _free_port_rendezvous)
+    # No port given: None (then _free_port_rendezvous), as torch >= 2.13 does; older torch says 29500.
+    # torchrun's PET_MASTER_PORT still gives the default.
+    parser.set_defaults(master_port=os.environ.get("PET_MASTER_PORT"))
     parser.prog = "fabric-lite launch"
     parser.description = (
         "Start a training script on one or many processes (a front over torch.distributed.run; all of its "
@@ -142,6 +144,8 @@ def _free_port_rendezvous(args: argparse.Namespace) -> None:
     if args.master_port is None and args.rdzv_backend == "static" and not args.rdzv_endpoint \
             and not args.standalone and int(str(args.nnodes).split(":")[-1]) == 1:
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:  # several machines: torch's usual port
+        args.master_port = 29500
 
 
 def _port_taken(addr: str, port: int) -> bool:

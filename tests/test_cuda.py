@@ -78,6 +78,65 @@ def test_feed_keeps_batches_apart_while_the_gpu_lags():
     assert torch.equal(got, torch.arange(n, dtype=torch.float32) * width)
 
 
+def _lagging_reads(loader, lag_stream, n):
+    """Read every batch while `lag_stream` (the copy stream or the step stream) is held back."""
+    sums = []
+    for batch in loader:
+        if lag_stream == "step":
+            torch.cuda._sleep(2_000_000)
+        x = batch["x"] if isinstance(batch, dict) else batch
+        sums.append(x.sum())
+        del batch, x
+        if lag_stream == "copy":  # the next copy queues behind ~1 ms of GPU work
+            with torch.cuda.stream(loader._cuda_feed().stream):
+                torch.cuda._sleep(2_000_000)
+    return torch.stack(sums).cpu()
+
+
+@pytest.mark.parametrize("lag_stream", ["copy", "step"])
+@pytest.mark.parametrize("as_dict", [False, True])
+def test_each_batch_is_read_only_after_its_copy(lag_stream, as_dict):
+    """With the copy stream held back, a step that did not wait for its copy would read stale memory;
+    with the step stream held back, a copy into memory a queued kernel still reads would show."""
+    from fabric_lite import Accelerator
+
+    n, width = 16, 1 << 20
+    data = [torch.full((width,), float(i)) for i in range(n)]
+
+    def collate(items):
+        return {"x": items[0][None], "i": torch.tensor([0])} if as_dict else items[0][None]
+
+    acc = Accelerator()
+    loader = acc.prepare(DataLoader(data, batch_size=1, collate_fn=collate, pin_memory=True))
+    _lagging_reads(loader, lag_stream, n)  # warm the allocator (a first cudaMalloc waits for the device)
+    got = _lagging_reads(loader, lag_stream, n)
+    assert torch.equal(got, torch.arange(n, dtype=torch.float32) * width)
+
+
+def test_the_host_does_not_wait_for_queued_kernels_to_get_a_batch():
+    from fabric_lite import Accelerator
+
+    acc = Accelerator()
+    loader = acc.prepare(DataLoader(_data(), batch_size=32, pin_memory=True))
+    it = iter(loader)
+    next(it)
+    torch.cuda._sleep(200_000_000)  # ~100 ms of GPU work queued on the step's stream
+    x, _ = next(it)
+    assert not torch.cuda.current_stream().query()  # the kernel is still running: the host did not wait
+    assert x.device.type == "cuda"
+    torch.cuda.synchronize()
+
+
+def test_sparse_batches_are_moved_the_plain_way():
+    from fabric_lite import Accelerator
+
+    sparse = [torch.eye(4).to_sparse() * i for i in range(3)]
+    acc = Accelerator()
+    loader = acc.prepare(DataLoader(sparse, batch_size=None))
+    got = [b.to_dense().sum().item() for b in loader]
+    assert got == [0.0, 4.0, 8.0]
+
+
 def test_feed_moves_dict_batches_and_objects_with_their_own_to():
     from fabric_lite import Accelerator
 
@@ -302,7 +361,8 @@ def test_more_processes_than_gpus_is_a_clear_error(tmp_path):
     n = torch.cuda.device_count()
     proc = _launch_nccl(tmp_path, n + 1)
     assert proc.returncode != 0
-    assert f"{n + 1} processes were started on this node, but {n} GPU(s) are visible" in proc.stderr + proc.stdout
+    assert "other process(es) of this job picked the same GPU" in proc.stderr + proc.stdout
+    assert "NCCL needs a GPU of its own for each process" in proc.stderr + proc.stdout
 
 
 def test_deepcopy_of_a_prepared_gpu_model_runs_its_own_weights():

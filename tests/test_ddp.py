@@ -104,3 +104,33 @@ def test_a_crash_on_one_rank_ends_the_job_quickly(tmp_path):
                         "--master-port", str(free_port()), str(script)], timeout=120)
     assert proc.returncode != 0 and "boom on rank 1" in proc.stderr
     assert time.time() - start < 60
+
+
+@pytest.mark.parametrize("gpus, refused", [(["a", "a", "b"], [0, 1]), (["a", "b", "c"], []), (["a"] * 3, [0, 1, 2])])
+def test_processes_sharing_a_gpu_are_refused_each(gpus, refused):
+    """NCCL needs a GPU per process: every process whose GPU (told apart by UUID) another one picked
+    raises, the others go on; processes that each see one GPU through CUDA_VISIBLE_DEVICES are fine."""
+    import threading
+
+    import torch.distributed as dist
+
+    from fabric_lite.strategies.ddp import refuse_shared_gpus
+
+    store = dist.HashStore()
+    errors = {}
+
+    def process(rank):
+        try:
+            refuse_shared_gpus(store, rank, len(gpus), gpus[rank], "cuda:0 of 1 visible")
+        except RuntimeError as err:
+            errors[rank] = str(err)
+
+    threads = [threading.Thread(target=process, args=(r,)) for r in range(len(gpus))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert sorted(errors) == refused
+    for rank, message in errors.items():
+        assert f"Rank {rank} and {gpus.count(gpus[rank]) - 1} other process(es) of this job picked the same GPU " \
+               f"(cuda:0 of 1 visible, {gpus[rank]}): NCCL needs a GPU of its own for each process." in message

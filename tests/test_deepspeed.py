@@ -243,11 +243,32 @@ def test_settings_given_twice_must_agree(user, hints, words):
         strategy.build_config()
 
 
+def _deepspeed_backend(monkeypatch, backend):
+    """DeepSpeed's process-wide accelerator (chosen once, on its first use) set for one test."""
+    from deepspeed.accelerator import real_accelerator
+
+    monkeypatch.setattr(real_accelerator, "ds_accelerator", backend)
+
+
 def test_fp16_on_cpu_is_refused_with_what_works(monkeypatch):
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    _deepspeed_backend(monkeypatch, CPU_Accelerator())
     strategy = configured(DeepSpeedStrategy(stage=2, offload_optimizer=True), "16-mixed")
     with pytest.raises(ValueError, match=r"precision='16-mixed' with offload: DeepSpeed's cpu backend cannot train "
                                          r"in fp16\. Use precision='bf16-mixed' or '32-true'"):
+        strategy._check_device_support()
+
+
+def test_deepspeed_on_another_backend_than_the_strategy_is_refused(monkeypatch):
+    class CudaBackend:
+        def device_name(self, *_):
+            return "cuda"
+
+    _deepspeed_backend(monkeypatch, CudaBackend())
+    strategy = configured(DeepSpeedStrategy(stage=2), "bf16-mixed")
+    with pytest.raises(RuntimeError, match=r"DeepSpeed chose its 'cuda' backend in this process .* trains on 'cpu'\. "
+                                           r"Set DS_ACCELERATOR=cpu"):
         strategy._check_device_support()
 
 

@@ -123,3 +123,23 @@ def test_trainer_example_on_two_processes_in_bf16(tmp_path):
     accuracy = float(proc.stdout.split("val/acc ")[1].split()[0])
     assert accuracy > 0.8
     assert list((tmp_path / "logs" / "version_0").glob("events.out.tfevents.*"))
+
+
+@pytest.mark.parametrize("flags, env, expected", [
+    ([], {}, ("c10d", "localhost:0")),                                           # one machine: a free port
+    (["--master-port", "23456"], {}, ("static", "", 23456)),                    # a port given: kept
+    ([], {"PET_MASTER_PORT": "12345"}, ("static", "", 12345)),                  # torchrun's variable: kept
+    (["--nnodes", "2", "--master-addr", "10.0.0.1"], {}, ("static", "", 29500)),  # several machines: torch's port
+    (["--standalone"], {}, ("static", "", 29500)),                               # torch's standalone mode decides
+])
+def test_launch_picks_the_rendezvous_port_as_torch_2_13_does(monkeypatch, flags, env, expected):
+    from fabric_lite.launch import _free_port_rendezvous, launch_command_parser
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    args = launch_command_parser().parse_args([*flags, "train.py"])
+    _free_port_rendezvous(args)
+    if expected[0] == "c10d":
+        assert (args.rdzv_backend, args.rdzv_endpoint) == expected and args.rdzv_id
+    else:
+        assert (args.rdzv_backend, args.rdzv_endpoint, args.master_port) == expected

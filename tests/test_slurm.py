@@ -36,6 +36,7 @@ def _tail(path: Path, chars: int = 3000) -> str:
 def _clean_env(**extra):
     """This process's environment without any SLURM_* variable (pytest itself may run inside a job)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the tasks train with gloo on CPUs, also on a machine with a GPU
     env.update(extra)
     return env
 

@@ -25,6 +25,35 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 _WRAPPERS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
+def _gpu_uuid(device: torch.device) -> Optional[str]:
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    return str(uuid) if uuid else None
+
+
+def refuse_shared_gpus(store: Any, rank: int, world_size: int, gpu: Optional[str], where: str) -> None:
+    """Raise in every process whose GPU another process of the job picked too (NCCL needs one each).
+
+    Each process counts itself under its GPU's UUID in the job's store (GPUs are told apart by UUID,
+    so one GPU per process through CUDA_VISIBLE_DEVICES is fine); once all have counted, a count
+    above one is an error in each process that shares. Three store operations per process.
+    """
+    if gpu is None:
+        return
+    key = f"gpu_users/{gpu}"
+    store.add(key, 1)
+    if store.add("gpu_users_counted", 1) == world_size:
+        store.set("gpu_users_done", "1")
+    store.wait(["gpu_users_done"])
+    users = store.add(key, 0)
+    if users > 1:
+        raise RuntimeError(
+            f"Rank {rank} and {users - 1} other process(es) of this job picked the same GPU ({where}, {gpu}): "
+            f"NCCL needs a GPU of its own for each process. Start at most as many processes on a machine as it "
+            f"has GPUs (--nproc-per-node), check CUDA_VISIBLE_DEVICES, or train on the CPU with "
+            f"accelerator='cpu' (gloo)."
+        )
+
+
 class DDPStrategy(Strategy):
     """One process per device; gradients are averaged with an all-reduce during backward.
 
@@ -73,13 +102,6 @@ class DDPStrategy(Strategy):
                 pass
             return
         p = self.process
-        if self.backend == "nccl" and p.local_world_size > torch.cuda.device_count():
-            visible = torch.cuda.device_count()
-            raise RuntimeError(
-                f"{p.local_world_size} processes were started on this node, but {visible} GPU(s) are visible: "
-                f"NCCL needs a GPU of its own for each process. Launch with --nproc-per-node {visible} (check "
-                f"CUDA_VISIBLE_DEVICES), or train on the CPU with accelerator='cpu' (gloo)."
-            )
         if p.master_port is None:
             raise RuntimeError(
                 f"strategy='ddp' with WORLD_SIZE={p.world_size} needs MASTER_ADDR and MASTER_PORT. Launch "
@@ -96,6 +118,9 @@ class DDPStrategy(Strategy):
         kwargs: dict = {}
         if self.root_device.type == "cuda":
             kwargs["device_id"] = self.root_device
+            if self.backend == "nccl":
+                refuse_shared_gpus(store, p.global_rank, p.world_size, _gpu_uuid(self.root_device),
+                                   f"{self.root_device} of {torch.cuda.device_count()} visible")
         dist.init_process_group(
             self.backend, store=store, rank=p.global_rank, world_size=p.world_size, timeout=self.timeout, **kwargs
         )

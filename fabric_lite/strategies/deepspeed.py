@@ -200,27 +200,23 @@ class DeepSpeedStrategy(DDPStrategy):
 
         acc = get_accelerator()
         device = self.root_device.type
-        precision = _DS_PRECISION[self.precision.name]
-        offload = " with offload" if (self.offload_optimizer or self.offload_parameters) else ""
-        # Judged for the device this strategy trains on (DeepSpeed's cpu backend: bf16, no fp16), not by
-        # the backend DeepSpeed chose for the process, which is checked next.
-        fp16_ok = acc.is_fp16_supported() if device != "cpu" else False
-        bf16_ok = acc.is_bf16_supported() if device != "cpu" else True
-        if precision == "fp16" and not fp16_ok:
-            raise ValueError(
-                f"precision={self.precision.name!r}{offload}: DeepSpeed's {device} backend cannot train in "
-                f"fp16. Use precision='bf16-mixed' or '32-true' here."
-            )
-        if precision == "bf16" and not bf16_ok:
-            raise ValueError(
-                f"precision={self.precision.name!r}{offload}: DeepSpeed's {device} backend has no bf16 "
-                f"here. Use precision='16-mixed' or '32-true'."
-            )
         if acc.device_name() != device:
             raise RuntimeError(
                 f"DeepSpeed chose its {acc.device_name()!r} backend in this process (on its first use, or from "
                 f"DS_ACCELERATOR), but this strategy trains on {device!r}. Set DS_ACCELERATOR={device} before "
                 f"deepspeed is first imported, or train with accelerator={acc.device_name()!r}."
+            )
+        precision = _DS_PRECISION[self.precision.name]
+        offload = " with offload" if (self.offload_optimizer or self.offload_parameters) else ""
+        if precision == "fp16" and not acc.is_fp16_supported():
+            raise ValueError(
+                f"precision={self.precision.name!r}{offload}: DeepSpeed's {device} backend cannot train in "
+                f"fp16. Use precision='bf16-mixed' or '32-true' here."
+            )
+        if precision == "bf16" and not acc.is_bf16_supported():
+            raise ValueError(
+                f"precision={self.precision.name!r}{offload}: DeepSpeed's {device} backend has no bf16 "
+                f"here. Use precision='16-mixed' or '32-true'."
             )
 
     # -- set-up -------------------------------------------------------------------------------------
