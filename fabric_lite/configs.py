@@ -60,7 +60,7 @@ class DataLoaderConfiguration:
 
     split_batches: bool = False
     even_batches: bool = True
-    # On a GPU batches of tensors are copied asynchronously on a side stream anyway (data.py, _CudaFeed);
+    # On a GPU batches of tensors are copied asynchronously on a side stream anyway (transfer.py, CudaFeed);
     # this flag (Accelerate's) matters for other devices and for batches moved the plain way.
     non_blocking: bool = False
     use_seedable_sampler: bool = True  # accepted for compatibility: sampling is always seeded here
