@@ -25,19 +25,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import cProfile
 import gc
 import json
 import math
 import os
-import pstats
 import statistics
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List
+from typing import Callable, Dict, List
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +43,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from overhead import endless, profile_calls  # noqa: E402  (the same helpers as the other benchmarks)
 
 # Dense bf16 tensor-core peaks (no sparsity), FLOP/s, by a substring of torch.cuda.get_device_name().
 # The first match wins, so the PCIe and NVL H100s come before the SXM one.
@@ -132,11 +133,6 @@ def make_loader(c: GPTConfig, batch: int, samples: int, device: torch.device) ->
     tokens = torch.randint(0, c.vocab, (samples, c.context + 1), generator=g)
     return DataLoader(TensorDataset(tokens), batch_size=batch, shuffle=True, drop_last=True,
                       pin_memory=device.type == "cuda")
-
-
-def endless(loader) -> Iterator:
-    while True:
-        yield from loader
 
 
 Runner = Callable[[int], None]
@@ -239,20 +235,17 @@ def time_loops(loops: Dict[str, Runner], steps: int, repeats: int, device: torch
     return seconds, peak
 
 
-def _calls(run: Runner, steps: int, device: torch.device) -> int:
-    sync(device)
-    profiler = cProfile.Profile()
-    profiler.enable()
-    run(steps)
-    sync(device)
-    profiler.disable()
-    return sum(v[1] for k, v in pstats.Stats(profiler).stats.items() if "_lsprof.Profiler" not in k[2])
-
-
 def steady_calls_per_step(run: Runner, steps: int, device: torch.device) -> float:
     """Python function calls per step without a run's set-up: calls(2N steps) - calls(N steps), over N
     (a Trainer repeat is a whole fit, whose set-up would otherwise be spread over the window)."""
-    return (_calls(run, 2 * steps, device) - _calls(run, steps, device)) / steps
+    def synced(n: int) -> None:
+        run(n)
+        sync(device)
+
+    sync(device)
+    long = sum(profile_calls(synced, 2 * steps).values()) * 2 * steps
+    short = sum(profile_calls(synced, steps).values()) * steps
+    return (long - short) / steps
 
 
 def main() -> None:
