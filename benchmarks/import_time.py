@@ -15,7 +15,7 @@ Two figures per statement:
             is imported: the same cost without process start-up noise.
 
 An untimed run of each statement goes first, to warm the OS file cache. Then `python -X importtime`
-splits `import fabric_lite.accelerator` by module (median of --importtime-runs runs).
+splits `import fabric_lite.accelerator.accelerator` by module (median of --importtime-runs runs).
 
 Bytecode: the children import a copy of the package made in a temporary directory, whose .pyc
 files are compiled once beforehand, so every run loads compiled modules as an installed package
@@ -52,7 +52,7 @@ VARIANTS: List[Tuple[str, str]] = [
     ("import torch; from fabric_lite import Accelerator", "from fabric_lite import Accelerator"),
 ]
 BASELINE = VARIANTS[0][0]
-SPLIT_STATEMENT = "import torch, fabric_lite.accelerator"
+SPLIT_STATEMENT = "import torch, fabric_lite.accelerator.accelerator"
 TARGET_S = 0.15
 _IMPORTTIME = re.compile(r"^import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)\s*$")
 

@@ -10,6 +10,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"
 
+# tests/ mirrors the package, one folder per layer; some test modules share helpers across folders
+# (`from test_resume import Run`), so every folder is importable whichever module pytest collects first.
+for _folder in sorted(p for p in Path(__file__).resolve().parent.iterdir() if p.is_dir() and p.name != "workers"
+                      and not p.name.startswith((".", "_"))):
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
+
 
 # What a launcher sets; a unit test runs as a lone process whatever the shell around pytest exports.
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "FABRIC_LITE_MIXED_PRECISION",

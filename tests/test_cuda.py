@@ -308,7 +308,7 @@ def test_trainer_on_the_gpu_trains_and_its_checkpoint_loads_on_the_cpu(tmp_path)
     assert next(module.parameters()).device.type == "cuda"
     assert trainer.callback_metrics["train/loss_epoch"].device.type == "cuda"
 
-    from fabric_lite.cli import main
+    from fabric_lite.cli.main import main
 
     (ckpt,) = [p for p in (tmp_path / "checkpoints").iterdir() if p.is_dir()]
     out = tmp_path / "weights.pt"

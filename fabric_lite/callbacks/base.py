@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Dict
 
 if TYPE_CHECKING:
-    from fabric_lite.module import TrainModule
-    from fabric_lite.trainer import Trainer
+    from fabric_lite.trainer.module import TrainModule
+    from fabric_lite.trainer.trainer import Trainer
 
 __all__ = ["Callback"]
 

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 from fabric_lite.callbacks.base import Callback
 
 if TYPE_CHECKING:
-    from fabric_lite.module import TrainModule
-    from fabric_lite.trainer import Trainer
+    from fabric_lite.trainer.module import TrainModule
+    from fabric_lite.trainer.trainer import Trainer
 
 __all__ = ["ModelCheckpoint"]
 
@@ -164,11 +164,11 @@ class ModelCheckpoint(Callback):
         return displaced
 
     def _delete(self, trainer: "Trainer", paths: list) -> None:
-        from fabric_lite import checkpoint_io
+        from fabric_lite.checkpoint import files as checkpoint_io
 
         if paths and trainer.is_global_zero:
             for path in paths:
-                fs, p = checkpoint_io._fs(path)
+                fs, p = checkpoint_io.filesystem(path)
                 if fs.exists(p):
                     fs.rm(p, recursive=True)
         if paths:

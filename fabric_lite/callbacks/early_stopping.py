@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any, Dict
 from fabric_lite.callbacks.base import Callback
 
 if TYPE_CHECKING:
-    from fabric_lite.module import TrainModule
-    from fabric_lite.trainer import Trainer
+    from fabric_lite.trainer.module import TrainModule
+    from fabric_lite.trainer.trainer import Trainer
 
 __all__ = ["EarlyStopping"]
 

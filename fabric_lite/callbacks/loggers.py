@@ -12,18 +12,18 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 from fabric_lite.callbacks.base import Callback
 
 if TYPE_CHECKING:
-    from fabric_lite.module import TrainModule
-    from fabric_lite.trainer import Trainer
+    from fabric_lite.trainer.module import TrainModule
+    from fabric_lite.trainer.trainer import Trainer
 
 __all__ = ["TensorBoardLogger", "CSVLogger"]
 
 
-def _version_dir(root: str, name: str, version: Optional[int]) -> str:
-    from fabric_lite import checkpoint_io
+def version_dir(root: str, name: str, version: Optional[int]) -> str:
+    from fabric_lite.checkpoint import files as checkpoint_io
 
     base = f"{root.rstrip('/')}/{name}" if name else root.rstrip("/")
     if version is None:
-        fs, path = checkpoint_io._fs(base)
+        fs, path = checkpoint_io.filesystem(base)
         existing = []
         if fs.exists(path):
             for entry in fs.ls(path, detail=False):
@@ -34,7 +34,7 @@ def _version_dir(root: str, name: str, version: Optional[int]) -> str:
     return f"{base}/version_{version}"
 
 
-class _VersionedLogger(Callback):
+class VersionedLogger(Callback):
     """A logger writing under save_dir/name/version_N, N chosen by rank 0 (the next free one)."""
 
     def __init__(self, save_dir: str = "runs", name: str = "", version: Optional[int] = None) -> None:
@@ -45,11 +45,11 @@ class _VersionedLogger(Callback):
         if self.log_dir is None:
             version = self.version
             if version is None and trainer.is_global_zero:
-                version = int(_version_dir(self.save_dir, self.name, None).rsplit("_", 1)[-1])
-            self.log_dir = _version_dir(self.save_dir, self.name, trainer.strategy.broadcast_object(version))
+                version = int(version_dir(self.save_dir, self.name, None).rsplit("_", 1)[-1])
+            self.log_dir = version_dir(self.save_dir, self.name, trainer.strategy.broadcast_object(version))
 
 
-class TensorBoardLogger(_VersionedLogger):
+class TensorBoardLogger(VersionedLogger):
     """Scalars at every `log_every_n_steps` and epoch end, hyperparameters as text, under save_dir/name/version_N.
 
     With `log_graph=True`, the module's graph is traced once at fit start from `module.example_input_array`.
@@ -138,7 +138,7 @@ class TensorBoardLogger(_VersionedLogger):
             self._writer = None
 
 
-class CSVLogger(_VersionedLogger):
+class CSVLogger(VersionedLogger):
     """Rows of `step` plus every metric logged at that step, in save_dir/name/version_N/metrics.csv."""
 
     def __init__(self, save_dir: str = "runs", name: str = "", version: Optional[int] = None):
@@ -158,14 +158,14 @@ class CSVLogger(_VersionedLogger):
     def _write(self, trainer: "Trainer") -> None:
         if not trainer.is_global_zero or not self.rows:
             return
-        from fabric_lite import checkpoint_io
+        from fabric_lite.checkpoint import files as checkpoint_io
 
         columns = ["step"] + sorted({k for row in self.rows for k in row if k != "step"})
         buffer = io.StringIO()
         writer = csv.DictWriter(buffer, fieldnames=columns)
         writer.writeheader()
         writer.writerows(self.rows)
-        fs, path = checkpoint_io._fs(self.log_dir)
+        fs, path = checkpoint_io.filesystem(self.log_dir)
         fs.makedirs(path, exist_ok=True)
         with fs.open(f"{path}/metrics.csv", "w") as f:
             f.write(buffer.getvalue())

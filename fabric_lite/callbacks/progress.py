@@ -9,8 +9,8 @@ from fabric_lite.callbacks.base import Callback
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from fabric_lite.module import TrainModule
-    from fabric_lite.trainer import Trainer
+    from fabric_lite.trainer.module import TrainModule
+    from fabric_lite.trainer.trainer import Trainer
 
 __all__ = ["ProgressBarBase", "ProgressBar", "RichProgressBar"]
 
@@ -57,9 +57,9 @@ class ProgressBarBase(Callback):
     @staticmethod
     def _train_total(trainer: "Trainer") -> Optional[int]:
         """Batches this train epoch will run (the loader length under `limit_train_batches`), if known."""
-        from fabric_lite.loops import _length, _limit
+        from fabric_lite.trainer.loops import batch_limit, loader_length
 
-        return _limit(trainer.limits["train"], _length(trainer._train_loader))
+        return batch_limit(trainer.limits["train"], loader_length(trainer.train_dataloader))
 
     def on_train_epoch_start(self, trainer: "Trainer", module: "TrainModule") -> None:
         if not trainer.is_global_zero:

@@ -23,7 +23,6 @@ Two ways in:
 the processes actually running, without the recorded arguments.
 """
 
-from fabric_lite.explain.command import explain_command
 from fabric_lite.explain.plan import (
     SECTIONS, Plan, explain_accelerator, explain_trainer, plan_for_accelerator, requested,
 )
@@ -32,5 +31,5 @@ from fabric_lite.explain.shares import Share, loader_share
 
 __all__ = [
     "SECTIONS", "Plan", "requested", "plan_for_accelerator", "plan_for_trainer", "explain_accelerator",
-    "explain_trainer", "explain_command", "loader_share", "Share",
+    "explain_trainer", "loader_share", "Share",
 ]

@@ -9,15 +9,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 if TYPE_CHECKING:
-    from fabric_lite.accelerator import Accelerator
-    from fabric_lite.module import TrainModule
-    from fabric_lite.trainer import Trainer
+    from fabric_lite.accelerator.accelerator import Accelerator
+    from fabric_lite.trainer.module import TrainModule
+    from fabric_lite.trainer.trainer import Trainer
 
 from fabric_lite.explain.shares import Share, loader_share
 
 SECTIONS = ("Hardware and processes", "Precision", "Data", "Optimization", "Checkpoints and logs",
             "Set twice or ignored")
-_HW, _PREC, _DATA, _OPT, _CKPT, _CONFLICTS = SECTIONS
+_HW, _PREC, DATA_SECTION, OPT_SECTION, CKPT_SECTION, CONFLICTS_SECTION = SECTIONS
 
 
 class Plan:
@@ -43,7 +43,7 @@ class Plan:
         out = list(self.header)
         for name in SECTIONS:
             out += ["", name]
-            lines = self.sections[name] or [("(none found)" if name == _CONFLICTS else "(nothing)", "")]
+            lines = self.sections[name] or [("(none found)" if name == CONFLICTS_SECTION else "(nothing)", "")]
             out += [f"  {label:<{width}}{value}".rstrip() for label, value in lines]
         return "\n".join(out)
 
@@ -55,14 +55,14 @@ class Plan:
 
 def requested() -> bool:
     """Whether this process runs under `fabric-lite explain` (FABRIC_LITE_EXPLAIN is set)."""
-    from fabric_lite.environments import read_launch_settings
+    from fabric_lite.strategies.environments import read_launch_settings
 
     return read_launch_settings().explain is not None
 
 
 def _request() -> Dict[str, Any]:
     """The planned launch `fabric-lite explain` handed down ({} for a bare FABRIC_LITE_EXPLAIN=1)."""
-    from fabric_lite.environments import read_launch_settings
+    from fabric_lite.strategies.environments import read_launch_settings
 
     raw = read_launch_settings().explain
     if raw and raw.lstrip().startswith("{"):
@@ -78,7 +78,7 @@ def explain_accelerator(accelerator: "Accelerator") -> None:
     """The hook in `Accelerator.prepare`: under `fabric-lite explain`, print the plan and exit 0."""
     if not requested():
         return
-    _mark_explained()
+    mark_explained()
     if accelerator.is_main_process:
         print(plan_for_accelerator(accelerator).format(), flush=True)
     raise SystemExit(0)
@@ -87,7 +87,7 @@ def explain_accelerator(accelerator: "Accelerator") -> None:
 def explain_trainer(trainer: "Trainer", module: "TrainModule", ckpt_path: Optional[str] = None) -> None:
     """The hook in `Trainer.fit`: print the plan on rank 0; under `fabric-lite explain` exit 0."""
     exit_after = requested()
-    _mark_explained()
+    mark_explained()
     if trainer.is_global_zero:
         from fabric_lite.explain.trainer_plan import plan_for_trainer
 
@@ -99,8 +99,13 @@ def explain_trainer(trainer: "Trainer", module: "TrainModule", ckpt_path: Option
 _STATE = {"explained": False}
 
 
-def _mark_explained() -> None:
-    _STATE["explained"] = True
+def mark_explained(value: bool = True) -> None:
+    """Note that a plan was printed in this process (`fabric-lite explain` reads it with `was_explained`)."""
+    _STATE["explained"] = value
+
+
+def was_explained() -> bool:
+    return _STATE["explained"]
 
 
 # -- the planned world ------------------------------------------------------------------------------
@@ -115,14 +120,14 @@ class _Layout:
     problems: List[Tuple[str, str]] = field(default_factory=list)
 
 
-def _given(obj: Any) -> Optional[Dict[str, Any]]:
+def given_arguments(obj: Any) -> Optional[Dict[str, Any]]:
     """The constructor arguments recorded for `obj` under `fabric-lite explain` (None otherwise)."""
-    return getattr(obj, "_explain_given", None)
+    return getattr(obj, "explain_arguments", None)
 
 
-def _layout(accelerator: "Accelerator", trainer: Optional["Trainer"] = None) -> _Layout:
-    from fabric_lite.connector import _check_devices
-    from fabric_lite.environments import ProcessInfo
+def planned_layout(accelerator: "Accelerator", trainer: Optional["Trainer"] = None) -> _Layout:
+    from fabric_lite.strategies.connector import check_devices
+    from fabric_lite.strategies.environments import ProcessInfo
 
     process = accelerator.strategy.process
     request = _request()
@@ -131,10 +136,10 @@ def _layout(accelerator: "Accelerator", trainer: Optional["Trainer"] = None) -> 
     per_node, nodes = int(request["nproc_per_node"]), int(request["nnodes"])
     source = str(request.get("source", "fabric-lite launch (torchrun)"))
     layout = _Layout(per_node * nodes, per_node, nodes, source, True)
-    acc_given = _given(accelerator) or {}
+    acc_given = given_arguments(accelerator) or {}
     devices = acc_given.get("devices")
     if trainer is not None:
-        t_given = _given(trainer) or {}
+        t_given = given_arguments(trainer) or {}
         t_devices, num_nodes = t_given.get("devices", "auto"), t_given.get("num_nodes", 1)
         if isinstance(t_devices, int) and not isinstance(t_devices, bool) and t_devices > 1 and layout.world == 1:
             # Trainer._relaunch_if_needed: the script starts itself again under torch.distributed.run
@@ -150,7 +155,7 @@ def _layout(accelerator: "Accelerator", trainer: Optional["Trainer"] = None) -> 
     if devices is not None and devices != "auto":
         planned = ProcessInfo(world_size=layout.world, local_world_size=per_node, source="fabric-lite launch")
         try:
-            _check_devices(devices, accelerator.device.type, planned)
+            check_devices(devices, accelerator.device.type, planned)
         except ValueError as err:
             layout.problems.append(("devices", f"devices={devices!r} vs {per_node} process(es) per node "
                                                f"({request.get('nproc_origin', 'nproc_per_node')}): the real "
@@ -160,14 +165,14 @@ def _layout(accelerator: "Accelerator", trainer: Optional["Trainer"] = None) -> 
 
 def _strategy_line(accelerator: "Accelerator", layout: _Layout) -> Tuple[str, Optional[Tuple[str, str]]]:
     """The strategy the real run uses, and a problem line if it would refuse to start."""
-    from fabric_lite.environments import read_launch_settings
+    from fabric_lite.strategies.environments import read_launch_settings
     from fabric_lite.strategies import SingleDeviceStrategy, Strategy, create_strategy
 
     strategy = accelerator.strategy
     cls: type = type(strategy)
     problem = None
     if layout.dry_run and layout.world != strategy.world_size:
-        requested_strategy = (_given(accelerator) or {}).get("strategy", "auto")
+        requested_strategy = (given_arguments(accelerator) or {}).get("strategy", "auto")
         launch_strategy = read_launch_settings().strategy
         if requested_strategy == "auto" and launch_strategy:
             requested_strategy = launch_strategy
@@ -199,7 +204,7 @@ _PRECISION_WORDS = {
 }
 
 
-def _header(layout: _Layout, door: str) -> List[str]:
+def header_lines(layout: _Layout, door: str) -> List[str]:
     if layout.dry_run:
         return [f"fabric-lite explain: the plan of this run. This is a dry run in one process: the script ran up to "
                 f"its first {door}, nothing was trained or written. The real launch would start {layout.world} "
@@ -208,7 +213,7 @@ def _header(layout: _Layout, door: str) -> List[str]:
             f"or written."]
 
 
-def _hardware(plan: Plan, accelerator: "Accelerator", layout: _Layout) -> None:
+def hardware_lines(plan: Plan, accelerator: "Accelerator", layout: _Layout) -> None:
     device = accelerator.device
     strategy_name, problem = _strategy_line(accelerator, layout)
     plan.add(_HW, "accelerator", device.type)
@@ -229,27 +234,27 @@ def _hardware(plan: Plan, accelerator: "Accelerator", layout: _Layout) -> None:
     if problem:
         layout.problems.append(problem)
     for label, text in layout.problems:
-        plan.add(_CONFLICTS, label, text)
+        plan.add(CONFLICTS_SECTION, label, text)
     layout.problems.clear()
 
 
-def _precision(plan: Plan, accelerator: "Accelerator", trainer: Optional["Trainer"]) -> None:
-    from fabric_lite.environments import read_launch_settings
-    from fabric_lite.precision import resolve_precision
+def precision_lines(plan: Plan, accelerator: "Accelerator", trainer: Optional["Trainer"]) -> None:
+    from fabric_lite.strategies.environments import read_launch_settings
+    from fabric_lite.strategies.precision import resolve_precision
 
     precision = accelerator.strategy.precision
     plan.add(_PREC, "precision", f"{precision.name} ({_PRECISION_WORDS.get(precision.name, precision.name)})")
     launch = read_launch_settings()
-    origin = _origin("mixed_precision", launch.mixed_precision)
-    given = (_given(accelerator) or {}).get("mixed_precision")
+    origin = setting_origin("mixed_precision", launch.mixed_precision)
+    given = (given_arguments(accelerator) or {}).get("mixed_precision")
     if trainer is not None:
-        argument = f"Trainer(precision={str((_given(trainer) or {}).get('precision', precision.name))!r})"
+        argument = f"Trainer(precision={str((given_arguments(trainer) or {}).get('precision', precision.name))!r})"
     else:
         argument = f"Accelerator(mixed_precision={given!r})"
     if launch.mixed_precision is None:
         if trainer is not None or given is not None:
             decided = argument
-        elif _given(accelerator) is not None or precision.name == "32-true":
+        elif given_arguments(accelerator) is not None or precision.name == "32-true":
             decided = "the default (no launcher setting, no argument)"
         else:
             decided = "the Accelerator argument"
@@ -259,34 +264,34 @@ def _precision(plan: Plan, accelerator: "Accelerator", trainer: Optional["Traine
     if launched != precision.name:
         plan.add(_PREC, "decided by", f"{argument}, over {origin}")
         if trainer is not None:
-            plan.add(_CONFLICTS, "mixed_precision",
+            plan.add(CONFLICTS_SECTION, "mixed_precision",
                      f"{origin} is ignored: the Trainer always passes its own precision ({argument}); "
                      f"set Trainer(precision={launched!r}) instead.")
         else:
-            plan.add(_CONFLICTS, "mixed_precision",
+            plan.add(CONFLICTS_SECTION, "mixed_precision",
                      f"set twice: {argument} wins over {origin}; the run uses {precision.name}.")
     elif trainer is not None or given is not None:
         plan.add(_PREC, "decided by", f"{argument} and {origin} (they agree)")
-        plan.add(_CONFLICTS, "mixed_precision", f"set twice, same value: {argument} and {origin}.")
+        plan.add(CONFLICTS_SECTION, "mixed_precision", f"set twice, same value: {argument} and {origin}.")
     else:
         plan.add(_PREC, "decided by", origin)
 
 
-def _origin(key: str, value: Any) -> str:
+def setting_origin(key: str, value: Any) -> str:
     """Where a launcher setting came from, in words."""
     origins = _request().get("origins", {})
     if key in origins:
         return str(origins[key])
-    from fabric_lite.environments import ENV_GRAD_ACCUM, ENV_MIXED_PRECISION, ENV_STRATEGY, ENV_USE_CPU
+    from fabric_lite.strategies.environments import ENV_GRAD_ACCUM, ENV_MIXED_PRECISION, ENV_STRATEGY, ENV_USE_CPU
 
     name = {"mixed_precision": ENV_MIXED_PRECISION, "gradient_accumulation_steps": ENV_GRAD_ACCUM,
             "cpu": ENV_USE_CPU, "strategy": ENV_STRATEGY}[key]
     return f"the launcher ({name}={value})"
 
 
-def _data_lines(plan: Plan, name: str, loader: Any, world: int, limit: Any = None,
+def data_lines(plan: Plan, name: str, loader: Any, world: int, limit: Any = None,
                 evaluation: bool = False) -> Share:
-    from fabric_lite import loops
+    from fabric_lite.trainer import loops
 
     share = loader_share(loader, world)
     inner = getattr(getattr(loader, "_batch_sampler", None), "batch_sampler", None)
@@ -298,33 +303,33 @@ def _data_lines(plan: Plan, name: str, loader: Any, world: int, limit: Any = Non
     if share.iterable:
         order = "an IterableDataset, read in chunks of world x batch"
     size = f"{share.dataset_len} samples" if share.dataset_len is not None else "length unknown"
-    plan.add(_DATA, name if name.startswith("loader") else f"{name} loader",
+    plan.add(DATA_SECTION, name if name.startswith("loader") else f"{name} loader",
              f"{type(dataset).__name__}, {size}, {order}")
     if share.error:
-        plan.add(_DATA, f"{name}: sharding", f"fails with {world} processes: {share.error}")
-        plan.add(_CONFLICTS, f"sharding ({name})", f"the real run stops in prepare(): {share.error}")
+        plan.add(DATA_SECTION, f"{name}: sharding", f"fails with {world} processes: {share.error}")
+        plan.add(CONFLICTS_SECTION, f"sharding ({name})", f"the real run stops in prepare(): {share.error}")
         return share
     if share.unbatched:
-        plan.add(_DATA, f"{name}: per-process batch", "none (batch_size=None: one sample at a time)")
+        plan.add(DATA_SECTION, f"{name}: per-process batch", "none (batch_size=None: one sample at a time)")
     else:
         per = "set by the loader's batch_sampler" if share.batch is None else share.batch
         if share.split and share.batch is not None:
             per = f"{per} (split_batches=True: each loader batch of {share.batch * world} is cut in {world})"
-        plan.add(_DATA, f"{name}: per-process batch", per)
+        plan.add(DATA_SECTION, f"{name}: per-process batch", per)
     if share.batches is not None:
         text = f"{share.batches} per epoch"
         if world > 1:
             text += f" (rank 0 of {world})"
-        run = loops._limit(limit, share.batches) if limit is not None else None
+        run = loops.batch_limit(limit, share.batches) if limit is not None else None
         if run is not None and run != share.batches:
             text += f"; {'limit_val_batches' if evaluation else 'limit_train_batches'}={limit!r} runs {run}"
-        plan.add(_DATA, f"{name}: batches per process", text)
+        plan.add(DATA_SECTION, f"{name}: batches per process", text)
     if share.samples is not None:
-        plan.add(_DATA, f"{name}: samples per process", f"{share.samples} per epoch")
-    plan.add(_DATA, f"{name}: end of epoch", _tail_words(share, evaluation))
+        plan.add(DATA_SECTION, f"{name}: samples per process", f"{share.samples} per epoch")
+    plan.add(DATA_SECTION, f"{name}: end of epoch", _tail_words(share, evaluation))
     workers = getattr(loader, "num_workers", 0)
     if workers:
-        plan.add(_DATA, f"{name}: workers", f"{workers} loader worker process(es) per rank")
+        plan.add(DATA_SECTION, f"{name}: workers", f"{workers} loader worker process(es) per rank")
     return share
 
 
@@ -346,18 +351,18 @@ def _tail_words(share: Share, evaluation: bool) -> str:
     return "no padding: every batch is whole"
 
 
-def _optimizers(plan: Plan, optimizers: Sequence[Any], schedulers: Sequence[Tuple[Any, str]]) -> None:
+def optimizer_lines(plan: Plan, optimizers: Sequence[Any], schedulers: Sequence[Tuple[Any, str]]) -> None:
     names = []
     for opt in optimizers:
         inner = getattr(opt, "optimizer", opt)
         lrs = sorted({g.get("lr") for g in inner.param_groups if "lr" in g}, key=str)
         names.append(f"{type(inner).__name__}(lr={', '.join(map(str, lrs))})" if lrs else type(inner).__name__)
-    plan.add(_OPT, "optimizers", ", ".join(names) if names else "none prepared yet")
+    plan.add(OPT_SECTION, "optimizers", ", ".join(names) if names else "none prepared yet")
     if schedulers:
-        plan.add(_OPT, "schedulers", ", ".join(f"{type(s).__name__} {when}" for s, when in schedulers))
+        plan.add(OPT_SECTION, "schedulers", ", ".join(f"{type(s).__name__} {when}" for s, when in schedulers))
 
 
-def _model_line(plan: Plan, models: Sequence[Any], accelerator: "Accelerator") -> None:
+def model_line(plan: Plan, models: Sequence[Any], accelerator: "Accelerator") -> None:
     if not models:
         return
     words = []
@@ -371,106 +376,106 @@ def _model_line(plan: Plan, models: Sequence[Any], accelerator: "Accelerator") -
     plan.add(_HW, "model", "; ".join(words))
 
 
-def _effective(plan: Plan, share: Optional[Share], world: int, accumulation: int, what: str) -> None:
+def effective_value(plan: Plan, share: Optional[Share], world: int, accumulation: int, what: str) -> None:
     if share is None or share.batch is None:
-        plan.add(_OPT, "effective global batch", "unknown (no per-process batch size)")
+        plan.add(OPT_SECTION, "effective global batch", "unknown (no per-process batch size)")
         return
     total = share.batch * world * accumulation
-    plan.add(_OPT, "effective global batch",
+    plan.add(OPT_SECTION, "effective global batch",
              f"{total} = {share.batch} per process x {world} process(es) x {accumulation} accumulation "
              f"(samples per optimizer step{what})")
 
 
 def plan_for_accelerator(accelerator: "Accelerator") -> Plan:
     """The plan of a raw-loop run, from an Accelerator that has prepared its objects."""
-    from fabric_lite.environments import read_launch_settings
+    from fabric_lite.strategies.environments import read_launch_settings
 
-    layout = _layout(accelerator)
-    plan = Plan(_header(layout, "Accelerator.prepare(...) with a dataloader"))
+    layout = planned_layout(accelerator)
+    plan = Plan(header_lines(layout, "Accelerator.prepare(...) with a dataloader"))
     launch = read_launch_settings()
-    given = _given(accelerator)
-    _hardware(plan, accelerator, layout)
-    _model_line(plan, accelerator._models, accelerator)
-    _precision(plan, accelerator, None)
+    given = given_arguments(accelerator)
+    hardware_lines(plan, accelerator, layout)
+    model_line(plan, accelerator.models, accelerator)
+    precision_lines(plan, accelerator, None)
 
-    shares = [_data_lines(plan, f"loader {i + 1}", loader, layout.world)
-              for i, loader in enumerate(accelerator._dataloaders)]
+    shares = [data_lines(plan, f"loader {i + 1}", loader, layout.world)
+              for i, loader in enumerate(accelerator.dataloaders)]
 
     steps = accelerator.gradient_accumulation_steps
     plugin = accelerator.gradient_accumulation_plugin
     if launch.gradient_accumulation_steps is not None and launch.gradient_accumulation_steps != steps:
-        source = "the Accelerator argument, over " + _origin("gradient_accumulation_steps",
+        source = "the Accelerator argument, over " + setting_origin("gradient_accumulation_steps",
                                                              launch.gradient_accumulation_steps)
-        plan.add(_CONFLICTS, "gradient_accumulation_steps",
+        plan.add(CONFLICTS_SECTION, "gradient_accumulation_steps",
                  f"set twice: gradient_accumulation_steps={steps} (Accelerator argument or plugin) wins over "
-                 f"{_origin('gradient_accumulation_steps', launch.gradient_accumulation_steps)}.")
+                 f"{setting_origin('gradient_accumulation_steps', launch.gradient_accumulation_steps)}.")
     elif launch.gradient_accumulation_steps is not None:
-        source = _origin("gradient_accumulation_steps", launch.gradient_accumulation_steps)
+        source = setting_origin("gradient_accumulation_steps", launch.gradient_accumulation_steps)
         if given is not None and given.get("gradient_accumulation_steps") is not None:
-            plan.add(_CONFLICTS, "gradient_accumulation_steps",
+            plan.add(CONFLICTS_SECTION, "gradient_accumulation_steps",
                      f"set twice, same value: Accelerator(gradient_accumulation_steps={steps}) and {source}.")
     elif steps != 1:
         source = "the Accelerator argument"
     else:
         source = "the default"
-    _optimizers(plan, accelerator._optimizers,
+    optimizer_lines(plan, accelerator.optimizers,
                 [(s.scheduler, "(steps with the optimizer)" if accelerator.step_scheduler_with_optimizer else "")
-                 for s in accelerator._schedulers])
-    plan.add(_OPT, "gradient accumulation",
+                 for s in accelerator.schedulers])
+    plan.add(OPT_SECTION, "gradient accumulation",
              f"{steps} batch(es) per optimizer step (from {source}); it applies inside "
              f"`with accelerator.accumulate(model):`" + (", and gradients also sync at each loader's last batch"
                                                           if plugin.sync_with_dataloader and steps > 1 else ""))
     first = shares[0] if shares else None
-    _effective(plan, first, layout.world, steps, ", loader 1" if len(shares) > 1 else "")
+    effective_value(plan, first, layout.world, steps, ", loader 1" if len(shares) > 1 else "")
     if first is not None and first.batches is not None:
         per_epoch = math.ceil(first.batches / steps) if plugin.sync_with_dataloader else first.batches // steps
-        plan.add(_OPT, "optimizer steps per epoch", f"{per_epoch} (if every batch of loader 1 is one micro-step)")
-    plan.add(_OPT, "gradient clipping", "whatever the script calls (accelerator.clip_grad_norm_ / clip_grad_value_); "
+        plan.add(OPT_SECTION, "optimizer steps per epoch", f"{per_epoch} (if every batch of loader 1 is one micro-step)")
+    plan.add(OPT_SECTION, "gradient clipping", "whatever the script calls (accelerator.clip_grad_norm_ / clip_grad_value_); "
                                         "the Accelerator sets none")
 
     project = accelerator.project_configuration
-    plan.add(_CKPT, "project_dir", project.project_dir or "not set")
+    plan.add(CKPT_SECTION, "project_dir", project.project_dir or "not set")
     if project.automatic_checkpoint_naming and project.project_dir:
         root = f"{os.fspath(project.project_dir).rstrip('/')}/checkpoints"
         keep = f", keeping the newest {project.total_limit}" if project.total_limit is not None else ""
-        plan.add(_CKPT, "checkpoints", f"save_state() writes {root}/checkpoint_{project.iteration}, then _"
+        plan.add(CKPT_SECTION, "checkpoints", f"save_state() writes {root}/checkpoint_{project.iteration}, then _"
                                        f"{project.iteration + 1}, ... (automatic naming{keep})")
     elif project.automatic_checkpoint_naming:
-        plan.add(_CKPT, "checkpoints", "automatic_checkpoint_naming=True but no project_dir: save_state() without a "
+        plan.add(CKPT_SECTION, "checkpoints", "automatic_checkpoint_naming=True but no project_dir: save_state() without a "
                                        "path fails")
-        plan.add(_CONFLICTS, "automatic_checkpoint_naming", "has no effect without a project_dir")
+        plan.add(CONFLICTS_SECTION, "automatic_checkpoint_naming", "has no effect without a project_dir")
     else:
-        plan.add(_CKPT, "checkpoints", "wherever the script passes save_state(output_dir) (automatic naming is off)")
-    log_with = accelerator._log_with
+        plan.add(CKPT_SECTION, "checkpoints", "wherever the script passes save_state(output_dir) (automatic naming is off)")
+    log_with = accelerator.log_with
     if log_with is None:
-        plan.add(_CKPT, "trackers", "none (log_with not set)")
+        plan.add(CKPT_SECTION, "trackers", "none (log_with not set)")
     else:
         where = f"under {accelerator.logging_dir}/<project name>" if accelerator.logging_dir else \
             "no logging_dir: init_trackers() fails for file-based trackers"
-        plan.add(_CKPT, "trackers", f"{log_with!r}, started by init_trackers(), {where}")
+        plan.add(CKPT_SECTION, "trackers", f"{log_with!r}, started by init_trackers(), {where}")
 
-    _accelerator_conflicts(plan, accelerator, layout, launch)
+    accelerator_conflicts(plan, accelerator, layout, launch)
     return plan
 
 
-def _accelerator_conflicts(plan: Plan, accelerator: "Accelerator", layout: _Layout, launch: Any) -> None:
+def accelerator_conflicts(plan: Plan, accelerator: "Accelerator", layout: _Layout, launch: Any) -> None:
     """Settings given twice (launcher vs argument) or accepted and ignored, common to both doors."""
-    given = _given(accelerator) or {}
+    given = given_arguments(accelerator) or {}
     if given.get("rng_types") is not None:
-        plan.add(_CONFLICTS, "rng_types", f"rng_types={given['rng_types']!r} is accepted for compatibility and "
+        plan.add(CONFLICTS_SECTION, "rng_types", f"rng_types={given['rng_types']!r} is accepted for compatibility and "
                                           f"ignored: dataloader order is always seeded and the same on every rank.")
     if not accelerator.dataloader_config.use_seedable_sampler:
-        plan.add(_CONFLICTS, "use_seedable_sampler", "DataLoaderConfiguration(use_seedable_sampler=False) is ignored: "
+        plan.add(CONFLICTS_SECTION, "use_seedable_sampler", "DataLoaderConfiguration(use_seedable_sampler=False) is ignored: "
                                                      "sampling is always seeded.")
     if launch.use_cpu and str(given.get("accelerator", "auto")) not in ("auto", "cpu"):
-        plan.add(_CONFLICTS, "cpu", f"{_origin('cpu', '1')} wins over accelerator={given['accelerator']!r}: "
+        plan.add(CONFLICTS_SECTION, "cpu", f"{setting_origin('cpu', '1')} wins over accelerator={given['accelerator']!r}: "
                                     f"the run uses the CPU.")
     requested_strategy = given.get("strategy", "auto")
     if launch.strategy and isinstance(requested_strategy, str) and requested_strategy != "auto" \
             and requested_strategy != launch.strategy:
-        plan.add(_CONFLICTS, "strategy (argument)", f"set twice: strategy={requested_strategy!r} (argument) wins over "
-                                         f"{_origin('strategy', launch.strategy)}.")
+        plan.add(CONFLICTS_SECTION, "strategy (argument)", f"set twice: strategy={requested_strategy!r} (argument) wins over "
+                                         f"{setting_origin('strategy', launch.strategy)}.")
     if given.get("dynamo_backend") not in (None, "no", "NO"):
         plan.add(_PREC, "torch.compile", f"backend {given['dynamo_backend']!r}")
     if accelerator.split_batches and layout.world == 1:
-        plan.add(_CONFLICTS, "split_batches", "split_batches=True has no effect with one process.")
+        plan.add(CONFLICTS_SECTION, "split_batches", "split_batches=True has no effect with one process.")

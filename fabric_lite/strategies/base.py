@@ -1,21 +1,46 @@
-"""The Strategy contract: where a process runs, how a model is wrapped, how gradients move.
+"""The Strategy contract: what every strategy implements, and the machinery they share.
 
-A strategy is configured once (process info, device, precision) and then answers for the whole run.
-Front doors never ask *which* strategy they hold; they read the capability flags below.
-Collectives are written once here over a handful of torch.distributed primitives; a backend with
-other primitives (XLA) overrides the `_primitive_*` methods only.
+A strategy answers, for a whole run, where this process is, how a model is wrapped, how gradients
+move and how training state is saved. The doors never ask *which* strategy they hold: they call the
+members below and read the capabilities, each of which has exactly one meaning. A new strategy is
+one file with a subclass (it implements the five abstract members, overrides what differs) and one
+line in `strategies/registry.py`.
+
+Must implement (abstract): `setup_environment`, `setup_module`, `unwrap_module`, `no_backward_sync`,
+`teardown`.
+
+May override (the defaults suit one device or plain data parallel):
+
+=============================  =========================================================================
+`adapt_precision`              the Precision to train with (an engine may take loss scaling over)
+`setup`                        wrap models and optimizers in one call (when `setup_takes_optimizers`)
+`setup_optimizer`              an optimizer prepared on its own
+`set_run_hints`                what the door knows before `setup` (micro-batch size, accumulation, clip)
+`distributed_sampler_kwargs`   how the data is sharded
+`device_feed`                  the per-batch device transfer the prepared loader calls (XLA's loader)
+`backward`, `optimizer_step`   through the precision plugin (scaling, unscale, inf/NaN skip)
+`after_optimizer_step`         the step marker, called after each real optimizer step (XLA mark_step)
+`force_backward_sync`          inside `no_backward_sync`, sync after all
+`clip_gradients_norm/value`    the right way for this strategy (sharded norms, engine-side clipping)
+`module_state_dict`, `load_module_state_dict`, `optimizer_state_dict(module, optimizer)`,
+`load_optimizer_state_dict`    full (unsharded) state; the optimizer's with its module (FSDP2, DCP)
+`save_engine_state`, `read_engine_state`, `consolidate_checkpoint`
+                               checkpoints in the engine's own files (when `checkpoint_engine` is set)
+`_primitive_*`                 the backend's collectives (torch.distributed by default)
+=============================  =========================================================================
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
 from typing import Any, Callable, ClassVar, ContextManager, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from fabric_lite.environments import ProcessInfo
-from fabric_lite.precision import Precision
+from fabric_lite.strategies.environments import ProcessInfo
+from fabric_lite.strategies.precision import Precision
 
 __all__ = ["Strategy", "ReduceOp"]
 
@@ -23,21 +48,24 @@ ReduceOp = str  # "sum" | "mean" | "max" | "min"
 _REDUCE_OPS = ("sum", "mean", "max", "min")
 
 
-class Strategy:
-    """Base class: a lone process on one device. Subclasses add wrapping and communication."""
+class Strategy(abc.ABC):
+    """The contract every strategy implements (see the module docstring for the list)."""
 
-    #: Registry names this class answers to (see ``strategies/__init__.py``).
+    #: Registry names this class answers to (see ``strategies/registry.py``).
     aliases: ClassVar[Tuple[str, ...]] = ()
-    # Capabilities the front doors ask instead of isinstance checks.
-    #: The model and optimizer must be wrapped together in one call (an engine that owns both).
-    requires_joint_setup: ClassVar[bool] = False
-    #: The strategy counts micro-steps itself; the doors must not skip optimizer steps.
-    handles_gradient_accumulation: ClassVar[bool] = False
-    #: `no_backward_sync` really skips a gradient all-reduce (so accumulation saves communication).
-    supports_no_sync: ClassVar[bool] = False
+    # Capabilities the front doors ask instead of isinstance checks; each means one thing.
+    #: `setup()` must receive the models together with their optimizers, in one call (an engine that
+    #: owns both, or a sharding that must see both); `setup_module` alone is refused.
+    setup_takes_optimizers: ClassVar[bool] = False
+    #: The strategy counts the accumulation window itself: every backward that does not close a window
+    #: must run inside `no_backward_sync` (DeepSpeed's gradient accumulation boundary).
+    owns_accumulation_window: ClassVar[bool] = False
     #: The name of an engine that saves model and optimizer state in its own per-rank files (written by
-    #: `save_engine_state`, read by `read_engine_state`), or None: the doors save state dicts.
+    #: `save_engine_state`, read by `read_engine_state`), recorded in each checkpoint's manifest, or
+    #: None: the doors save state dicts.
     checkpoint_engine: ClassVar[Optional[str]] = None
+    #: Hugging Face Accelerate's `DistributedType` name for this strategy, where it has its own one.
+    accelerate_type: ClassVar[Optional[str]] = None
     #: Every forward is a collective (ZeRO-3 gathers parameters): evaluation must give every process
     #: the same number of batches, padding included.
     forward_is_collective: bool = False
@@ -46,44 +74,45 @@ class Strategy:
         self.process = ProcessInfo()
         self.root_device = torch.device("cpu")
         self.precision = Precision("32-true", "cpu")
-        self._configured = False
-        self._hang_guard: Any = None  # a HangGuard once a process group exists (strategies/hang_guard.py)
+        self.hang_guard: Any = None  # a HangGuard once a process group exists (strategies/hang_guard.py)
 
     # -- set-up ------------------------------------------------------------------------------------
     def configure(self, process: ProcessInfo, root_device: torch.device, precision: Precision) -> None:
         """Bind the strategy to a process, a device and a precision (done once by the connector)."""
         self.process = process
         self.root_device = root_device
-        self.precision = precision
-        self._configured = True
+        self.precision = self.adapt_precision(precision)
 
+    def adapt_precision(self, precision: Precision) -> Precision:
+        """The precision plugin this strategy trains with, given the one the user asked for."""
+        return precision
+
+    @abc.abstractmethod
     def setup_environment(self) -> None:
-        """Start communication and pin the device. A lone process only pins the device."""
-        if self.root_device.type == "cuda":
-            torch.cuda.set_device(self.root_device)
+        """Start communication (a process group) and pin the device."""
 
+    @abc.abstractmethod
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Move the module to the device and wrap it for this strategy."""
-        module = self.precision.convert_module(module)
-        return module.to(self.root_device)
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return optimizer
 
     def setup(
-        self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
-    ) -> Tuple[nn.Module, List[torch.optim.Optimizer]]:
-        """Wrap a model together with its optimizers (used when `requires_joint_setup`)."""
-        return self.setup_module(module), [self.setup_optimizer(o) for o in optimizers]
+        self, modules: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]
+    ) -> Tuple[List[nn.Module], List[torch.optim.Optimizer]]:
+        """Wrap models together with their optimizers (the doors call it when `setup_takes_optimizers`)."""
+        return [self.setup_module(m) for m in modules], [self.setup_optimizer(o) for o in optimizers]
 
+    @abc.abstractmethod
     def unwrap_module(self, module: nn.Module) -> nn.Module:
         """The user's module without the strategy's wrapper."""
-        return module
 
     def set_run_hints(self, micro_batch_size: Optional[int] = None, accumulation_steps: int = 1,
                       gradient_clip_val: Optional[float] = None) -> None:
         """What the front door knows about the run before `setup`, for engines configured with it (DeepSpeed)."""
 
+    @abc.abstractmethod
     def teardown(self) -> None:
         """Release what `setup_environment` took."""
 
@@ -119,9 +148,11 @@ class Strategy:
             return None
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
-    def process_dataloader(self, dataloader: Iterable) -> Iterable:
-        """A hook for backends that need their own loader wrapper (XLA's device loader)."""
-        return dataloader
+    def device_feed(self, non_blocking: bool = False) -> Optional[Callable[[Any], Any]]:
+        """The device-feed hook: a callable that moves one batch to this process's device, which the
+        prepared loader calls on every batch (it stays the one object with position, epoch and sizes).
+        None: the loader moves batches to `root_device` itself (on a CUDA side stream where it can)."""
+        return None
 
     # -- the step ----------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, module: Optional[nn.Module] = None, **kwargs: Any) -> None:
@@ -132,9 +163,12 @@ class Strategy:
         gradients). It may be a device tensor, so that reading it is the caller's choice."""
         return self.precision.optimizer_step(optimizer, **kwargs)
 
+    def after_optimizer_step(self) -> None:
+        """The step marker: called after each optimizer step that the doors run (XLA's mark_step)."""
+
+    @abc.abstractmethod
     def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:
         """Skip the gradient all-reduce inside this context (accumulation micro-steps)."""
-        return contextlib.nullcontext()
 
     def force_backward_sync(self, module: nn.Module) -> ContextManager:
         """Inside `no_backward_sync`, make the next backward synchronise after all."""
@@ -163,10 +197,12 @@ class Strategy:
     def load_module_state_dict(self, module: nn.Module, state: Dict[str, Any], strict: bool = True) -> None:
         self.unwrap_module(module).load_state_dict(state, strict=strict)
 
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    def optimizer_state_dict(self, module: Optional[nn.Module], optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+        """The optimizer's full state; `module` is the prepared model it trains (None when unknown)."""
         return optimizer.state_dict()
 
-    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: Dict[str, Any]) -> None:
+    def load_optimizer_state_dict(self, module: Optional[nn.Module], optimizer: torch.optim.Optimizer,
+                                  state: Dict[str, Any]) -> None:
         optimizer.load_state_dict(state)
 
     def save_engine_state(self, writer: Any) -> None:
@@ -176,6 +212,12 @@ class Strategy:
     def read_engine_state(self, url: str, manifest: Dict[str, Any], strict: bool) -> Callable[[], None]:
         """Read and verify the engine's files; return what applies them (after every other check passed)."""
         raise NotImplementedError(f"{type(self).__name__} has no checkpoint engine.")
+
+    @classmethod
+    def consolidate_checkpoint(cls, url: str, manifest: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+        """The full weights of a checkpoint written by this engine, in one state dict, without a process
+        group (`fabric-lite consolidate`). Only for strategies with a `checkpoint_engine`."""
+        raise NotImplementedError(f"{cls.__name__} has no checkpoint engine.")
 
     # -- collectives (identities on one process) ---------------------------------------------------
     def barrier(self, name: Optional[str] = None) -> None:
@@ -239,7 +281,7 @@ class Strategy:
     # -- backend primitives (torch.distributed by default) -----------------------------------------
     def _collective(self, name: str, fn: Callable[[], Any]) -> Any:
         """Run one torch.distributed collective, under the hang guard where the strategy set one up."""
-        guard = self._hang_guard
+        guard = self.hang_guard
         return fn() if guard is None else guard.run(name, fn)
 
     def _primitive_barrier(self) -> None:

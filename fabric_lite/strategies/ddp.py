@@ -62,7 +62,6 @@ class DDPStrategy(Strategy):
     """
 
     aliases: ClassVar[Tuple[str, ...]] = ("ddp",)
-    supports_no_sync: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -85,7 +84,8 @@ class DDPStrategy(Strategy):
     def setup_environment(self) -> None:
         import torch.distributed as dist
 
-        super().setup_environment()
+        if self.root_device.type == "cuda":
+            torch.cuda.set_device(self.root_device)
         if not dist.is_available():
             raise RuntimeError("strategy='ddp' needs torch.distributed, which this torch build lacks.")
         if dist.is_initialized():
@@ -133,12 +133,12 @@ class DDPStrategy(Strategy):
     def _guard(self, store: Any) -> None:
         from fabric_lite.strategies.hang_guard import HangGuard
 
-        self._hang_guard = HangGuard(store, self.global_rank, self.world_size, self.timeout.total_seconds())
+        self.hang_guard = HangGuard(store, self.global_rank, self.world_size, self.timeout.total_seconds())
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel
 
-        module = super().setup_module(module)
+        module = self.precision.convert_module(module).to(self.root_device)
         if self.world_size == 1 or not any(p.requires_grad for p in module.parameters()):
             return module
         device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None

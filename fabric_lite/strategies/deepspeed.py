@@ -81,8 +81,9 @@ class DeepSpeedStrategy(DDPStrategy):
     """
 
     aliases: ClassVar[Tuple[str, ...]] = ("deepspeed",)
-    requires_joint_setup: ClassVar[bool] = True
-    supports_no_sync: ClassVar[bool] = False
+    setup_takes_optimizers: ClassVar[bool] = True
+    owns_accumulation_window: ClassVar[bool] = True
+    accelerate_type: ClassVar[Optional[str]] = "DEEPSPEED"
     #: Model and optimizer state are written by the engine, one file per rank (see deepspeed_checkpoint.py).
     checkpoint_engine: ClassVar[Optional[str]] = "deepspeed"
 
@@ -220,11 +221,11 @@ class DeepSpeedStrategy(DDPStrategy):
             )
 
     # -- set-up -------------------------------------------------------------------------------------
-    def configure(self, process: Any, root_device: torch.device, precision: Any) -> None:
-        super().configure(process, root_device, precision)
+    def adapt_precision(self, precision: Any) -> Any:
         # The engine scales fp16 losses itself: torch's GradScaler must neither unscale its optimizer nor
         # show up as `accelerator.scaler`.
-        self.precision.scaler = None
+        precision.scaler = None
+        return precision
 
     def setup_environment(self) -> None:
         import torch.distributed as dist
@@ -252,9 +253,15 @@ class DeepSpeedStrategy(DDPStrategy):
         deepspeed.init_distributed(dist_backend=self.backend, auto_mpi_discovery=False, dist_init_required=False,
                                    timeout=self.timeout)
 
-    def setup(self, module: nn.Module, optimizers: Sequence[Any]) -> Tuple[nn.Module, List[Any]]:
+    def setup(self, modules: Sequence[nn.Module], optimizers: Sequence[Any]) -> Tuple[List[nn.Module], List[Any]]:
         import deepspeed
 
+        if len(modules) != 1:
+            raise ValueError(
+                f"DeepSpeedStrategy wraps one model together with its optimizer; prepare() got {len(modules)} "
+                f"models. Pass exactly one model (and its optimizer) in one prepare() call."
+            )
+        module = modules[0]
         if len(optimizers) > 1:
             raise ValueError(f"DeepSpeed drives one optimizer per model; got {len(optimizers)}. Put the parameter "
                              f"groups into one optimizer.")
@@ -275,9 +282,10 @@ class DeepSpeedStrategy(DDPStrategy):
         )
         # Checkpoints are published by checkpoint_io and consolidated by `fabric-lite consolidate`; the
         # engine's copy of its recovery scripts into the (staging) directory is not wanted.
+        # (a private member of DeepSpeed's engine: it has no public switch for this copy)
         engine._copy_recovery_script = lambda *_: None
         self.engine = engine
-        return engine, ([optimizer] if optimizers else [])
+        return [engine], ([optimizer] if optimizers else [])
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         raise RuntimeError("DeepSpeed wraps the model together with its optimizer: prepare them in one call, "
@@ -327,6 +335,7 @@ class DeepSpeedStrategy(DDPStrategy):
             raise ValueError(f"DeepSpeed clips the 2-norm only; norm_type={norm_type} is not available.")
         engine, max_norm = self.engine, float(max_norm)
         # Also the optimizer's own copy: ZeRO and the 16-bit optimizers take it back from a checkpoint.
+        # (the engine's config object is private in DeepSpeed, and it has no public setter for the limit)
         if float(engine._config.gradient_clipping) != max_norm:
             engine._config.gradient_clipping = max_norm
         if getattr(engine.optimizer, "clip_grad", max_norm) != max_norm:
@@ -362,7 +371,7 @@ class DeepSpeedStrategy(DDPStrategy):
         if hasattr(engine.optimizer, "refresh_fp32_params"):
             engine.optimizer.refresh_fp32_params()  # the optimizer's fp32 master copy follows the weights
 
-    def optimizer_state_dict(self, optimizer: Any) -> Dict[str, Any]:
+    def optimizer_state_dict(self, module: Optional[nn.Module], optimizer: Any) -> Dict[str, Any]:
         raise RuntimeError("DeepSpeed's optimizer state is partitioned across processes; save it with "
                            "save_state(), which writes every rank's part.")
 
@@ -375,6 +384,12 @@ class DeepSpeedStrategy(DDPStrategy):
         from fabric_lite.strategies.deepspeed_checkpoint import read_engine_state
 
         return read_engine_state(self, url, manifest, strict)
+
+    @classmethod
+    def consolidate_checkpoint(cls, url: str, manifest: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+        from fabric_lite.strategies.deepspeed_checkpoint import consolidate
+
+        return consolidate(url, manifest)
 
     def teardown(self) -> None:
         self.engine = None
@@ -394,6 +409,7 @@ class _CastingHooks:
 
     @staticmethod
     def install(module: nn.Module, dtype: torch.dtype) -> None:
+        # (a marker this class sets on the user's module, below)
         if getattr(module, "_fabric_lite_casts", None) == dtype:
             return
 

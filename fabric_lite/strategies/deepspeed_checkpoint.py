@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 import torch
 
-from fabric_lite import checkpoint_io
-from fabric_lite.checkpoint_io import CheckpointError, CheckpointWriter
+from fabric_lite.checkpoint import files as checkpoint_io
+from fabric_lite.checkpoint.files import CheckpointError, CheckpointWriter
 
 if TYPE_CHECKING:
     from fabric_lite.strategies.deepspeed import DeepSpeedStrategy

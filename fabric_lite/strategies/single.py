@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Tuple
+import contextlib
+from typing import ClassVar, ContextManager, Tuple
+
+import torch
+from torch import nn
 
 from fabric_lite.strategies.base import Strategy
 
@@ -21,4 +25,17 @@ class SingleDeviceStrategy(Strategy):
                 f"{self.world_size} ({self.process.source}). Independent copies would train without "
                 f"exchanging gradients. Use strategy='ddp' (or 'auto'), or launch a single process."
             )
-        super().setup_environment()
+        if self.root_device.type == "cuda":
+            torch.cuda.set_device(self.root_device)
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        return self.precision.convert_module(module).to(self.root_device)
+
+    def unwrap_module(self, module: nn.Module) -> nn.Module:
+        return module
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:
+        return contextlib.nullcontext()  # nothing to all-reduce
+
+    def teardown(self) -> None:
+        pass

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from common import parse, write_result
 from fabric_lite import Accelerator, DeepSpeedPlugin, Trainer, TrainModule, set_seed
-from fabric_lite.checkpoint_io import CheckpointError
+from fabric_lite.checkpoint.files import CheckpointError
 
 args = parse({"--root": {"required": True}, "--foreign": {"default": None}})
 

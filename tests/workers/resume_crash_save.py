@@ -92,7 +92,7 @@ def op(name):
 def instrument():
     from fsspec.implementations import local
 
-    from fabric_lite import checkpoint_io
+    from fabric_lite.checkpoint import files as checkpoint_io
     from fabric_lite.callbacks import checkpoint as checkpoint_callback
 
     def base(path):

@@ -105,7 +105,7 @@ loader = DataLoader(regression_data(args.samples), batch_size=4, shuffle=True, n
 result = {"restart": os.environ.get("TORCHELASTIC_RESTART_COUNT")}
 try:
     if args.check_seconds is not None:
-        import fabric_lite.preemption as preemption
+        import fabric_lite.launch.preemption as preemption
 
         preemption.PreemptionWatch.__init__.__defaults__ = (args.check_seconds,)
     trainer.fit(module, loader, ckpt_path=args.ckpt_path)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from common import make_model, parse, write_result
 from fabric_lite import Accelerator, InitProcessGroupKwargs
-from fabric_lite.checkpoint_io import CheckpointError
+from fabric_lite.checkpoint.files import CheckpointError
 
 args = parse({"--ckpt": {}})
 acc = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=60))])

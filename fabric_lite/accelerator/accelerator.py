@@ -1,0 +1,482 @@
+"""The raw door: `Accelerator`, for people who write their own training loop.
+
+Its names, arguments and return values follow Hugging Face Accelerate's, so a script written for it
+runs after changing the import. Every decision about devices, sharding, precision and gradients is
+delegated to the one Strategy it holds; nothing here branches on which strategy that is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from fabric_lite.checkpoint import state as state_io
+from fabric_lite.accelerator.configs import (
+    DataLoaderConfiguration, DeepSpeedPlugin, DistributedDataParallelKwargs, DistributedType,
+    GradientAccumulationPlugin, GradScalerKwargs, InitProcessGroupKwargs, KwargsHandler, ProjectConfiguration,
+    strategy_from_handlers,
+)
+from fabric_lite.strategies.connector import connect
+from fabric_lite.data.loader import DataLoaderShard, shard_dataloader, skip_first_batches
+from fabric_lite.engine import StepEngine
+from fabric_lite.strategies.environments import detect_process, explicit_arguments, read_launch_settings
+from fabric_lite.accelerator.wrappers import AcceleratedOptimizer, AcceleratedScheduler, HookHandle, is_scheduler
+from fabric_lite.strategies.precision import PrecisionForward
+from fabric_lite.accelerator.process_control import ProcessControl
+from fabric_lite.strategies import Strategy
+from fabric_lite.accelerator.tracking import GeneralTracker, make_trackers
+
+__all__ = ["Accelerator", "DistributedType"]
+
+
+class Accelerator(StepEngine, ProcessControl):
+    """Run a hand-written training loop on any device, any number of processes, any precision.
+
+    >>> accelerator = Accelerator(mixed_precision="bf16")
+    >>> model, optimizer, loader = accelerator.prepare(model, optimizer, loader)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        device_placement: bool = True,
+        split_batches: Optional[bool] = None,
+        mixed_precision: Optional[str] = None,
+        gradient_accumulation_steps: Optional[int] = None,
+        cpu: bool = False,
+        dataloader_config: Optional[DataLoaderConfiguration] = None,
+        log_with: Any = None,
+        project_dir: Optional[Union[str, os.PathLike]] = None,
+        project_config: Optional[ProjectConfiguration] = None,
+        gradient_accumulation_plugin: Optional[GradientAccumulationPlugin] = None,
+        step_scheduler_with_optimizer: bool = True,
+        kwargs_handlers: Optional[Sequence[KwargsHandler]] = None,
+        even_batches: Optional[bool] = None,
+        rng_types: Any = None,  # accepted for compatibility: dataloader order is always seeded and synced
+        dynamo_backend: Optional[str] = None,
+        *,
+        strategy: Union[str, Strategy] = "auto",
+        devices: Union[int, str, None] = None,
+        accelerator: str = "auto",
+        deepspeed_plugin: Optional[DeepSpeedPlugin] = None,
+        divide_loss_by: str = "gradient_accumulation_steps",
+    ) -> None:
+        launch = read_launch_settings()
+        #: Under `fabric-lite explain`, the arguments this Accelerator was given (the plan reports settings
+        #: given twice or ignored); None otherwise.
+        self.explain_arguments: Optional[Dict[str, Any]] = None
+        if launch.explain_dry_run:
+            self.explain_arguments = explicit_arguments(Accelerator.__init__, locals())
+            if isinstance(devices, int) and not isinstance(devices, bool) and devices > 1:
+                devices = None  # this lone process stands in for rank 0; the plan checks devices
+        if deepspeed_plugin is not None:
+            if strategy != "auto":
+                raise ValueError(f"Pass strategy={strategy!r} or deepspeed_plugin, not both.")
+            strategy = deepspeed_plugin.to_strategy()
+            gradient_accumulation_steps = gradient_accumulation_steps or deepspeed_plugin.gradient_accumulation_steps
+        process = detect_process()
+        handlers = {type(h): h for h in (kwargs_handlers or [])}
+        for h in handlers.values():
+            if not isinstance(h, KwargsHandler):
+                raise TypeError(f"kwargs_handlers takes KwargsHandler objects, got {type(h).__name__}.")
+
+        plugin = gradient_accumulation_plugin or GradientAccumulationPlugin(
+            num_steps=gradient_accumulation_steps or launch.gradient_accumulation_steps or 1
+        )
+        if gradient_accumulation_plugin is not None and gradient_accumulation_steps not in (None, plugin.num_steps):
+            raise ValueError(
+                f"gradient_accumulation_steps={gradient_accumulation_steps} disagrees with "
+                f"gradient_accumulation_plugin.num_steps={plugin.num_steps}; pass only one of them."
+            )
+        if not isinstance(plugin.num_steps, int) or plugin.num_steps < 1:
+            raise ValueError(f"gradient_accumulation_steps={plugin.num_steps!r} must be an integer >= 1.")
+
+        config = dataloader_config or DataLoaderConfiguration()
+        if split_batches is not None:
+            config.split_batches = split_batches
+        if even_batches is not None:
+            config.even_batches = even_batches
+        self.dataloader_config = config
+
+        self.project_configuration = project_config or ProjectConfiguration(
+            project_dir=os.fspath(project_dir) if project_dir is not None else None
+        )
+        if project_dir is not None and project_config is not None:
+            self.project_configuration.project_dir = os.fspath(project_dir)
+            self.project_configuration.logging_dir = self.project_configuration.logging_dir or os.fspath(project_dir)
+
+        #: Run under `fabric-lite explain` (or FABRIC_LITE_EXPLAIN): the first prepare(loader) prints the plan.
+        self.explain_requested = launch.explain is not None
+        if process.is_distributed and process.global_rank == 0 and not launch.launched_by_fabric_lite:
+            from fabric_lite.launch.config_file import note_unread_config
+
+            note_unread_config(process.source, os.environ)
+        if strategy == "auto" and launch.strategy:
+            strategy = launch.strategy  # from `fabric-lite config` through `fabric-lite launch`
+        if isinstance(strategy, str):
+            strategy = strategy_from_handlers(strategy, handlers, process.world_size)
+        scaler = handlers.get(GradScalerKwargs)
+        strategy = connect(
+            strategy,
+            accelerator="cpu" if (cpu or launch.use_cpu) else accelerator,
+            devices=devices,
+            precision=mixed_precision or launch.mixed_precision or "no",
+            process=process,
+            scaler_kwargs=scaler.to_kwargs() if scaler else None,
+        )
+        # The step engine: the prepared models, optimizers and schedulers, and the accumulation window.
+        self.init_engine(strategy, plugin, divide_loss_by)
+        strategy.setup_environment()
+        self.device_placement = device_placement
+        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+        self.dataloaders: List[DataLoaderShard] = []
+        #: What `save_state` saves beyond the prepared objects: the main process's state, and each process's own.
+        self.registered_objects: List[Any] = []
+        self.per_process_objects: List[Any] = []
+        self._preemption: Any = None
+        self.log_with = log_with
+        self.trackers: List[GeneralTracker] = []
+        self.dynamo_backend = None if dynamo_backend in (None, "no", "NO") else str(dynamo_backend).lower()
+        #: `register_save_state_pre_hook` / `register_load_state_pre_hook` hooks, by handle id.
+        self.save_state_pre_hooks: Dict[int, Callable] = {}
+        self.load_state_pre_hooks: Dict[int, Callable] = {}
+        self._trigger = torch.zeros(1, device=self.device)
+
+    # -- where this process is ---------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.strategy.root_device
+
+    @property
+    def num_processes(self) -> int:
+        return self.strategy.world_size
+
+    @property
+    def process_index(self) -> int:
+        return self.strategy.global_rank
+
+    @property
+    def local_process_index(self) -> int:
+        return self.strategy.local_rank
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.strategy.is_global_zero
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.strategy.is_local_zero
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.process_index == self.num_processes - 1
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.num_processes > 1
+
+    @property
+    def distributed_type(self) -> str:
+        if self.strategy.accelerate_type is not None:
+            return getattr(DistributedType, self.strategy.accelerate_type)
+        if self.num_processes == 1:
+            return DistributedType.NO
+        return DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
+
+    @property
+    def mixed_precision(self) -> str:
+        return self.strategy.precision.accelerate_name
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.gradient_accumulation_plugin.num_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, value: int) -> None:
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"gradient_accumulation_steps={value!r} must be an integer >= 1.")
+        self.gradient_accumulation_plugin.num_steps = value
+
+    @property
+    def split_batches(self) -> bool:
+        return self.dataloader_config.split_batches
+
+    @property
+    def even_batches(self) -> bool:
+        return self.dataloader_config.even_batches
+
+    @property
+    def scaler(self) -> Optional[torch.amp.GradScaler]:
+        """The fp16 loss scaler (None in other precisions)."""
+        return self.strategy.precision.scaler
+
+    @property
+    def project_dir(self) -> Optional[str]:
+        return self.project_configuration.project_dir
+
+    @property
+    def logging_dir(self) -> Optional[str]:
+        return self.project_configuration.logging_dir
+
+    @property
+    def save_iteration(self) -> int:
+        return self.project_configuration.iteration
+
+    # -- prepare -----------------------------------------------------------------------------------
+    def prepare(self, *args: Any, device_placement: Optional[Sequence[bool]] = None) -> Any:
+        """Prepare models, optimizers, dataloaders and schedulers; return them in the order given.
+
+        Objects of any other type are returned untouched.
+        """
+        placement = list(device_placement) if device_placement is not None else [self.device_placement] * len(args)
+        if len(placement) != len(args):
+            raise ValueError(f"device_placement has {len(placement)} entries for {len(args)} objects to prepare.")
+        joint = self.strategy.setup_takes_optimizers and any(isinstance(a, nn.Module) for a in args)
+        if joint:  # (a later prepare() of loaders or schedulers alone takes the usual path)
+            models = [a for a in args if isinstance(a, nn.Module)]
+            optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
+            wrapped_models, wrapped = self.setup_jointly(models, optimizers, self.gradient_accumulation_steps,
+                                                         [a for a in args if isinstance(a, DataLoader)])
+            swap: Dict[int, Any] = {id(raw): w for raw, w in zip(models, wrapped_models)}
+            swap.update({id(raw): w for raw, w in zip(optimizers, wrapped)})
+            args = [swap.get(id(a), a) for a in args]
+        result: List[Any] = []
+        for obj, place in zip(args, placement):
+            if isinstance(obj, nn.Module) and obj not in self.models and not joint:
+                result.append(self.prepare_model(obj, device_placement=place))
+            elif isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, AcceleratedOptimizer):
+                result.append(self.prepare_optimizer(obj))
+            elif isinstance(obj, DataLoader):
+                result.append(self.prepare_data_loader(obj, device_placement=place))
+            else:
+                result.append(obj)
+        for opt in self.optimizers:  # an optimizer prepared before its model: found now
+            if opt.module is None:
+                opt.module = self._model_of(opt)
+        for i, obj in enumerate(result):  # schedulers last: they must find their prepared optimizer
+            if is_scheduler(obj) and not isinstance(obj, AcceleratedScheduler):
+                result[i] = self.prepare_scheduler(obj)
+        if self.explain_requested and any(isinstance(obj, DataLoader) for obj in args):
+            from fabric_lite.explain import explain_accelerator
+
+            explain_accelerator(self)  # `fabric-lite explain`: print the plan and exit 0
+        return result[0] if len(result) == 1 else tuple(result)
+
+    def setup_jointly(self, models: Sequence[nn.Module], optimizers: Sequence[Any], accumulation_steps: int,
+                      loaders: Sequence[Any] = (), gradient_clip_val: Optional[float] = None) -> tuple:
+        """Hand models and optimizers to the strategy in one call (when it `setup_takes_optimizers`), with
+        what it must be configured with; returns the prepared models and optimizers."""
+        batch_size = None
+        if loaders:  # the user's loaders, in this prepare() call
+            batch_size = loaders[0].batch_size
+            if batch_size is not None and self.split_batches:
+                batch_size //= self.num_processes
+        elif self.dataloaders and self.dataloaders[0].total_batch_size:  # prepared earlier (the Trainer)
+            batch_size = self.dataloaders[0].total_batch_size // self.num_processes
+        self.strategy.set_run_hints(micro_batch_size=batch_size, accumulation_steps=accumulation_steps,
+                                    gradient_clip_val=gradient_clip_val)
+        prepared, engine_optimizers = self.strategy.setup(list(models), list(optimizers))
+        self.models.extend(prepared)
+        owner = prepared[0] if len(prepared) == 1 else None
+        wrapped = [AcceleratedOptimizer(o, self.strategy, self.gradient_state, owner or self._model_of(o))
+                   for o in engine_optimizers]
+        self.optimizers.extend(wrapped)
+        return prepared, wrapped
+
+    def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None, evaluation_mode: bool = False) -> nn.Module:
+        """Move the model to the device, give it mixed precision, and wrap it for the strategy."""
+        precision = self.strategy.precision
+        if precision.wraps_forward and not isinstance(getattr(model.forward, "__func__", None), PrecisionForward):
+            PrecisionForward.install(model, precision)
+        if evaluation_mode or (device_placement is False and not self.use_distributed):
+            prepared = precision.convert_module(model)
+        else:
+            prepared = self.strategy.setup_module(model)
+        if self.dynamo_backend is not None:
+            prepared = torch.compile(prepared, backend=self.dynamo_backend)
+        self.models.append(prepared)
+        return prepared
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None) -> AcceleratedOptimizer:
+        wrapped = AcceleratedOptimizer(self.strategy.setup_optimizer(optimizer), self.strategy, self.gradient_state,
+                                       self._model_of(optimizer))
+        self.optimizers.append(wrapped)
+        return wrapped
+
+    def _model_of(self, optimizer: Any) -> Optional[nn.Module]:
+        """The prepared model whose parameters `optimizer` trains (prepared before it), or None."""
+        params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for model in self.models:
+            if any(id(p) in params for p in model.parameters()):
+                return model
+        return None
+
+    def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
+        owners = [o for o in self.optimizers if o.optimizer is scheduler.optimizer or o is scheduler.optimizer]
+        wrapped = AcceleratedScheduler(
+            scheduler, owners or self.optimizers, self.gradient_state,
+            step_with_optimizer=self.step_scheduler_with_optimizer,
+            split_batches=self.split_batches, num_processes=self.num_processes,
+        )
+        self.schedulers.append(wrapped)
+        return wrapped
+
+    def prepare_data_loader(self, data_loader: DataLoader, device_placement: Optional[bool] = None,
+                            even_batches: Optional[bool] = None) -> DataLoaderShard:
+        """Shard by rank (keeping the loader's order and generator), place batches on the device.
+
+        `even_batches=False` here (for one loader) gives each sample to exactly one process, with no
+        padding: right for evaluation, where no gradient all-reduce needs every rank in step.
+        """
+        place = self.device_placement if device_placement is None else device_placement
+        shard_kwargs = self.strategy.distributed_sampler_kwargs or {"num_replicas": 1, "rank": 0}
+        loader = shard_dataloader(
+            data_loader, num_replicas=shard_kwargs["num_replicas"], rank=shard_kwargs["rank"],
+            # DataLoader batches are already on the CPU: moving them there would only cost time.
+            device=self.device if place and self.device.type != "cpu" else None, gradient_state=self.gradient_state,
+            split_batches=self.split_batches, even_batches=self.even_batches if even_batches is None else even_batches,
+            broadcast_seed=self.strategy.broadcast_object,
+            non_blocking=self.dataloader_config.non_blocking,
+            device_feed=self.strategy.device_feed(self.dataloader_config.non_blocking) if place else None,
+        )
+        self.dataloaders.append(loader)
+        return loader
+
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        """The loader's current epoch, starting after `num_batches` of this process's batches."""
+        return skip_first_batches(dataloader, num_batches)
+
+    @contextlib.contextmanager
+    def autocast(self, autocast_handler: Any = None) -> Iterator[None]:
+        """Run the enclosed code under this run's mixed precision (for code outside the model's forward)."""
+        with self.strategy.precision.autocast():
+            yield
+
+    # -- checkpoint hooks ---------------------------------------------------------------------------
+    def register_save_state_pre_hook(self, hook: Callable) -> Any:
+        """`hook(models, weights, output_dir)` runs before `save_state` writes; weights may be edited."""
+        return HookHandle(self.save_state_pre_hooks, hook)
+
+    def register_load_state_pre_hook(self, hook: Callable) -> Any:
+        """`hook(models, input_dir)` runs before `load_state` reads."""
+        return HookHandle(self.load_state_pre_hooks, hook)
+
+    @property
+    def native_amp(self) -> bool:
+        return self.strategy.precision.is_mixed
+
+    # -- models and checkpoints --------------------------------------------------------------------
+    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True) -> nn.Module:
+        """The user's model without DDP (or other) wrappers; optionally without the autocast forward."""
+        inner = self.strategy.unwrap_module(model)
+        inner = getattr(inner, "_orig_mod", inner)  # torch.compile
+        if not keep_fp32_wrapper:
+            PrecisionForward.remove(inner)
+        return inner
+
+    def save(self, obj: Any, f: Union[str, os.PathLike], safe_serialization: bool = False) -> None:
+        """Save `obj` from the main process only, atomically (any fsspec URL). No collective inside,
+        so ``if accelerator.is_main_process: accelerator.save(...)`` is fine."""
+        if self.is_main_process:
+            state_io.save_object(obj, os.fspath(f), safe_serialization)
+
+    def save_model(
+        self, model: nn.Module, save_directory: Union[str, os.PathLike], max_shard_size: Union[int, str] = "10GB",
+        safe_serialization: bool = True,
+    ) -> None:
+        """Write the unwrapped model's weights (safetensors by default), sharded above `max_shard_size`.
+
+        The main process writes; no collective is involved for unsharded strategies.
+        """
+        state = self.get_state_dict(model)
+        if self.is_main_process:
+            state_io.save_model_weights(state, os.fspath(save_directory), max_shard_size, safe_serialization)
+
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> Dict[str, torch.Tensor]:
+        return self.strategy.module_state_dict(model)
+
+    def check_preemption(self) -> bool:
+        """True, on every process at the same call, once any process has received SIGTERM or SIGUSR1.
+
+        Call it once per step; the first call installs the signal handlers. The processes compare
+        notes in one small collective about once a second, so calling it every step costs nothing
+        measurable. On True, save a checkpoint and exit, e.g.
+        ``accelerator.save_state(...); sys.exit(fabric_lite.EXIT_PREEMPTED)``. Once True, further
+        SIGTERM/SIGUSR1 are ignored, so the process leaves with that status even when a launcher
+        signals it again.
+        """
+        if self._preemption is None:
+            from fabric_lite.launch.preemption import PreemptionWatch
+
+            self._preemption = PreemptionWatch()
+            self._preemption.install()
+        stop = self._preemption.should_stop(self.strategy)
+        if stop:
+            self._preemption.uninstall()
+            self._preemption.ignore_signals()
+        return stop
+
+    def register_for_checkpointing(self, *objects: Any, per_process: bool = False) -> None:
+        """Objects with `state_dict`/`load_state_dict` that `save_state`/`load_state` should include.
+
+        By default the main process's state is saved and every process loads it. `per_process=True`
+        saves each process's own state (running totals, per-rank accumulators) and gives it back to
+        the same rank.
+        """
+        bad = [o for o in objects if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))]
+        if bad:
+            raise ValueError(f"register_for_checkpointing needs state_dict/load_state_dict; these lack them: {bad}.")
+        (self.per_process_objects if per_process else self.registered_objects).extend(objects)
+
+    def save_state(self, output_dir: Optional[Union[str, os.PathLike]] = None, **kwargs: Any) -> str:
+        """Save everything needed to continue exactly; returns the checkpoint's location."""
+        return state_io.save_state(self, output_dir)
+
+    def load_state(self, input_dir: Optional[Union[str, os.PathLike]] = None, **kwargs: Any) -> str:
+        """Restore what `save_state` wrote: weights, optimizers, schedulers, scaler, RNGs, loader positions."""
+        return state_io.load_state(self, input_dir, **kwargs)
+
+    # -- trackers ----------------------------------------------------------------------------------
+    def init_trackers(self, project_name: str, config: Optional[Dict[str, Any]] = None,
+                      init_kwargs: Optional[Dict[str, Dict[str, Any]]] = None) -> None:
+        """Start the trackers named by `log_with` (main process only) and record `config`."""
+        if not self.is_main_process:
+            return
+        self.trackers = make_trackers(self.log_with, project_name, self.logging_dir, init_kwargs or {})
+        if config is not None:
+            for tracker in self.trackers:
+                tracker.store_init_configuration(config)
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        for tracker in self.trackers:
+            if tracker.name == name:
+                return tracker.tracker if unwrap else tracker
+        if self.is_main_process:
+            raise ValueError(f"No tracker named {name!r}; started: {[t.name for t in self.trackers]}.")
+        return GeneralTracker()
+
+    def log(self, values: Dict[str, Any], step: Optional[int] = None, log_kwargs: Optional[Dict[str, Any]] = None) -> None:
+        for tracker in self.trackers:
+            tracker.log(values, step=step, **(log_kwargs or {}).get(tracker.name, {}))
+
+    def end_training(self) -> None:
+        """Close trackers, wait for every process, and shut the process group down."""
+        for tracker in self.trackers:
+            tracker.finish()
+        self.trackers = []
+        self.wait_for_everyone()
+        self.strategy.teardown()
+
+    def free_memory(self, *objects: Any) -> List[Any]:
+        self.models, self.optimizers, self.schedulers, self.dataloaders = [], [], [], []
+        self.step = 0
+        return [None] * len(objects)
+
+    clear = free_memory
+
+    def __repr__(self) -> str:
+        return f"Accelerator({self.strategy!r}, gradient_accumulation_steps={self.gradient_accumulation_steps})"

@@ -1,0 +1,367 @@
+"""What `Accelerator.save_state` / `load_state` / `save_model` write, on top of checkpoint_io.
+
+Layout of a state checkpoint (a directory, any fsspec URL):
+``model_{i}.pt`` (the weights of each prepared model) and ``training_state.pt`` (optimizers,
+schedulers, dataloader positions, registered objects, loss scaler) from the main process;
+``rng_{rank}.pt`` (random states, partial accumulation gradients) from every process;
+``manifest.json`` (checksums, format version, step counters) written last.
+
+Few files on purpose: each file costs a serialization and a write (~0.3 ms on a local disk, a
+request on an object store), and frequent small checkpoints are common.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import warnings
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
+
+import torch
+
+from fabric_lite.checkpoint import files as checkpoint_io
+from fabric_lite.checkpoint.files import CheckpointError, CheckpointWriter
+from fabric_lite.seed import capture_rng_state, restore_rng_state
+
+if TYPE_CHECKING:
+    from fabric_lite.accelerator.accelerator import Accelerator
+
+__all__ = ["save_state", "load_state", "save_object", "save_model_weights", "parse_size", "export_weights"]
+
+_CHECKPOINT_RE = re.compile(r"checkpoint_(\d+)$")
+TRAINING_STATE = "training_state.pt"
+
+
+def parse_size(size: Union[int, str]) -> int:
+    """'10GB' -> bytes (decimal units, as Accelerate's max_shard_size)."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*", str(size).upper())
+    if not match:
+        raise ValueError(f"max_shard_size={size!r} is not a size; write e.g. '500MB', '10GB' or a number of bytes.")
+    value, unit = float(match.group(1)), match.group(2)
+    factor = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    return int(value * factor)
+
+
+def save_object(obj: Any, url: str, safe_serialization: bool = False) -> None:
+    if safe_serialization:
+        from safetensors.torch import save as st_save
+
+        fs, path = checkpoint_io.filesystem(url)
+        tmp = f"{path}.tmp"
+        with fs.open(tmp, "wb") as f:
+            f.write(st_save(_unshare(obj)))
+        fs.mv(tmp, path)
+    else:
+        checkpoint_io.save_file(obj, url)
+
+
+def _unshare(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """safetensors refuses tensors sharing storage (tied weights): give each its own contiguous copy."""
+    seen: set = set()
+    out = {}
+    for name, tensor in state.items():
+        tensor = tensor.detach().cpu()
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        out[name] = tensor.clone().contiguous() if key in seen or not tensor.is_contiguous() else tensor
+        seen.add(key)
+    return out
+
+
+def save_model_weights(state: Dict[str, torch.Tensor], directory: str, max_shard_size: Union[int, str],
+                       safe_serialization: bool) -> None:
+    """Write weights as one file, or as shards plus an index above `max_shard_size` (Hugging Face layout)."""
+    if "://" not in directory and os.path.isfile(directory):
+        raise ValueError(f"save_model() needs a directory, but {directory} is a file.")
+    limit = parse_size(max_shard_size)
+    ext, stem = ("safetensors", "model") if safe_serialization else ("bin", "pytorch_model")
+    shards: List[Dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    fs, path = checkpoint_io.filesystem(directory)
+    fs.makedirs(path, exist_ok=True)
+    if len(shards) == 1:
+        save_object(shards[0], f"{directory.rstrip('/')}/{stem}.{ext}", safe_serialization)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        name = f"{stem}-{i:05d}-of-{len(shards):05d}.{ext}"
+        save_object(shard, f"{directory.rstrip('/')}/{name}", safe_serialization)
+        weight_map.update({k: name for k in shard})
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+             "weight_map": weight_map}
+    with fs.open(f"{path.rstrip('/')}/{stem}.{ext}.index.json", "w") as f:
+        json.dump(index, f, indent=2, sort_keys=True)
+
+
+def _checkpoints_root(acc: "Accelerator") -> str:
+    if acc.project_dir is None:
+        raise ValueError(
+            "save_state()/load_state() without a path need automatic_checkpoint_naming and a project_dir: "
+            "Accelerator(project_config=ProjectConfiguration(project_dir='runs', automatic_checkpoint_naming=True))."
+        )
+    return f"{os.fspath(acc.project_dir).rstrip('/')}/checkpoints"
+
+
+def _numbered_checkpoints(root: str) -> List[tuple]:
+    fs, path = checkpoint_io.filesystem(root)
+    if not fs.exists(path):
+        return []
+    found = []
+    for entry in fs.ls(path, detail=False):
+        match = _CHECKPOINT_RE.search(entry.rstrip("/"))
+        if match:
+            found.append((int(match.group(1)), f"{root}/checkpoint_{match.group(1)}"))
+    return sorted(found)
+
+
+def save_state(acc: "Accelerator", output_dir: Optional[Union[str, os.PathLike]], update_latest: bool = False,
+               meta: Optional[Dict[str, Any]] = None) -> str:
+    project = acc.project_configuration
+    automatic = project.automatic_checkpoint_naming
+    if automatic:  # as in Accelerate, automatic naming decides the location
+        output_dir = f"{_checkpoints_root(acc)}/checkpoint_{project.iteration}"
+    elif output_dir is None:
+        raise ValueError(
+            "save_state() needs a directory, or automatic naming: Accelerator(project_config="
+            "ProjectConfiguration(project_dir='runs', automatic_checkpoint_naming=True))."
+        )
+    url = os.fspath(output_dir)
+    strategy = acc.strategy
+    token = strategy.broadcast_object(os.urandom(6).hex())
+    writer: Optional[CheckpointWriter] = None
+    error: Optional[BaseException] = None
+    try:
+        writer = CheckpointWriter(url, staging_token=token)
+        if strategy.is_global_zero:
+            writer.clean_up_interrupted()
+        _write_files(acc, writer, url)
+    except Exception as err:  # every rank must reach the gather below, or the others hang
+        error = err
+    reports = strategy.all_gather_object((repr(error) if error else None, writer.checksums if writer else {}))
+    _raise_if_any_failed(reports, "save_state", url, error, writer if strategy.is_global_zero else None)
+    if strategy.is_global_zero:
+        try:
+            checksums: Dict[str, str] = {}
+            for _, part in reports:
+                checksums.update(part)
+            assert writer is not None
+            engine_meta = {"engine": strategy.checkpoint_engine} if strategy.checkpoint_engine else {}
+            writer.commit(checksums, {"step": acc.step, "world_size": strategy.world_size,
+                                      "iteration": project.iteration, **engine_meta, **(meta or {})})
+            if update_latest or automatic:
+                checkpoint_io.update_latest(url)
+        except Exception as err:
+            error = err
+    commit_error = strategy.broadcast_object(repr(error) if error else None)
+    if commit_error is not None:
+        raise CheckpointError(f"save_state({url}) could not publish the checkpoint: {commit_error}") from error
+    if automatic:
+        project.iteration += 1
+        if project.total_limit is not None and strategy.is_global_zero:
+            existing = _numbered_checkpoints(_checkpoints_root(acc))
+            for _, old in existing[: max(0, len(existing) - project.total_limit)]:
+                fs, path = checkpoint_io.filesystem(old)
+                fs.rm(path, recursive=True)
+        strategy.barrier()
+    return url
+
+
+def _write_files(acc: "Accelerator", writer: CheckpointWriter, url: str) -> None:
+    strategy = acc.strategy
+    engine = strategy.checkpoint_engine
+    if engine is None:
+        # State dicts are built on every rank: sharded strategies need all ranks to assemble them.
+        weights = [strategy.module_state_dict(model) for model in acc.models]
+    else:  # the engine writes model and optimizer state itself, each rank its own files
+        weights = []
+        strategy.save_engine_state(writer)
+    for hook in acc.save_state_pre_hooks.values():
+        hook(acc.models, weights, url)
+    files: Dict[str, Any] = {f"model_{i}.pt": w for i, w in enumerate(weights)}
+    files[TRAINING_STATE] = {
+        "models": len(acc.models),
+        "optimizers": [None if engine else opt.state_dict() for opt in acc.optimizers],
+        "schedulers": [sched.state_dict() for sched in acc.schedulers],
+        "dataloaders": [loader.state_dict() for loader in acc.dataloaders],
+        "custom": [obj.state_dict() for obj in acc.registered_objects],
+        "precision": strategy.precision.state_dict(),
+    }
+    if strategy.is_global_zero:
+        for name, obj in files.items():
+            writer.write(name, obj)
+    writer.write(f"rng_{strategy.global_rank}.pt", _process_local_state(acc))
+
+
+def _raise_if_any_failed(reports: List[Any], verb: str, url: str, error: Optional[BaseException],
+                         writer: Optional[CheckpointWriter]) -> None:
+    failed = {rank: msg for rank, (msg, _) in enumerate(reports) if msg is not None}
+    if not failed:
+        return
+    if writer is not None:
+        writer.abort()  # the previous checkpoint at `url`, if any, is untouched
+    detail = "; ".join(f"rank {rank}: {msg}" for rank, msg in failed.items())
+    raise CheckpointError(
+        f"{verb}({url}) failed and wrote nothing ({detail}). The previous checkpoint there, if any, is intact."
+    ) from error
+
+
+def _process_local_state(acc: "Accelerator") -> Dict[str, Any]:
+    """What differs between processes: RNG states, and mid-accumulation gradients (not yet all-reduced)."""
+    state: Dict[str, Any] = {"rng": capture_rng_state(), "objects": [o.state_dict() for o in acc.per_process_objects]}
+    if not acc.gradient_state.sync_gradients and acc.strategy.checkpoint_engine:
+        warnings.warn(
+            f"save_state inside a gradient accumulation window: the {acc.strategy.checkpoint_engine} engine keeps "
+            f"the window's partial gradients in its own buffers, which are not saved. A run resumed from this "
+            f"checkpoint steps with the rest of the window only. Save after an optimizer step to resume exactly.",
+            stacklevel=4,
+        )
+    elif not acc.gradient_state.sync_gradients:
+        state["partial_grads"] = [
+            {name: p.grad for name, p in acc.unwrap_model(m).named_parameters() if p.grad is not None}
+            for m in acc.models
+        ]
+    return state
+
+
+def _restore_process_local_state(acc: "Accelerator", state: Dict[str, Any]) -> None:
+    restore_rng_state(state["rng"])
+    for obj, saved in zip(acc.per_process_objects, state.get("objects", [])):
+        obj.load_state_dict(saved)
+    grads = state.get("partial_grads")
+    acc.gradient_state.sync_gradients = grads is None
+    for model, saved in zip(acc.models, grads or []):
+        for name, p in acc.unwrap_model(model).named_parameters():
+            p.grad = saved[name].to(p.device) if name in saved else None
+
+
+def _check_keys(url: str, index: int, current: Dict[str, Any], saved: Dict[str, Any]) -> None:
+    missing = sorted(set(current) - set(saved))
+    unexpected = sorted(set(saved) - set(current))
+    if missing or unexpected:
+        def show(keys: List[str]) -> str:
+            return ", ".join(keys[:10]) + (f" and {len(keys) - 10} more" if len(keys) > 10 else "") if keys else "none"
+
+        raise CheckpointError(
+            f"{url}/model_{index}.pt does not fit model {index}: missing keys: {show(missing)}; unexpected keys: "
+            f"{show(unexpected)}. Nothing was loaded. Load a checkpoint of this model, or pass strict=False."
+        )
+
+
+def _load(url: str, name: str, manifest: Dict[str, Any], weights_only: bool) -> Any:
+    try:
+        return checkpoint_io.load_file(url, name, manifest, weights_only=weights_only)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(
+            f"{url}/{name} holds objects that safe loading (weights_only=True) refuses: {err}. If you trust "
+            f"this checkpoint, call load_state(..., weights_only=False)."
+        ) from err
+
+
+def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]], strict: bool = True,
+               weights_only: bool = True, **_: Any) -> str:
+    if input_dir is None:
+        root = _checkpoints_root(acc)
+        found = acc.strategy.broadcast_object(
+            checkpoint_io.newest_whole_checkpoint(root) if acc.strategy.is_global_zero else None)
+        match = _CHECKPOINT_RE.search(found or "")
+        if match is None:
+            raise CheckpointError(f"No whole checkpoint under {root} to load.")
+        url = found
+        acc.project_configuration.iteration = int(match.group(1)) + 1
+    else:
+        url = os.fspath(input_dir)
+    for hook in acc.load_state_pre_hooks.values():
+        hook(acc.models, url)
+    manifest = checkpoint_io.read_manifest(url)
+    strategy = acc.strategy
+    # Read and verify everything first, check it fits, and only then change anything: a checkpoint
+    # that turns out corrupt or foreign leaves the model, optimizers and RNGs as they were.
+    saved_models = sorted((f for f in manifest["files"] if re.fullmatch(r"model_\d+\.pt", f)),
+                          key=lambda f: int(f[6:-3]))
+    state = _load(url, TRAINING_STATE, manifest, weights_only)
+    engine = strategy.checkpoint_engine
+    if manifest["meta"].get("engine") != engine:
+        saved_by = manifest["meta"].get("engine") or "a strategy without an engine (single, ddp)"
+        raise CheckpointError(
+            f"{url} was written by {saved_by}, but this run uses {type(strategy).__name__}; their model and "
+            f"optimizer state are stored differently. Resume with the strategy that saved it, or start this run "
+            f"from its weights: `fabric-lite consolidate {url} weights.pt`, then load_state_dict."
+        )
+    expected = {"model": (state.get("models", len(saved_models)), acc.models), "optimizer": (len(state["optimizers"]), acc.optimizers),
+                "scheduler": (len(state["schedulers"]), acc.schedulers),
+                "dataloader": (len(state["dataloaders"]), acc.dataloaders),
+                "registered object": (len(state["custom"]), acc.registered_objects)}
+    for kind, (saved, objects) in expected.items():
+        if saved != len(objects):
+            raise CheckpointError(
+                f"{url} holds {saved} {kind}(s) but this Accelerator prepared {len(objects)}. Prepare (and register) "
+                f"the same objects, in the same order, as the run that saved it."
+            )
+    apply_engine = strategy.read_engine_state(url, manifest, strict) if engine else None
+    weights = [] if engine else [_load(url, f"model_{i}.pt", manifest, weights_only) for i in range(len(acc.models))]
+    if strict:
+        for i, (model, saved_weights) in enumerate(zip(acc.models, weights)):
+            _check_keys(url, i, strategy.module_state_dict(model), saved_weights)
+    rng_name = f"rng_{strategy.global_rank}.pt"
+    local = _load(url, rng_name, manifest, weights_only=True) if rng_name in manifest["files"] else None
+
+    if apply_engine is not None:
+        apply_engine()
+    for model, saved_weights in zip(acc.models, weights):
+        strategy.load_module_state_dict(model, saved_weights, strict=strict)
+    for kind, objects in (("optimizers", acc.optimizers), ("schedulers", acc.schedulers),
+                          ("dataloaders", acc.dataloaders), ("custom", acc.registered_objects)):
+        for obj, saved_state in zip(objects, state[kind]):
+            if saved_state is not None:  # None: an engine's optimizer, restored with its own files
+                obj.load_state_dict(saved_state)
+    strategy.precision.load_state_dict(state["precision"])
+    if local is not None:
+        _restore_process_local_state(acc, local)
+    else:
+        warnings.warn(
+            f"{url} has no random state for rank {strategy.global_rank} (it was saved by "
+            f"{manifest['meta'].get('world_size')} process(es)); training continues but will not repeat the "
+            f"uninterrupted run bit for bit.",
+            stacklevel=3,
+        )
+    acc.step = int(manifest["meta"].get("step", 0))
+    return url
+
+
+def export_weights(checkpoint: Union[str, os.PathLike], out: Union[str, os.PathLike], model_index: int = 0) -> int:
+    """Write the weights of model `model_index` of a checkpoint as one file (safetensors if `out`
+    ends in .safetensors, else torch.save). Checks the checksum first; returns the number of tensors."""
+    url = os.fspath(checkpoint)
+    manifest = checkpoint_io.read_manifest(url)
+    out = os.fspath(out)
+    engine = manifest["meta"].get("engine")
+    if engine:  # written by a strategy's own engine: that strategy consolidates it
+        from fabric_lite.strategies.registry import strategy_for_checkpoint_engine
+
+        owner = strategy_for_checkpoint_engine(engine)
+        if owner is None:
+            raise CheckpointError(f"{url} was written by the {engine!r} checkpoint engine, which no registered "
+                                  f"strategy provides; register the strategy that wrote it.")
+        if model_index != 0:
+            raise CheckpointError(f"{url} is a {engine} checkpoint, which holds one model; model_index must be 0.")
+        state = owner.consolidate_checkpoint(url, manifest)
+        save_object(state, out, safe_serialization=out.endswith(".safetensors"))
+        return len(state)
+    name = f"model_{model_index}.pt"
+    if name not in manifest["files"]:
+        models = sorted(f for f in manifest["files"] if re.fullmatch(r"model_\d+\.pt", f))
+        raise CheckpointError(f"{url} has no {name}; it holds {models or 'no model weights'}.")
+    state = checkpoint_io.load_file(url, name, manifest, weights_only=True)
+    save_object(state, out, safe_serialization=out.endswith(".safetensors"))
+    return len(state)

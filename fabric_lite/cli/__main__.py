@@ -1,0 +1,5 @@
+import sys
+
+from fabric_lite.cli.main import main
+
+sys.exit(main())

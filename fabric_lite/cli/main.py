@@ -1,0 +1,234 @@
+"""The `fabric-lite` command."""
+
+from __future__ import annotations
+
+import sys
+from typing import List, Optional
+
+USAGE = """usage: fabric-lite <command> [options]
+
+commands:
+  config    answer a few questions (or pass flags) and write the launch config file
+            (fabric-lite config --help)
+  launch    start a training script on one or many processes (fabric-lite launch --help)
+  explain   print the plan a launch would run (processes, precision, sharding, global batch,
+            checkpoints, settings given twice or ignored) from a one-process dry run;
+            takes the same flags as launch (fabric-lite explain --help)
+  test      check this setup: collectives, DDP training parity, checkpoint round-trip
+  env       print versions, devices and the config file in force, ready for a bug report
+  consolidate CHECKPOINT OUT
+            write a checkpoint's model weights as one file a plain nn.Module loads
+            (OUT ending in .safetensors: safetensors; otherwise torch.save)
+"""
+
+
+def _env(args: List[str]) -> int:
+    import argparse
+    import os
+    import platform
+
+    import torch
+
+    import fabric_lite
+    from fabric_lite.launch.config_file import ConfigError, default_config_path, find_config, load_config
+
+    parser = argparse.ArgumentParser(prog="fabric-lite env", description="Print versions, devices and config.")
+    parser.add_argument("--config-file", "--config_file", default=None, metavar="PATH")
+    parsed = parser.parse_args(args)
+    lines = [
+        f"fabric_lite {fabric_lite.__version__}",
+        f"python      {platform.python_version()} ({platform.platform()})",
+        f"torch       {torch.__version__} (CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s) visible)",
+        f"distributed gloo={torch.distributed.is_gloo_available()} nccl={torch.distributed.is_nccl_available()}",
+    ]
+    for name in ("numpy", "fsspec", "tensorboard", "safetensors", "deepspeed", "torch_xla"):
+        try:
+            from importlib.metadata import version
+
+            lines.append(f"{name:<11} {version(name)}")
+        except Exception:
+            lines.append(f"{name:<11} not installed")
+    path = find_config(parsed.config_file, os.environ)
+    if path is None:
+        lines.append(f"config      no config file (none at {default_config_path(os.environ)}; "
+                     f"write one with `fabric-lite config`)")
+    else:
+        try:
+            load_config(path)
+            verdict = ""
+        except ConfigError as err:
+            verdict = f" -- INVALID: {err}"
+        lines.append(f"config      {path}{verdict}")
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")
+            lines += ["  " + line for line in text.rstrip("\n").splitlines()]
+        except OSError:
+            pass
+    print("\n".join(lines))
+    return 0
+
+
+def _consolidate(args: List[str]) -> int:
+    import argparse
+
+    from fabric_lite.checkpoint.files import CheckpointError
+    from fabric_lite.checkpoint.state import export_weights
+
+    parser = argparse.ArgumentParser(
+        prog="fabric-lite consolidate",
+        description="Write the model weights of a fabric_lite checkpoint (a save_state / Trainer checkpoint "
+                    "directory, any fsspec URL) as one state dict: model.load_state_dict(...) takes it.")
+    parser.add_argument("checkpoint")
+    parser.add_argument("out", help="a .safetensors file, or any other name for a torch.save file")
+    parser.add_argument("--model-index", type=int, default=0, help="which prepared model (default 0)")
+    parsed = parser.parse_args(args)
+    try:
+        count = export_weights(parsed.checkpoint, parsed.out, parsed.model_index)
+    except (CheckpointError, ValueError, ImportError) as err:
+        print(f"fabric-lite consolidate: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {count} tensors to {parsed.out}")
+    return 0
+
+
+def _config(args: List[str]) -> int:
+    import argparse
+    import os
+
+    from fabric_lite.launch.config_file import (
+        COMPUTE_ENVIRONMENTS, MIXED_PRECISIONS, STRATEGIES, ConfigError, LaunchConfigFile, default_config_path,
+        dump_config, questionnaire, save_config, validate,
+    )
+
+    parser = argparse.ArgumentParser(
+        prog="fabric-lite config",
+        description="Write the config file `fabric-lite launch` and `fabric-lite test` read their defaults from. "
+                    "Without options it asks a few questions; with --default or any setting below it asks nothing "
+                    "(for scripts). Example: fabric-lite config --nproc-per-node 2 --mixed-precision bf16")
+    parser.add_argument("--config-file", "--config_file", default=None, metavar="PATH",
+                        help="where to write (default: $FABRIC_LITE_CONFIG_DIR/default_config.yaml, else "
+                             "$XDG_CONFIG_HOME/fabric_lite/..., else ~/.config/fabric_lite/...)")
+    parser.add_argument("--default", action="store_true", help="write the default config without asking")
+    settings = parser.add_argument_group("settings (any of these: no questions)")
+    settings.add_argument("--compute-environment", choices=COMPUTE_ENVIRONMENTS)
+    settings.add_argument("--nnodes", "--num-machines", dest="nnodes", type=str)
+    settings.add_argument("--node-rank", "--machine-rank", dest="node_rank", type=str)
+    settings.add_argument("--master-addr", "--main-process-ip", dest="master_addr")
+    settings.add_argument("--master-port", "--main-process-port", dest="master_port", type=str)
+    settings.add_argument("--nproc-per-node", "--num-processes", dest="nproc_per_node", type=str)
+    settings.add_argument("--strategy", help="/".join(STRATEGIES))
+    settings.add_argument("--mixed-precision", help="/".join(MIXED_PRECISIONS))
+    settings.add_argument("--gradient-accumulation-steps", type=str)
+    settings.add_argument("--cpu", dest="use_cpu", action=argparse.BooleanOptionalAction, default=None)
+    parsed = parser.parse_args(args)
+    path = parsed.config_file or default_config_path(os.environ)
+    given = {k: v for k, v in vars(parsed).items() if k not in ("config_file", "default") and v is not None}
+    defaults = LaunchConfigFile(nproc_per_node=_default_nproc())
+    try:
+        if given or parsed.default:
+            raw = {**defaults.to_dict(), **given}
+            if "compute_environment" not in given and str(given.get("nnodes", "1")).strip() not in ("1", "+1"):
+                raw["compute_environment"] = "multi_node"
+            config = validate(raw)
+        else:
+            print(f"Answer each question (Enter takes the value in brackets). The answers go to {path}.")
+            config = questionnaire(input, print, defaults)
+        save_config(config, path)
+    except ConfigError as err:
+        print(f"fabric-lite config: error: {err}", file=sys.stderr)
+        return 2
+    except (EOFError, KeyboardInterrupt):
+        print("\nfabric-lite config: stopped before the last answer; nothing written.", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"fabric-lite config: error: cannot write {path}: {err}", file=sys.stderr)
+        return 1
+    print(f"Configuration saved at {path}")
+    if not (given or parsed.default):
+        print(dump_config(config).rstrip("\n"))
+    return 0
+
+
+def _default_nproc() -> int:
+    """One process per GPU, else one (several processes on CPU only pay off in rare cases)."""
+    import torch
+
+    return torch.cuda.device_count() or 1
+
+
+def _test(args: List[str]) -> int:
+    import argparse
+    import os
+    import shutil
+    import tempfile
+
+    from fabric_lite.launch.config_file import ConfigError, find_config, load_config
+    from fabric_lite.launch.launcher import launch_command
+
+    parser = argparse.ArgumentParser(
+        prog="fabric-lite test",
+        description="Check this setup end to end: start the configured number of processes on this machine "
+                    "(2 on CPU without a config file) through `fabric-lite launch`, run every collective, a "
+                    "short DDP training compared with one process, and a checkpoint round-trip.")
+    parser.add_argument("--config-file", "--config_file", default=None, metavar="PATH")
+    parser.add_argument("--nproc-per-node", "--num-processes", dest="nproc_per_node", type=int, default=None,
+                        help="processes to start (default: the config's nproc_per_node, else 2)")
+    parsed = parser.parse_args(args)
+    if parsed.nproc_per_node is not None and parsed.nproc_per_node < 1:
+        print(f"fabric-lite test: error: --nproc-per-node={parsed.nproc_per_node} must be >= 1.", file=sys.stderr)
+        return 2
+    path = find_config(parsed.config_file, os.environ)
+    launch_args: List[str] = []
+    if path is not None:
+        try:
+            load_config(path)  # a bad file: its one-line error, not a launch attempt
+        except ConfigError as err:
+            print(f"fabric-lite test: error: {err}", file=sys.stderr)
+            return 2
+        launch_args += ["--config-file", str(path)]
+    else:
+        launch_args += ["--nproc-per-node", "2", "--cpu"]
+    if parsed.nproc_per_node is not None:
+        launch_args += ["--nproc-per-node", str(parsed.nproc_per_node)]
+    # Whatever the config says about machines, the check runs on this one, at a free port.
+    launch_args += ["--nnodes", "1", "--node-rank", "0", "--standalone"]
+    workdir = tempfile.mkdtemp(prefix="fabric-lite-test-")
+    try:
+        code = launch_command([*launch_args, "-m", "fabric_lite.cli.selftest", "--workdir", workdir])
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    if code == 0:
+        print("All checks passed.")
+    else:
+        print("Some checks failed (see above).", file=sys.stderr)
+    return code
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "launch":
+        from fabric_lite.launch.launcher import launch_command
+
+        return launch_command(rest)
+    if command == "explain":
+        from fabric_lite.cli.explain import explain_command
+
+        return explain_command(rest)
+    if command == "env":
+        return _env(rest)
+    if command == "config":
+        return _config(rest)
+    if command == "test":
+        return _test(rest)
+    if command == "consolidate":
+        return _consolidate(rest)
+    print(f"fabric-lite: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,9 @@
+"""Dataloaders for several processes: sharding of the user's batch order, a resumable position,
+and batches moved to the device (on a side stream on CUDA)."""
+
+from fabric_lite.data.loader import (
+    DataLoaderShard, IterableDatasetShard, ShardedBatchSampler, shard_dataloader, skip_first_batches,
+)
+
+__all__ = ["DataLoaderShard", "IterableDatasetShard", "ShardedBatchSampler", "shard_dataloader",
+           "skip_first_batches"]

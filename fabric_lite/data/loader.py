@@ -1,0 +1,336 @@
+"""Dataloaders that shard by rank, reshuffle every epoch, resume mid-epoch and move batches to the device.
+
+The user's batch order is kept: their sampler draws the order (seeded from one seed shared by all
+ranks, plus the epoch), and global step k is made of the W consecutive batches kW ... kW+W-1, one
+per rank. So W processes with batch b see exactly the samples one process with batch W*b sees.
+Padding that makes every rank get the same number of full batches sits only in the final global
+step, where `remainder` says how many of its samples are real.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
+
+from fabric_lite.data.sharding import IterableDatasetShard, ShardedBatchSampler
+from fabric_lite.data.transfer import CudaFeed, move_to_device
+
+__all__ = [
+    "DataLoaderShard", "ShardedBatchSampler", "IterableDatasetShard",
+    "shard_dataloader", "skip_first_batches", "move_to_device",
+]
+
+
+@dataclass
+class _Position:
+    """Where a loader is: shared by a loader and its `skip_first_batches` views."""
+
+    base_seed: int = 0
+    epoch: int = 0
+    batches_seen: int = 0  # batches of this rank yielded in the current epoch
+    restored: bool = False  # set by load_state: the next iteration continues at batches_seen
+
+
+class DataLoaderShard(DataLoader):
+    """A prepared dataloader: this rank's batches, on the device, with a resumable position.
+
+    It is a real DataLoader (built over the sharded sampler), so code that checks the type or
+    reads `dataset`, `batch_size`, `num_workers` keeps working.
+    """
+
+    def __init__(
+        self, dataset: Any, *, device: Optional[torch.device], gradient_state: Any,
+        sampler_generator: Optional[torch.Generator], sharded_sampler: Optional[ShardedBatchSampler],
+        position: _Position, remainder: int, total_batch_size: Optional[int],
+        convert_batch: Optional[Callable[[Any], Any]] = None, non_blocking: bool = False,
+        draws_before_sampler: int = 0, device_feed: Optional[Callable[[Any], Any]] = None, **loader_kwargs: Any,
+    ) -> None:
+        # The DataLoader draws worker seeds from its own generator, and only when it builds a new
+        # iterator (not every epoch with persistent workers): it must not share the sampler's.
+        self._loader_generator = torch.Generator()
+        self._draws_before_sampler = draws_before_sampler
+        super().__init__(dataset, generator=self._loader_generator, **loader_kwargs)
+        batch_sampler = sharded_sampler
+        self.device = device
+        self.gradient_state = gradient_state
+        self._generator = sampler_generator
+        self._batch_sampler = batch_sampler
+        self._position = position
+        self.remainder = remainder
+        self.total_batch_size = total_batch_size
+        self._convert = convert_batch
+        self._non_blocking = non_blocking
+        self._device_feed = device_feed  # the strategy's own transfer (see Strategy.device_feed), or None
+        self._skip_request = 0
+        self._at_last = False
+        # The user's sampler, batch sampler and dataset hear the epoch, as under a plain DistributedSampler.
+        inner = batch_sampler.batch_sampler if batch_sampler is not None else None
+        candidates = [inner, getattr(inner, "sampler", None), dataset]
+        self._epoch_listeners = [o for o in candidates if o is not None and callable(getattr(o, "set_epoch", None))]
+
+    def __len__(self) -> int:
+        return max(0, super().__len__() - self._skip_request)
+
+    @property
+    def end_of_dataloader(self) -> bool:
+        return self._at_last
+
+    @property
+    def epoch(self) -> int:
+        return self._position.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose which epoch's order the next iteration draws (done automatically each epoch)."""
+        if epoch != self._position.epoch:
+            self._position.epoch = epoch
+            self._position.batches_seen = 0
+
+    def _start_epoch(self) -> int:
+        pos = self._position
+        if pos.batches_seen and not pos.restored:
+            # The last iteration was abandoned part-way (a `break`): like a plain DataLoader, a new
+            # iteration is a new epoch. Only a restored position is continued.
+            pos.epoch += 1
+            pos.batches_seen = 0
+        pos.restored = False
+        if self._generator is not None:
+            self._generator.manual_seed(pos.base_seed + pos.epoch)
+            for _ in range(self._draws_before_sampler):
+                torch.empty((), dtype=torch.int64).random_(generator=self._generator)
+        self._loader_generator.manual_seed(pos.base_seed + pos.epoch + (1 << 40))
+        for obj in self._epoch_listeners:
+            obj.set_epoch(pos.epoch)
+        skip = max(self._skip_request, pos.batches_seen)
+        if self._batch_sampler is not None:
+            self._batch_sampler.skip = skip
+            return 0
+        return skip  # no sampler to skip in: skip after loading
+
+    def __iter__(self) -> Iterator[Any]:
+        skip_loaded = self._start_epoch()
+        pos = self._position
+        pos.batches_seen = max(self._skip_request, pos.batches_seen)
+        state = self.gradient_state
+        self._at_last = False
+        state.enter(self)
+        device, convert, non_blocking, custom = self.device, self._convert, self._non_blocking, self._device_feed
+        feed = self._cuda_feed() if custom is None and device is not None and device.type == "cuda" else None
+        if custom is not None:
+            device = None  # the strategy's feed moves the batch
+        try:
+            iterator = super().__iter__()
+            if self._batch_sampler is not None:
+                self._batch_sampler.skip = 0
+            if skip_loaded:
+                iterator = itertools.islice(iterator, skip_loaded, None)
+            remaining = self._batches_left_without_look_ahead()
+            if remaining is not None:
+                # Counted, not looked ahead: fetching batch k+1 before step k runs would draw from
+                # the global RNG (random transforms in __getitem__) out of order, and a resumed run
+                # would not repeat it.
+                for current in iterator:
+                    if custom is not None:
+                        current = custom(current)
+                    elif feed is not None:
+                        current = feed(current, non_blocking)
+                    elif device is not None:
+                        current = move_to_device(current, device, non_blocking)
+                    if convert is not None:
+                        current = convert(current)
+                    remaining -= 1
+                    if remaining <= 0:
+                        self._at_last = True
+                        state.mark_last()
+                    pos.batches_seen += 1
+                    yield current
+                    if feed is not None:
+                        feed.wait_host()  # before the loader builds the next batch
+            else:
+                sentinel = object()
+                current = next(iterator, sentinel)
+                while current is not sentinel:
+                    if custom is not None:
+                        current = custom(current)
+                    elif feed is not None:
+                        current = feed(current, non_blocking)
+                        if self.num_workers == 0:  # (workers hand over fresh memory every batch)
+                            feed.wait_host()
+                    elif device is not None:
+                        current = move_to_device(current, device, non_blocking)
+                    if convert is not None:
+                        current = convert(current)
+                    upcoming = next(iterator, sentinel)  # (workers: loaded in the background anyway)
+                    if upcoming is sentinel:
+                        self._at_last = True
+                        state.mark_last()
+                    pos.batches_seen += 1
+                    yield current
+                    current = upcoming
+            pos.epoch += 1
+            pos.batches_seen = 0
+        finally:
+            if feed is not None:
+                feed.wait_host()  # (also when the loop was left early: the next iteration may reuse memory)
+            self._at_last = False
+            state.leave(self)
+
+    def _cuda_feed(self) -> CudaFeed:
+        feed = self.__dict__.get("_feed")
+        if feed is None or feed.device != self.device:
+            feed = self._feed = CudaFeed(self.device)
+        return feed
+
+    def _batches_left_without_look_ahead(self) -> Optional[int]:
+        """Batches left in this epoch when that is known and loading happens in this process; else None
+        (the last batch is then found by loading one batch ahead)."""
+        if self.num_workers > 0 or isinstance(self.dataset, IterableDataset):
+            return None
+        try:
+            return DataLoader.__len__(self) - self._position.batches_seen
+        except TypeError:
+            return None
+
+    def state_dict(self) -> Dict[str, int]:
+        return {"base_seed": self._position.base_seed, "epoch": self._position.epoch,
+                "batches_seen": self._position.batches_seen, "draws_before_sampler": self._draws_before_sampler}
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        self._position.base_seed = int(state["base_seed"])
+        self._position.epoch = int(state["epoch"])
+        self._position.batches_seen = int(state["batches_seen"])
+        self._position.restored = True
+        self._draws_before_sampler = int(state.get("draws_before_sampler", self._draws_before_sampler))
+
+    def view_skipping(self, num_batches: int) -> "DataLoaderShard":
+        """A view of this loader (sharing its position) whose next iteration skips `num_batches`."""
+        view = copy.copy(self)
+        view._skip_request = num_batches  # noqa: SLF001 (a copy of this very class)
+        return view
+
+
+def _loader_kwargs(loader: DataLoader) -> Dict[str, Any]:
+    kwargs: Dict[str, Any] = dict(
+        num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
+        timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context, persistent_workers=loader.persistent_workers,
+    )
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    if hasattr(loader, "in_order"):
+        kwargs["in_order"] = loader.in_order
+    return kwargs
+
+
+def _draw_seed(user_generator: Optional[torch.Generator]) -> int:
+    if user_generator is not None:
+        return int(user_generator.initial_seed())
+    return int(torch.empty((), dtype=torch.int64).random_().item()) & 0x7FFF_FFFF_FFFF
+
+
+def shard_dataloader(
+    loader: DataLoader, *, num_replicas: int, rank: int, device: Optional[torch.device],
+    gradient_state: Any, split_batches: bool = False, even_batches: bool = True,
+    broadcast_seed: Callable[[int], int] = lambda s: s, convert_batch: Optional[Callable[[Any], Any]] = None,
+    non_blocking: bool = False, device_feed: Optional[Callable[[Any], Any]] = None,
+) -> DataLoaderShard:
+    """Rebuild `loader` so this rank reads its shard of the user's order, reshuffled every epoch."""
+    if isinstance(loader, DataLoaderShard):
+        return loader
+    if not isinstance(loader, DataLoader):
+        raise TypeError(f"prepare() shards torch.utils.data.DataLoader objects, got {type(loader).__name__}.")
+    kwargs = _loader_kwargs(loader)
+    dataset = loader.dataset
+    batch_size = loader.batch_size
+    drop_last = loader.drop_last
+    generator = torch.Generator()
+    common = dict(device=device, gradient_state=gradient_state, sampler_generator=generator,
+                  convert_batch=convert_batch, non_blocking=non_blocking, device_feed=device_feed)
+    if isinstance(dataset, IterableDataset):
+        if batch_size is None:
+            raise ValueError("prepare() of an IterableDataset loader needs batch_size set on the DataLoader.")
+        shard = IterableDatasetShard(dataset, batch_size, num_replicas, rank, split_batches, even_batches, drop_last)
+        per_rank = batch_size // num_replicas if split_batches else batch_size
+        base_seed = broadcast_seed(_draw_seed(loader.generator))
+        # Several processes: the shard drops or pads the tail itself. One process: the loader does.
+        total = batch_size if split_batches else batch_size * num_replicas
+        remainder = -1
+        if num_replicas > 1 and not drop_last and hasattr(dataset, "__len__"):
+            remainder = len(dataset) % total
+        return DataLoaderShard(
+            shard, batch_size=per_rank, drop_last=drop_last and num_replicas == 1, sharded_sampler=None,
+            position=_Position(base_seed), remainder=remainder, total_batch_size=total, **common, **kwargs,
+        )
+
+    unbatched = loader.batch_sampler is None  # DataLoader(batch_size=None): one sample at a time
+    if unbatched and num_replicas > 1:
+        raise ValueError(
+            "prepare() shards batches, but this DataLoader has batch_size=None (no automatic batching). "
+            "Give it a batch_size, or batch inside the dataset and shard it yourself with split_between_processes."
+        )
+    user_generator = loader.generator
+    sampler = loader.sampler if unbatched else getattr(loader.batch_sampler, "sampler", None)
+    if sampler is not None and hasattr(sampler, "generator"):
+        # DataLoader(shuffle=True, generator=g): the loader draws a worker seed from g before the
+        # sampler draws its order; the prepared loader repeats that draw so epoch 0 matches a plain one.
+        common["draws_before_sampler"] = int(loader.generator is not None and sampler.generator is loader.generator)
+        user_generator = sampler.generator or user_generator
+        sampler = copy.copy(sampler)
+        sampler.generator = generator  # every rank draws the same order from the shared seed
+    if unbatched:
+        sharded = ShardedBatchSampler(sampler, 1, 0, None)  # one process: passes samples through, can skip
+        kwargs.update(sampler=sharded, batch_size=None)
+    else:
+        batch_sampler = copy.copy(loader.batch_sampler)
+        if sampler is not None and hasattr(batch_sampler, "sampler"):
+            batch_sampler.sampler = sampler
+        sharded = ShardedBatchSampler(batch_sampler, num_replicas, rank, batch_size, split_batches, even_batches,
+                                      drop_last)
+        kwargs.update(batch_sampler=sharded)
+    base_seed = broadcast_seed(_draw_seed(user_generator))
+    total = None if batch_size is None else (batch_size if split_batches else batch_size * num_replicas)
+    remainder = -1
+    if num_replicas > 1 and total is not None and not drop_last and sampler is not None and hasattr(sampler, "__len__"):
+        remainder = len(sampler) % total
+    return DataLoaderShard(
+        dataset, sharded_sampler=sharded, position=_Position(base_seed),
+        remainder=remainder, total_batch_size=total, **common, **kwargs,
+    )
+
+
+def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
+    """A loader whose next iteration starts after `num_batches` of this rank's batches.
+
+    For a prepared loader the skipped batches are never loaded, and the epoch's order is the same
+    one the original loader would draw. Counting is from the start of the epoch: after
+    ``load_state``, ``skip_first_batches(loader, saved_step)`` does not skip twice.
+    """
+    if num_batches < 0:
+        raise ValueError(f"num_batches={num_batches} must be >= 0.")
+    if isinstance(dataloader, DataLoaderShard):
+        return dataloader.view_skipping(num_batches)
+    return _SkipLoader(dataloader, num_batches)
+
+
+class _SkipLoader:
+    """Skip for a loader that was not prepared (its batches are loaded and dropped)."""
+
+    def __init__(self, loader: Any, num_batches: int) -> None:
+        self.base_dataloader = loader
+        self.num_batches = num_batches
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(iter(self.base_dataloader), self.num_batches, None)
+
+    def __len__(self) -> int:
+        return max(0, len(self.base_dataloader) - self.num_batches)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name == "base_dataloader":
+            raise AttributeError(name)
+        return getattr(self.base_dataloader, name)

@@ -1,0 +1,214 @@
+"""This rank's share of the user's batch order: a batch sampler for map-style datasets, a dataset
+wrapper for iterable ones (the layout is described in `data/loader.py`)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any, Iterator, List, Optional, Tuple
+
+import torch
+from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SequentialSampler
+
+__all__ = ["ShardedBatchSampler", "IterableDatasetShard"]
+
+
+class ShardedBatchSampler:
+    """This rank's share of the user's batch sampler (see the module docstring for the layout)."""
+
+    def __init__(
+        self, batch_sampler: Any, num_replicas: int, rank: int, batch_size: Optional[int],
+        split_batches: bool = False, even_batches: bool = True, drop_last: bool = False,
+    ) -> None:
+        if split_batches and num_replicas > 1 and batch_size is None:
+            raise ValueError(
+                "split_batches=True needs the DataLoader's batch_size to split each batch evenly; this loader "
+                "uses a batch_sampler of its own. Use split_batches=False, or a DataLoader with batch_size."
+            )
+        if split_batches and batch_size is not None and batch_size % num_replicas != 0:
+            raise ValueError(
+                f"split_batches=True needs a batch size divisible by the number of processes; got "
+                f"batch_size={batch_size} for {num_replicas} processes. Use a batch size that is a "
+                f"multiple of {num_replicas}, or split_batches=False."
+            )
+        self.batch_sampler = batch_sampler
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.batch_size = batch_size
+        self.split_batches = split_batches
+        self.even_batches = even_batches
+        self.drop_last = drop_last
+        self.skip = 0  # batches of this rank to pass over at the start of the next iteration
+
+    def _draw_order(self) -> Optional[List[int]]:
+        """For torch's own BatchSampler over a RandomSampler or SequentialSampler: the epoch's order,
+        drawn exactly as the sampler would draw it (same generator, same call). None otherwise."""
+        bs = self.batch_sampler
+        sampler = getattr(bs, "sampler", None)
+        if type(bs) is BatchSampler and type(sampler) is SequentialSampler:
+            return list(range(len(sampler.data_source)))
+        if (type(bs) is BatchSampler and type(sampler) is RandomSampler and not sampler.replacement
+                and sampler.generator is not None and sampler.num_samples == len(sampler.data_source)):
+            return torch.randperm(sampler.num_samples, generator=sampler.generator).tolist()
+        return None
+
+    def _user_batches(self, order: Optional[List[int]] = None) -> Iterator[List[int]]:
+        """The user's batches for this epoch, cut from `_draw_order` where there is one instead of
+        pulling the indices one by one. A generator, so nothing is drawn until the first batch is
+        asked for (DataLoader may call iter() twice)."""
+        if order is None:
+            order = self._draw_order()
+        bs = self.batch_sampler
+        if order is None:
+            yield from bs
+            return
+        b, n = bs.batch_size, len(order)
+        for i in range(0, n - n % b if bs.drop_last else n, b):
+            yield order[i:i + b]
+
+    def _groups(self) -> Iterator[Tuple[List[List[int]], bool]]:
+        """Yield (batches making one global step, whether that step is complete); only the last may not be."""
+        W, b = self.num_replicas, self.batch_size
+        if self.split_batches:
+            for batch in self._user_batches():
+                yield [batch], len(batch) == b
+            return
+        group: List[List[int]] = []
+        for batch in self._user_batches():
+            group.append(batch)
+            if len(group) == W and (b is None or len(batch) == b):
+                yield group, True
+                group = []
+        if group:
+            yield group, False
+
+    def _this_rank(self, group: List[List[int]], head: List[List[int]]) -> Optional[List[int]]:
+        W, r = self.num_replicas, self.rank
+        flat = [i for batch in group for i in batch]
+        if self.split_batches:
+            full = self.batch_size or len(flat)
+        else:
+            full = W * self.batch_size if self.batch_size is not None else None
+        complete = (len(flat) == full) if full is not None else len(group) == W
+        if complete:
+            if self.split_batches:
+                per = full // W
+                return flat[r * per:(r + 1) * per]
+            return group[r]
+        if self.drop_last:
+            return None
+        if not self.even_batches:
+            if self.split_batches:
+                per = math.ceil(len(flat) / W)
+                part = flat[r * per:(r + 1) * per]
+                return part or None
+            return group[r] if r < len(group) else None
+        if full is None:  # variable-size batches: fill missing batches with the epoch's first ones
+            batches = group + [list(b) for b in itertools.islice(itertools.cycle(head), W - len(group))]
+            return batches[r]
+        pad = list(itertools.islice(itertools.cycle([i for b in head for i in b] or flat), full - len(flat)))
+        flat = flat + pad
+        per = full // W
+        return flat[r * per:(r + 1) * per]
+
+    def __iter__(self) -> Iterator[List[int]]:
+        # `skip` is read now but not cleared: a DataLoader with workers calls iter() twice and uses the
+        # second iterator, so the prepared loader clears it once its own iter() has returned.
+        if self.num_replicas == 1:  # one process: the user's batches exactly as their sampler makes them
+            return itertools.islice(self._user_batches(), self.skip, None)
+        return self._iter_sharded(self.skip)
+
+    def _iter_sharded(self, skip: int) -> Iterator[List[int]]:
+        r = self.rank
+        order = self._draw_order() if not self.split_batches and self.batch_size else None
+        if order is not None:
+            # The common case in one generator (one resumption a step, not four): global step k is the
+            # W batches order[(kW + j)b : (kW + j + 1)b], and this rank's is j = r. What is left after
+            # the whole steps is one incomplete step, dealt with below as on the general path.
+            W, b = self.num_replicas, self.batch_size
+            whole = len(order) // (W * b)
+            for k in range(skip, whole):
+                start = (k * W + r) * b
+                yield order[start:start + b]
+            if whole < skip:
+                return
+            rest = order[whole * W * b:]
+            tail = [rest[i:i + b] for i in range(0, len(rest) - len(rest) % b if self.batch_sampler.drop_last
+                                                  else len(rest), b)]
+            if tail:
+                head = [order[j * b:(j + 1) * b] for j in range(W)] if whole else tail
+                mine = self._this_rank(tail, head)
+                if mine is not None:
+                    yield mine
+            return
+        head: List[List[int]] = []  # the epoch's first global step: what padding repeats
+        for n, (group, complete) in enumerate(self._groups()):
+            if not head:
+                head = group
+            if n < skip:
+                continue
+            if complete and not self.split_batches:
+                yield group[r]
+                continue
+            mine = self._this_rank(group, head)
+            if mine is not None:
+                yield mine
+
+    def __len__(self) -> int:
+        n = len(self.batch_sampler)
+        W = self.num_replicas
+        if self.split_batches and W > 1 and not self.even_batches and not self.drop_last and n:
+            # the short last batch is cut in ceil(L/W) pieces: the last ranks may get none
+            sampler = getattr(self.batch_sampler, "sampler", None)
+            last = len(sampler) % self.batch_size if self.batch_size and hasattr(sampler, "__len__") else 0
+            if last:
+                return n - 1 + (1 if self.rank * math.ceil(last / W) < last else 0)
+        if self.split_batches or W == 1:
+            return n
+        if self.drop_last:
+            return n // W
+        if self.even_batches:
+            return math.ceil(n / W)
+        return n // W + (1 if self.rank < n % W else 0)
+
+
+class IterableDatasetShard(IterableDataset):
+    """This rank's share of an IterableDataset: chunks of W*b samples, slice r of each."""
+
+    def __init__(
+        self, dataset: Any, batch_size: int, num_replicas: int, rank: int,
+        split_batches: bool = False, even_batches: bool = True, drop_last: bool = False,
+    ) -> None:
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.split_batches = split_batches
+        self.even_batches = even_batches
+        self.drop_last = drop_last
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.num_replicas == 1:
+            yield from self.dataset
+            return
+        per = self.batch_size // self.num_replicas if self.split_batches else self.batch_size
+        chunk = per * self.num_replicas
+        lo, hi = self.rank * per, (self.rank + 1) * per
+        buffer: List[Any] = []
+        head: List[Any] = []
+        for item in self.dataset:
+            buffer.append(item)
+            if len(buffer) == chunk:
+                if not head:
+                    head = list(buffer)
+                yield from buffer[lo:hi]
+                buffer = []
+        if not buffer or self.drop_last:
+            return
+        if self.even_batches:
+            buffer += list(itertools.islice(itertools.cycle(head or buffer), chunk - len(buffer)))
+        yield from buffer[lo:hi]

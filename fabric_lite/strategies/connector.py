@@ -1,0 +1,97 @@
+"""Turn what the user asked for (accelerator, devices, strategy, precision) into one configured Strategy.
+
+Both front doors call `connect`; it is the only place that looks at the hardware and the launch
+environment, and the place that refuses combinations that cannot work.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from fabric_lite.strategies.environments import ProcessInfo
+from fabric_lite.strategies.precision import Precision, resolve_precision
+from fabric_lite.strategies import Strategy, create_strategy
+
+__all__ = ["connect", "resolve_accelerator", "check_devices"]
+
+_ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
+
+
+def _mps_available() -> bool:
+    return bool(getattr(torch.backends, "mps", None)) and torch.backends.mps.is_available()
+
+
+def resolve_accelerator(accelerator: str) -> str:
+    """'auto' -> the best device type here; 'gpu' -> 'cuda' (or 'mps' on Apple silicon)."""
+    name = str(accelerator).lower()
+    if name not in _ACCELERATORS:
+        raise ValueError(
+            f"Unknown accelerator {accelerator!r}. Allowed values: {', '.join(map(repr, _ACCELERATORS))}."
+        )
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else ("mps" if _mps_available() else "cpu")
+    if name == "gpu":
+        name = "cuda" if torch.cuda.is_available() or not _mps_available() else "mps"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"accelerator={accelerator!r} was asked for, but torch sees no CUDA device "
+            f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}). Use accelerator='cpu', "
+            f"or install a CUDA build of torch on a machine with an NVIDIA GPU."
+        )
+    if name == "mps" and not _mps_available():
+        raise ValueError(f"accelerator={accelerator!r} was asked for, but MPS is not available. Use 'cpu'.")
+    return name
+
+
+def check_devices(devices: Union[int, str, None], device_type: str, process: ProcessInfo) -> None:
+    if devices is None or devices == "auto":
+        return
+    if not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices={devices!r} is not valid: pass a positive integer or 'auto'.")
+    if device_type == "cuda" and devices > torch.cuda.device_count():
+        raise ValueError(
+            f"devices={devices} was asked for, but only {torch.cuda.device_count()} CUDA device(s) are "
+            f"visible. Pass devices<={torch.cuda.device_count()} or check CUDA_VISIBLE_DEVICES."
+        )
+    if device_type == "mps" and devices > 1:
+        raise ValueError(f"devices={devices} was asked for, but MPS offers one device. Pass devices=1.")
+    if process.is_distributed and devices != process.local_world_size:
+        raise ValueError(
+            f"devices={devices} disagrees with the launcher, which started {process.local_world_size} "
+            f"process(es) on this node ({process.source}). Drop `devices` or make them match."
+        )
+    if not process.is_distributed and devices > 1:
+        raise ValueError(
+            f"devices={devices} needs {devices} processes, but this is a lone process. Start it with "
+            f"`fabric-lite launch --nproc-per-node {devices} train.py` (or torchrun), or use "
+            f"notebook_launcher(fn, num_processes={devices})."
+        )
+
+
+def connect(
+    strategy: Union[str, Strategy] = "auto",
+    accelerator: str = "auto",
+    devices: Union[int, str, None] = None,
+    precision: Optional[str] = None,
+    process: Optional[ProcessInfo] = None,
+    scaler_kwargs: Optional[dict] = None,
+) -> Strategy:
+    """Return a configured (not yet started) strategy for this process."""
+    process = process if process is not None else ProcessInfo()
+    precision_name = resolve_precision(precision)
+    device_type = resolve_accelerator(accelerator)
+    check_devices(devices, device_type, process)
+    if isinstance(strategy, Strategy):
+        instance = strategy
+    elif isinstance(strategy, str):
+        instance = create_strategy(strategy, process.world_size)
+    else:
+        raise TypeError(f"strategy must be a name or a Strategy instance, got {type(strategy).__name__}.")
+    if device_type == "cuda":
+        root = torch.device("cuda", process.local_rank % max(1, torch.cuda.device_count()))
+    else:
+        root = torch.device(device_type)
+    instance.configure(process, root, Precision(precision_name, device_type, scaler_kwargs))
+    return instance

@@ -1,0 +1,238 @@
+"""Who this process is in the job, read once from the launch environment.
+
+Every environment variable fabric_lite understands is read here and nowhere else; the rest of the
+package receives plain values. `detect_process` is a pure function of a mapping, so tests pass a
+dict instead of patching ``os.environ``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional
+
+__all__ = ["ProcessInfo", "LaunchSettings", "detect_process", "read_launch_settings", "first_host"]
+
+# Variables the `fabric-lite launch` command and `notebook_launcher` use to hand settings to the
+# Accelerator running inside each worker.
+ENV_MIXED_PRECISION = "FABRIC_LITE_MIXED_PRECISION"
+ENV_GRAD_ACCUM = "FABRIC_LITE_GRADIENT_ACCUMULATION_STEPS"
+ENV_USE_CPU = "FABRIC_LITE_USE_CPU"
+ENV_STRATEGY = "FABRIC_LITE_STRATEGY"
+ENV_LAUNCHED = "FABRIC_LITE_LAUNCHED"  # set by `fabric-lite launch` / notebook_launcher in every worker
+# `fabric-lite explain`: print the plan at the first prepare(dataloader) / Trainer.fit and exit (explain.py).
+ENV_EXPLAIN = "FABRIC_LITE_EXPLAIN"
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """This process's place in the job: ranks, sizes and where the rendezvous lives."""
+
+    world_size: int = 1
+    global_rank: int = 0
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: Optional[int] = None
+    restart_count: int = 0
+    uses_agent_store: bool = False
+    source: str = "lone process"
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // max(1, self.local_world_size))
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+@dataclass(frozen=True)
+class LaunchSettings:
+    """Settings a launcher passed to the workers (None where the launcher said nothing)."""
+
+    mixed_precision: Optional[str] = None
+    gradient_accumulation_steps: Optional[int] = None
+    use_cpu: bool = False
+    strategy: Optional[str] = None
+    launched_by_fabric_lite: bool = False
+    explain: Optional[str] = None  # FABRIC_LITE_EXPLAIN: None (off), "1", or the planned launch as JSON
+
+    @property
+    def explain_dry_run(self) -> bool:
+        """This lone process stands in for a planned launch (`fabric-lite explain`): the doors record the
+        arguments they were given, and leave checks of the launch (devices, nodes) to the plan."""
+        return self.explain is not None and self.explain.lstrip().startswith("{")
+
+
+def explicit_arguments(function: Any, values: Mapping[str, Any]) -> Dict[str, Any]:
+    """The arguments among `values` (a call's locals) that differ from `function`'s defaults."""
+    import inspect
+
+    out: Dict[str, Any] = {}
+    for name, param in inspect.signature(function).parameters.items():
+        if name == "self" or name not in values or param.kind is param.VAR_KEYWORD:
+            continue
+        value = values[name]
+        try:
+            same = value is param.default or bool(value == param.default)
+        except Exception:  # values without a plain ==
+            same = False
+        if not same:
+            out[name] = value
+    return out
+
+
+def _int(env: Mapping[str, str], name: str, default: Optional[int] = None) -> Optional[int]:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(
+            f"Environment variable {name}={raw!r} is not an integer; the launcher that set it is "
+            f"misconfigured. Unset it or set it to a whole number."
+        ) from None
+
+
+def detect_process(env: Optional[Mapping[str, str]] = None) -> ProcessInfo:
+    """Return this process's ranks: from torchrun / torch elastic (or plain RANK/WORLD_SIZE)
+    variables, else from a SLURM step started by `srun`, else from OpenMPI or MPICH/Intel MPI
+    (`mpirun`), else a lone process. The first that applies wins.
+
+    >>> detect_process({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}).global_rank
+    1
+    >>> detect_process({"SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "1",
+    ...                 "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_NODEID": "1",
+    ...                 "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "1234"}).master_addr
+    'gpu07'
+    """
+    env = os.environ if env is None else env
+    world_size = _int(env, "WORLD_SIZE")
+    if world_size is None:
+        if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
+            return _checked(_from_slurm(env), "SLURM_PROCID", "SLURM_STEP_NUM_TASKS")
+        if "OMPI_COMM_WORLD_SIZE" in env:
+            return _checked(_from_mpi(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                                      "OMPI_COMM_WORLD_LOCAL_SIZE", "OpenMPI"),
+                            "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")
+        if "PMI_SIZE" in env and "PMI_RANK" in env:
+            return _checked(_from_mpi(env, "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "MPICH/Intel MPI"),
+                            "PMI_RANK", "PMI_SIZE")
+        return ProcessInfo()
+    rank = _int(env, "RANK", 0)
+    local_rank = _int(env, "LOCAL_RANK", 0)
+    local_world_size = _int(env, "LOCAL_WORLD_SIZE", world_size)
+    assert rank is not None and local_rank is not None and local_world_size is not None
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(
+            f"Inconsistent launch environment: RANK={rank}, WORLD_SIZE={world_size}. RANK must lie in "
+            f"[0, WORLD_SIZE). Check the launcher command line."
+        )
+    if not 0 <= local_rank < local_world_size:
+        raise ValueError(
+            f"Inconsistent launch environment: LOCAL_RANK={local_rank}, LOCAL_WORLD_SIZE={local_world_size}."
+        )
+    node_rank = _int(env, "GROUP_RANK", None)
+    if node_rank is None:
+        node_rank = _int(env, "NODE_RANK", rank // local_world_size)
+    elastic = "TORCHELASTIC_RUN_ID" in env or "TORCHELASTIC_RESTART_COUNT" in env
+    return ProcessInfo(
+        world_size=world_size,
+        global_rank=rank,
+        local_rank=local_rank,
+        local_world_size=local_world_size,
+        node_rank=node_rank or 0,
+        master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=_int(env, "MASTER_PORT"),
+        restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0) or 0,
+        uses_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+        source="torchrun" if elastic else "environment variables",
+    )
+
+
+def _checked(info: ProcessInfo, rank_var: str, size_var: str) -> ProcessInfo:
+    if info.world_size < 1 or not 0 <= info.global_rank < info.world_size:
+        raise ValueError(f"Inconsistent {info.source} environment: {rank_var}={info.global_rank}, "
+                         f"{size_var}={info.world_size}. The rank must lie in [0, {size_var}).")
+    if not 0 <= info.local_rank < info.local_world_size:
+        raise ValueError(f"Inconsistent {info.source} environment: local rank {info.local_rank} of "
+                         f"{info.local_world_size} processes on this node.")
+    return info
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: "gpu[07-09,12],cpu1" -> "gpu07"."""
+    head = nodelist.strip()
+    bracket, comma = head.find("["), head.find(",")
+    if comma != -1 and (bracket == -1 or comma < bracket):
+        return head[:comma]
+    if bracket == -1:
+        return head
+    first = head[bracket + 1:].split("]", 1)[0].split(",", 1)[0].split("-", 1)[0]
+    return head[:bracket] + first
+
+
+def _tasks_on_node(spec: str, node: int) -> Optional[int]:
+    """Tasks on node `node` from a SLURM tasks-per-node spec such as "2(x3),1"."""
+    index = 0
+    for part in spec.split(","):
+        count, _, repeat = part.partition("(x")
+        times = int(repeat.rstrip(")")) if repeat else 1
+        if node < index + times:
+            return int(count)
+        index += times
+    return None
+
+
+def _from_slurm(env: Mapping[str, str]) -> ProcessInfo:
+    node = _int(env, "SLURM_NODEID", 0) or 0
+    world_size = _int(env, "SLURM_STEP_NUM_TASKS", 1) or 1
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    local_size = _tasks_on_node(spec, node) if spec else None
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    job = _int(env, "SLURM_JOB_ID", 0) or 0
+    return ProcessInfo(
+        world_size=world_size,
+        global_rank=_int(env, "SLURM_PROCID", 0) or 0,
+        local_rank=_int(env, "SLURM_LOCALID", 0) or 0,
+        local_world_size=local_size or world_size,
+        node_rank=node,
+        master_addr=env.get("MASTER_ADDR") or (first_host(nodelist) if nodelist else "127.0.0.1"),
+        # every task derives the same port from the job id, unless MASTER_PORT says otherwise
+        master_port=_int(env, "MASTER_PORT", 15000 + job % 20000),
+        restart_count=_int(env, "SLURM_RESTART_COUNT", 0) or 0,
+        source="SLURM (srun)",
+    )
+
+
+def _from_mpi(env: Mapping[str, str], rank: str, size: str, local_rank: str, local_size: str,
+              name: str) -> ProcessInfo:
+    world_size = _int(env, size, 1) or 1
+    local_world_size = _int(env, local_size, world_size) or world_size
+    global_rank = _int(env, rank, 0) or 0
+    return ProcessInfo(
+        world_size=world_size,
+        global_rank=global_rank,
+        local_rank=_int(env, local_rank, 0) or 0,
+        local_world_size=local_world_size,
+        node_rank=global_rank // local_world_size,
+        master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=_int(env, "MASTER_PORT", 29500),  # set MASTER_ADDR/MASTER_PORT across nodes
+        source=f"{name} (mpirun)",
+    )
+
+
+def read_launch_settings(env: Optional[Mapping[str, str]] = None) -> LaunchSettings:
+    """Settings that `fabric-lite launch --mixed-precision ...` passed down to this worker."""
+    env = os.environ if env is None else env
+    return LaunchSettings(
+        mixed_precision=env.get(ENV_MIXED_PRECISION) or None,
+        gradient_accumulation_steps=_int(env, ENV_GRAD_ACCUM),
+        use_cpu=env.get(ENV_USE_CPU, "").lower() in {"1", "true", "yes"},
+        strategy=env.get(ENV_STRATEGY) or None,
+        launched_by_fabric_lite=env.get(ENV_LAUNCHED) == "1",
+        explain=None if env.get(ENV_EXPLAIN, "").strip().lower() in {"", "0", "false", "no"} else env[ENV_EXPLAIN],
+    )

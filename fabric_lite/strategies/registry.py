@@ -1,0 +1,75 @@
+"""The strategy registry: the one list of strategy names (the doors, `fabric-lite launch --strategy`,
+the config file, `explain` and error messages all read it).
+
+Entries name their class by module path, so listing the names imports neither torch nor an optional
+engine. A new strategy adds one `register_strategy` line at the bottom.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Dict, List, Optional, Tuple, Type, Union
+
+__all__ = ["register_strategy", "create_strategy", "available_strategies", "strategy_class",
+           "strategy_for_checkpoint_engine"]
+
+# name -> (class or "module:Class", keyword defaults)
+_REGISTRY: Dict[str, Tuple[Union[type, str], Dict[str, Any]]] = {}
+
+
+def register_strategy(name: str, cls: Union[type, str], **defaults: Any) -> None:
+    """Make `name` resolve to `cls(**defaults)`; `cls` may be "package.module:ClassName"."""
+    _REGISTRY[name.lower()] = (cls, defaults)
+
+
+def available_strategies() -> List[str]:
+    """Every name a strategy may be given by ("auto" first)."""
+    return ["auto", *sorted(_REGISTRY)]
+
+
+def strategy_class(name: str) -> Type[Any]:
+    """The class a registered name stands for (imports its module, not its engine)."""
+    cls, _ = _entry(name)
+    if isinstance(cls, str):
+        module_name, _, attr = cls.partition(":")
+        cls = getattr(importlib.import_module(module_name), attr)
+    return cls
+
+
+def _entry(name: str) -> Tuple[Union[type, str], Dict[str, Any]]:
+    key = name.lower()
+    if key not in _REGISTRY:
+        raise ValueError(
+            f"Unknown strategy {name!r}. Allowed values: {', '.join(repr(s) for s in available_strategies())}. "
+            f"Pass one of these names or a Strategy instance such as DDPStrategy(find_unused_parameters=True)."
+        )
+    return _REGISTRY[key]
+
+
+def create_strategy(name: str, world_size: int = 1) -> Any:
+    """Build the strategy a string names; "auto" means DDP when several processes run, else single."""
+    key = name.lower()
+    if key == "auto":
+        key = "ddp" if world_size > 1 else "single"
+    _, defaults = _entry(key)
+    return strategy_class(key)(**defaults)
+
+
+def strategy_for_checkpoint_engine(engine: str) -> Optional[Type[Any]]:
+    """The strategy class whose `checkpoint_engine` wrote a checkpoint (the manifest records the name)."""
+    for name in sorted(_REGISTRY):
+        cls = strategy_class(name)
+        if getattr(cls, "checkpoint_engine", None) == engine:
+            return cls
+    return None
+
+
+register_strategy("single", "fabric_lite.strategies.single:SingleDeviceStrategy")
+register_strategy("single_device", "fabric_lite.strategies.single:SingleDeviceStrategy")
+register_strategy("ddp", "fabric_lite.strategies.ddp:DDPStrategy")
+_DEEPSPEED = "fabric_lite.strategies.deepspeed:DeepSpeedStrategy"
+register_strategy("deepspeed", _DEEPSPEED)
+for _stage in (1, 2, 3):
+    register_strategy(f"deepspeed_stage_{_stage}", _DEEPSPEED, stage=_stage)
+register_strategy("deepspeed_stage_2_offload", _DEEPSPEED, stage=2, offload_optimizer=True)
+register_strategy("deepspeed_stage_3_offload", _DEEPSPEED, stage=3, offload_optimizer=True, offload_parameters=True)

@@ -1,0 +1,322 @@
+"""The Trainer's loops: fit (train epochs with validation), evaluation, prediction.
+
+A training micro-step runs through the step engine (`trainer.accelerator`, see `engine.py`), the same
+code the raw door runs; device, precision and gradient decisions go to the strategy beneath it. These
+functions only decide *when* things happen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+import torch
+
+
+if TYPE_CHECKING:
+    from fabric_lite.trainer.trainer import Trainer
+
+__all__ = ["run_fit", "run_evaluation", "run_predict", "batch_limit", "loader_length"]
+
+
+def batch_limit(limit: Any, length: Optional[int]) -> Optional[int]:
+    """How many batches to run: `limit` as a count (int) or a fraction of the loader (float)."""
+    if limit is None:
+        return length
+    if isinstance(limit, float) and 0.0 <= limit <= 1.0:
+        if length is None:
+            raise ValueError(f"A fractional batch limit ({limit}) needs a dataloader with a length.")
+        return int(length * limit)
+    if isinstance(limit, int) and limit >= 0:
+        return limit if length is None else min(limit, length)
+    raise ValueError(f"Batch limit {limit!r} must be an int >= 0 or a float in [0.0, 1.0].")
+
+
+def loader_length(loader: Any) -> Optional[int]:
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+class _StepHooks:
+    """The per-step hooks that do something, looked up once per epoch: calling the empty defaults of
+    every callback and of the module on each step costs more than a tiny model's step takes to vary."""
+
+    def __init__(self, trainer: "Trainer") -> None:
+        from fabric_lite.callbacks.base import Callback
+        from fabric_lite.trainer.module import TrainModule
+
+        module = trainer.module
+
+        def mine(name: str) -> Any:
+            overridden = name in vars(module) or getattr(type(module), name) is not getattr(TrainModule, name)
+            return getattr(module, name) if overridden else None
+
+        def theirs(name: str) -> List[Any]:
+            return [getattr(cb, name) for cb in trainer.callbacks
+                    if name in vars(cb) or getattr(type(cb), name) is not getattr(Callback, name)]
+
+        self.batch_start, self.batch_end = mine("on_train_batch_start"), mine("on_train_batch_end")
+        self.before_backward, self.after_backward = mine("on_before_backward"), mine("on_after_backward")
+        self.cb_batch_start, self.cb_batch_end = theirs("on_train_batch_start"), theirs("on_train_batch_end")
+        # The module's and the callbacks' on_before_optimizer_step as one callable for the engine (or None).
+        own, callbacks = mine("on_before_optimizer_step"), theirs("on_before_optimizer_step")
+
+        def before_optimizer_step(optimizer: Any) -> None:
+            if own is not None:
+                own(optimizer)
+            for hook in callbacks:
+                hook(trainer, module, optimizer)
+
+        self.before_optimizer_step = before_optimizer_step if callbacks else own
+
+
+def _extract_loss(out: Any, batch_idx: int) -> torch.Tensor:
+    loss = out.get("loss") if isinstance(out, dict) else out
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        got = "nothing" if out is None else (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+                                             else type(out).__name__)
+        raise ValueError(
+            f"training_step returned {got} at batch {batch_idx}; with automatic optimization it must return the "
+            f"loss (a scalar tensor) or a dict with a 'loss' key. For loops that step themselves, set "
+            f"`automatic_optimization = False`."
+        )
+    return loss
+
+
+def _flush_step_metrics(trainer: "Trainer") -> None:
+    values = trainer.metric_store.flush_step()
+    if values:
+        trainer.log_metrics(values, trainer.global_step)
+
+
+def run_fit(trainer: "Trainer") -> None:
+    trainer.start_time = time.monotonic()
+    trainer.should_stop = False
+    module = trainer.module
+    trainer.call_hook("on_fit_start")
+    if trainer.val_dataloaders and trainer.num_sanity_val_steps > 0 and trainer.global_step == 0:
+        trainer.sanity_checking = True
+        for loader in trainer.val_dataloaders:
+            run_evaluation(trainer, "validate", loader, limit=trainer.num_sanity_val_steps, log=False)
+        trainer.sanity_checking = False
+        trainer.metric_store.callback_metrics.clear()
+        trainer.metric_store.progress_bar_metrics.clear()
+    for cb in trainer.callbacks:
+        cb.on_hyperparameters(trainer, dict(module.hparams))
+    trainer.call_hook("on_train_start")
+    while not trainer.should_stop and (trainer.max_epochs == -1 or trainer.current_epoch < trainer.max_epochs):
+        if 0 <= trainer.max_steps <= trainer.global_step:
+            break
+        _train_epoch(trainer)
+        if trainer.should_stop and trainer.time_is_up():
+            break
+        trainer.current_epoch += 1
+        trainer.epoch_finished = False
+    trainer.call_hook("on_train_end")
+    trainer.call_hook("on_fit_end")
+
+
+def _should_validate_in_epoch(trainer: "Trainer", batch_idx: int, limit: Optional[int]) -> bool:
+    interval = trainer.val_check_interval
+    if not trainer.val_dataloaders or (trainer.current_epoch + 1) % trainer.check_val_every_n_epoch:
+        return False
+    if isinstance(interval, float):
+        if interval >= 1.0 or limit is None:
+            return False
+        every = max(1, int(limit * interval))
+    else:
+        every = interval
+    # a fraction never fires on the last batch: the end-of-epoch validation covers it
+    last = limit is not None and batch_idx + 1 >= limit
+    return (batch_idx + 1) % every == 0 and not (last and isinstance(interval, float))
+
+
+def _train_epoch(trainer: "Trainer") -> None:
+    module, model, strategy, metrics = trainer.module, trainer.model, trainer.strategy, trainer.metric_store
+    engine = trainer.accelerator
+    loader = trainer.train_dataloader
+    limit = batch_limit(trainer.limits["train"], loader_length(loader))
+    position = loader.state_dict()
+    start = position["batches_seen"] if position["epoch"] == trainer.current_epoch else 0
+    if start == 0:
+        metrics.reset_stage("train")
+    else:  # resumed mid-epoch: the aggregates restored from the checkpoint go on
+        metrics.stage = "train"
+    metrics.in_epoch_end_hook = False
+    module.train()
+    trainer.call_hook("on_train_epoch_start")
+    batch_idx = start - 1
+    cut_short = False
+    hooks = _StepHooks(trainer)
+    models = (model,)
+    gradient_state = engine.gradient_state
+    validates_in_epoch = bool(trainer.val_dataloaders)
+    for batch_idx, batch in enumerate(loader, start=start):
+        if limit is not None and batch_idx >= limit:
+            break
+        if hooks.batch_start is not None and hooks.batch_start(batch, batch_idx) == -1:
+            break
+        for hook in hooks.cb_batch_start:
+            hook(trainer, module, batch, batch_idx)
+        metrics.batch = batch  # its size weighs epoch means; read only if one is logged
+        steps_before = trainer.global_step
+        if module.automatic_optimization:
+            # (a checkpoint taken before the window closes carries its partial gradients)
+            with engine.begin_micro_step(batch_idx, limit, models):
+                out = model(batch, batch_idx)
+                # (a plain scalar tensor needs no checks: one call fewer per step)
+                loss = out if out.__class__ is torch.Tensor and out.ndim == 0 else _extract_loss(out, batch_idx)
+                if hooks.before_backward is not None:
+                    hooks.before_backward(loss)
+                engine.backward(loss, model)  # divided by the window's real length (divide_loss_by="window")
+                if hooks.after_backward is not None:
+                    hooks.after_backward()
+            if gradient_state.sync_gradients:  # the window closed: clip, step, zero_grad
+                engine.step_optimizers(trainer.optimizers, trainer.gradient_clip_val, trainer.gradient_clip_algorithm,
+                                       hooks.before_optimizer_step)
+                trainer.global_step += 1
+                for sched in trainer.lr_scheduler_configs:
+                    if sched.interval == "step" and trainer.global_step % sched.frequency == 0:
+                        _step_scheduler(trainer, sched)
+        else:
+            out = model(batch, batch_idx)  # optimizer steps count themselves (Trainer._count_manual_steps)
+        if trainer.global_step != steps_before and (trainer.global_step % trainer.log_every_n_steps == 0
+                                                    or batch_idx + 1 == limit):
+            _flush_step_metrics(trainer)
+        if hooks.batch_end is not None:
+            hooks.batch_end(out, batch, batch_idx)
+        for hook in hooks.cb_batch_end:
+            hook(trainer, module, out, batch, batch_idx)
+        if trainer.preemption.should_stop(strategy):
+            _stop_preempted(trainer)
+        if validates_in_epoch and _should_validate_in_epoch(trainer, batch_idx, limit):
+            _validate(trainer)
+        if 0 <= trainer.max_steps <= trainer.global_step or trainer.time_is_up():
+            trainer.should_stop = True
+        if trainer.should_stop:
+            cut_short = limit is None or batch_idx + 1 < limit
+            break
+    else:
+        cut_short = False
+    if not cut_short:
+        # A batch limit ends the epoch before the loader runs out: move the loader on too, so a
+        # checkpoint taken now resumes at the next epoch's first batch.
+        loader.set_epoch(trainer.current_epoch + 1)
+    trainer.epoch_finished = True
+    if trainer.val_dataloaders and (trainer.current_epoch + 1) % trainer.check_val_every_n_epoch == 0 \
+            and not isinstance(trainer.val_check_interval, int) and not cut_short:
+        _validate(trainer)
+    metrics.stage = "train"
+    metrics.in_epoch_end_hook = True
+    module.on_train_epoch_end()
+    trainer.log_metrics(metrics.epoch_end(), trainer.global_step)
+    for sched in trainer.lr_scheduler_configs:  # after validation, so a monitored val metric is this epoch's
+        if sched.interval == "epoch" and (trainer.current_epoch + 1) % sched.frequency == 0:
+            _step_scheduler(trainer, sched)
+    for cb in trainer.callbacks:
+        cb.on_train_epoch_end(trainer, module)
+    metrics.in_epoch_end_hook = False
+    # every process must agree to stop, or one would wait in a collective the others never reach;
+    # the same collective tells whether any process was asked to stop by a signal
+    flags = torch.tensor([float(trainer.should_stop), float(trainer.preemption.received is not None)],
+                         device=trainer.device)  # nccl reduces device tensors only
+    stop, preempted = strategy.all_reduce(flags, "max").tolist()
+    trainer.should_stop = bool(stop)
+    if preempted:
+        _stop_preempted(trainer)
+
+
+def _stop_preempted(trainer: "Trainer") -> None:
+    """Every process got here at the same step: save one checkpoint together, then exit."""
+    from fabric_lite.launch.preemption import EXIT_PREEMPTED
+
+    path = f"{trainer.checkpoint_dir().rstrip('/')}/preempted"
+    trainer.save_checkpoint(path)
+    if trainer.is_global_zero:
+        reason = trainer.preemption.signal_name or "a signal on another process"
+        print(f"fabric_lite: {reason} received; saved {path} at step {trainer.global_step}. Exiting with status "
+              f"{EXIT_PREEMPTED}; fit(..., ckpt_path='last') resumes from there.", file=sys.stderr, flush=True)
+    # From here on the job is leaving on purpose: a launcher's SIGTERM to the other ranks must not
+    # turn their clean exit into a signal death.
+    trainer.preemption.uninstall()
+    trainer.preemption.ignore_signals()
+    raise SystemExit(EXIT_PREEMPTED)
+
+
+def _step_scheduler(trainer: "Trainer", sched: Any) -> None:
+    if sched.optimizer is not None and sched.optimizer.step_was_skipped:
+        return  # (as the raw door's prepared scheduler: no schedule step for a skipped optimizer step)
+    if sched.needs_metric:
+        if sched.monitor not in trainer.callback_metrics:
+            raise KeyError(
+                f"The scheduler monitors {sched.monitor!r}, which was never logged. Logged: "
+                f"{sorted(trainer.callback_metrics)}."
+            )
+        sched.scheduler.step(trainer.callback_metrics[sched.monitor])
+    else:
+        sched.scheduler.step()
+
+
+def _validate(trainer: "Trainer") -> None:
+    for loader in trainer.val_dataloaders:
+        run_evaluation(trainer, "validate", loader)
+    trainer.module.train()
+
+
+def run_evaluation(trainer: "Trainer", stage: str, loader: Any, limit: Optional[int] = None,
+                   log: bool = True) -> Dict[str, float]:
+    """Run validation or test over `loader`; returns the epoch metrics as floats."""
+    module, model, metrics = trainer.module, trainer.eval_model, trainer.metric_store
+    hook = "validation" if stage == "validate" else "test"
+    limit = batch_limit(trainer.limits[stage] if limit is None else limit, loader_length(loader))
+    saved_stage = metrics.stage
+    metrics.reset_stage(stage)
+    module.eval()
+    if hook == "validation":
+        for cb in trainer.callbacks:
+            cb.on_validation_start(trainer, module)
+    trainer.call_hook(f"on_{hook}_epoch_start")
+    with torch.no_grad():
+        for batch_idx, batch in enumerate(loader):
+            if limit is not None and batch_idx >= limit:
+                break
+            metrics.batch = batch
+            out = model(batch, batch_idx, stage)
+            for cb in trainer.callbacks:
+                getattr(cb, f"on_{hook}_batch_end")(trainer, module, out, batch, batch_idx)
+    metrics.in_epoch_end_hook = True
+    getattr(module, f"on_{hook}_epoch_end")()
+    values = metrics.epoch_end()
+    metrics.in_epoch_end_hook = False
+    if log and not trainer.sanity_checking:
+        trainer.log_metrics(values, trainer.global_step)
+        for cb in trainer.callbacks:
+            getattr(cb, f"on_{hook}_epoch_end")(trainer, module)
+    if hook == "validation":
+        for cb in trainer.callbacks:
+            cb.on_validation_end(trainer, module)
+    metrics.stage = saved_stage
+    return {k: float(v) for k, v in values.items()}
+
+
+def run_predict(trainer: "Trainer", loaders: List[Any]) -> List[Any]:
+    module, model = trainer.module, trainer.eval_model
+    module.eval()
+    results: List[Any] = []
+    with torch.no_grad():
+        for loader in loaders:
+            limit = batch_limit(trainer.limits["predict"], loader_length(loader))
+            outputs = []
+            for batch_idx, batch in enumerate(loader):
+                if limit is not None and batch_idx >= limit:
+                    break
+                out = model(batch, batch_idx, "predict")
+                for cb in trainer.callbacks:
+                    cb.on_predict_batch_end(trainer, module, out, batch, batch_idx)
+                outputs.append(out)
+            results.append(outputs)
+    return results[0] if len(results) == 1 else results

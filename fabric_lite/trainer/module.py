@@ -1,0 +1,196 @@
+"""The trainer door's model: `TrainModule` (an nn.Module with step methods) and `DataModule`.
+
+A TrainModule says *what* a step computes; the Trainer decides when it runs, on which device,
+in which precision and how gradients move.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from fabric_lite.trainer.trainer import Trainer
+
+__all__ = ["TrainModule", "DataModule"]
+
+
+class TrainModule(nn.Module):
+    """Subclass it, write `training_step` and `configure_optimizers`, and pass it to `Trainer.fit`.
+
+    >>> class Classifier(TrainModule):
+    ...     def training_step(self, batch, batch_idx):
+    ...         x, y = batch
+    ...         loss = torch.nn.functional.cross_entropy(self.net(x), y)
+    ...         self.log("train/loss", loss)
+    ...         return loss
+    """
+
+    #: Set to False to call `self.manual_backward` and step `self.optimizers()` yourself.
+    automatic_optimization: bool = True
+    #: An input to trace the model with (`TensorBoardLogger(log_graph=True)`): a tensor or a tuple of tensors.
+    example_input_array: Optional[Any] = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._trainer: Optional["Trainer"] = None
+        self.hparams: Dict[str, Any] = {}
+
+    # -- what the user writes ----------------------------------------------------------------------
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        raise NotImplementedError(
+            f"{type(self).__name__} has no training_step(self, batch, batch_idx); Trainer.fit needs one that "
+            f"returns the loss (a scalar tensor) or a dict with a 'loss' key."
+        )
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        return None
+
+    def test_step(self, batch: Any, batch_idx: int) -> Any:
+        return None
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        return self(batch)
+
+    def configure_optimizers(self) -> Any:
+        raise NotImplementedError(
+            f"{type(self).__name__} has no configure_optimizers(self); return an optimizer, a list of them, "
+            f"or {{'optimizer': ..., 'lr_scheduler': {{'scheduler': ..., 'interval': 'step'}}}}."
+        )
+
+    # -- hooks (no-ops by default) -----------------------------------------------------------------
+    def on_fit_start(self) -> None: ...
+    def on_fit_end(self) -> None: ...
+    def on_train_start(self) -> None: ...
+    def on_train_end(self) -> None: ...
+    def on_train_epoch_start(self) -> None: ...
+    def on_train_epoch_end(self) -> None: ...
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> Optional[int]: ...
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None: ...
+    def on_validation_epoch_start(self) -> None: ...
+    def on_validation_epoch_end(self) -> None: ...
+    def on_test_epoch_start(self) -> None: ...
+    def on_test_epoch_end(self) -> None: ...
+    def on_before_backward(self, loss: torch.Tensor) -> None: ...
+    def on_after_backward(self) -> None: ...
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None: ...
+    def on_load_checkpoint(self, checkpoint: Dict[str, Any]) -> None: ...
+
+    # -- what the module can ask -------------------------------------------------------------------
+    @property
+    def trainer(self) -> "Trainer":
+        if self._trainer is None:
+            raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer; call trainer.fit(module) first.")
+        return self._trainer
+
+    @trainer.setter
+    def trainer(self, trainer: Optional["Trainer"]) -> None:
+        self._trainer = trainer
+
+    @property
+    def device(self) -> torch.device:
+        if self._trainer is not None:
+            return self._trainer.device
+        param = next(self.parameters(), None)
+        return param.device if param is not None else torch.device("cpu")
+
+    @property
+    def global_step(self) -> int:
+        return self._trainer.global_step if self._trainer is not None else 0
+
+    @property
+    def current_epoch(self) -> int:
+        return self._trainer.current_epoch if self._trainer is not None else 0
+
+    def log(
+        self, name: str, value: Any, prog_bar: bool = False, logger: bool = True, on_step: Optional[bool] = None,
+        on_epoch: Optional[bool] = None, reduce_fx: str = "mean", sync_dist: bool = False,
+        batch_size: Optional[int] = None,
+    ) -> None:
+        """Record a value: per step, and/or aggregated (on the device) over the epoch.
+
+        Defaults follow the hook it is called from: per step in training hooks, per epoch in
+        validation/test and in epoch-end hooks. A torchmetrics Metric is computed, synced and reset
+        at epoch end.
+        """
+        if self._trainer is None:
+            raise RuntimeError(f"self.log({name!r}) was called outside a Trainer run.")
+        self._trainer.metric_store.log(
+            name, value, prog_bar=prog_bar, logger=logger, on_step=on_step, on_epoch=on_epoch,
+            reduce_fx=reduce_fx, sync_dist=sync_dist, batch_size=batch_size,
+        )
+
+    def log_dict(self, dictionary: Mapping[str, Any], **kwargs: Any) -> None:
+        for name, value in dictionary.items():
+            self.log(name, value, **kwargs)
+
+    def save_hyperparameters(self, *names: str, ignore: Sequence[str] = ()) -> None:
+        """Record the caller's __init__ arguments in `self.hparams` (saved with every checkpoint)."""
+        frame = inspect.currentframe()
+        caller = frame.f_back if frame is not None else None
+        if caller is None:
+            return
+        code = caller.f_code
+        n = code.co_argcount + code.co_kwonlyargcount
+        params = list(code.co_varnames[:n])
+        if code.co_flags & inspect.CO_VARKEYWORDS:
+            params.append(code.co_varnames[n + (1 if code.co_flags & inspect.CO_VARARGS else 0)])
+        local = caller.f_locals
+        args = {}
+        for p in params:
+            if p in ("self", "__class__") or p not in local:
+                continue
+            if code.co_flags & inspect.CO_VARKEYWORDS and p == params[-1] and isinstance(local[p], dict):
+                args.update(local[p])  # **kwargs are recorded by their own names
+            else:
+                args[p] = local[p]
+        if names:
+            args = {k: v for k, v in args.items() if k in names}
+        self.hparams.update({k: v for k, v in args.items() if k not in set(ignore)})
+
+    # -- manual optimization -----------------------------------------------------------------------
+    def optimizers(self) -> Union[torch.optim.Optimizer, List[torch.optim.Optimizer]]:
+        opts = self.trainer.optimizers
+        return opts[0] if len(opts) == 1 else opts
+
+    def lr_schedulers(self) -> Any:
+        scheds = [s.scheduler for s in self.trainer.lr_scheduler_configs]
+        if not scheds:
+            return None
+        return scheds[0] if len(scheds) == 1 else scheds
+
+    def manual_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """`loss.backward()` through the strategy (loss scaling, DDP sync), for manual optimization."""
+        self.trainer.backward(loss, **kwargs)
+
+
+class DataModule:
+    """Dataloaders in one place: `setup(stage)` then `train_dataloader()` / `val_dataloader()` / ..."""
+
+    def __init__(self) -> None:
+        self.hparams: Dict[str, Any] = {}
+
+    def prepare_data(self) -> None:
+        """Download or write files; runs on the main process only, before `setup`."""
+
+    def setup(self, stage: str) -> None:
+        """Build datasets for `stage` ("fit", "validate", "test" or "predict"); runs on every process."""
+
+    def teardown(self, stage: str) -> None:
+        pass
+
+    def train_dataloader(self) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} has no train_dataloader().")
+
+    def val_dataloader(self) -> Any:
+        return None
+
+    def test_dataloader(self) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} has no test_dataloader().")
+
+    def predict_dataloader(self) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} has no predict_dataloader().")

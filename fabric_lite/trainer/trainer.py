@@ -1,0 +1,459 @@
+"""The trainer door: `Trainer` holds the settings and entry points; the loops live in `loops.py`.
+
+Built on the Accelerator: device placement, sharding, precision and backward go through the same
+Strategy the raw door uses. The Trainer owns the loop (epochs, steps, validation, accumulation,
+clipping, logging, checkpoints, callbacks) and nothing else.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import os
+import sys
+import time
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from fabric_lite.accelerator.accelerator import Accelerator
+from fabric_lite.callbacks.base import Callback
+from fabric_lite.strategies.environments import detect_process, explicit_arguments, read_launch_settings
+from fabric_lite.trainer.logged_metrics import MetricStore
+from fabric_lite.trainer.module import DataModule, TrainModule
+from fabric_lite.trainer.configure_optimizers import SchedulerConfig, parse_optimizers
+from fabric_lite.launch.preemption import PreemptionWatch
+
+__all__ = ["Trainer"]
+
+
+_STEP_METHODS = {"train": "training_step", "validate": "validation_step", "test": "test_step",
+                 "predict": "predict_step"}
+
+
+class _StepRunner(nn.Module):
+    """Routes the strategy's wrapped forward to the module's step methods (so DDP sees a forward)."""
+
+    def __init__(self, module: TrainModule) -> None:
+        super().__init__()
+        self.module = module
+
+    # Checkpoints hold the TrainModule's own keys ("net.0.weight", not "module.net.0.weight"), so
+    # the exported weights load straight into the user's module.
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def forward(self, batch: Any, batch_idx: int, stage: str = "train") -> Any:
+        return getattr(self.module, _STEP_METHODS[stage])(batch, batch_idx)
+
+
+class _TrainerState:
+    """The Trainer's part of a checkpoint: counters, callback states, hyperparameters."""
+
+    def __init__(self, trainer: "Trainer") -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> Dict[str, Any]:
+        t = self.trainer
+        extra: Dict[str, Any] = {}
+        t.module.on_save_checkpoint(extra)
+        for cb in t.callbacks:
+            cb.on_save_checkpoint(t, t.module, extra)
+        return {
+            "epoch": t.current_epoch, "global_step": t.global_step, "epoch_finished": t.epoch_finished,
+            "callbacks": {cb.state_key: cb.state_dict() for cb in t.callbacks},
+            "hyper_parameters": dict(t.module.hparams), "extra": extra,
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        t = self.trainer
+        t.current_epoch = int(state["epoch"]) + (1 if state.get("epoch_finished") else 0)
+        t.global_step = int(state["global_step"])
+        for cb in t.callbacks:
+            if cb.state_key in state["callbacks"]:
+                cb.load_state_dict(state["callbacks"][cb.state_key])
+        extra = state.get("extra", {})
+        t.module.on_load_checkpoint(extra)
+        for cb in t.callbacks:
+            cb.on_load_checkpoint(t, t.module, extra)
+
+
+class _LoggedAggregates:
+    """Each process's unfinished epoch aggregates of `self.log` (saved per rank: they differ between ranks)."""
+
+    def __init__(self, trainer: "Trainer") -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.trainer.metric_store.state_dict(self.trainer.module)
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.trainer.metric_store.load_state_dict(state, self.trainer.module)
+
+
+class Trainer:
+    """Fit a TrainModule: `Trainer(max_epochs=3, precision="bf16-mixed").fit(module, train_loader, val_loader)`."""
+
+    def __init__(
+        self, *, max_epochs: Optional[int] = None, max_steps: int = -1, max_time: Optional[float] = None,
+        accelerator: str = "auto", devices: Union[int, str] = "auto", num_nodes: int = 1,
+        strategy: Any = "auto", precision: Any = "32-true", callbacks: Optional[Sequence[Callback]] = None,
+        gradient_clip_val: Optional[float] = None, gradient_clip_algorithm: str = "norm",
+        accumulate_grad_batches: int = 1, val_check_interval: Union[int, float] = 1.0,
+        check_val_every_n_epoch: int = 1, limit_train_batches: Union[int, float, None] = None,
+        limit_val_batches: Union[int, float, None] = None, limit_test_batches: Union[int, float, None] = None,
+        limit_predict_batches: Union[int, float, None] = None, fast_dev_run: Union[bool, int] = False,
+        num_sanity_val_steps: int = 2, log_every_n_steps: int = 50, default_root_dir: Optional[str] = None,
+        enable_progress_bar: bool = True, enable_checkpointing: bool = True, deterministic: bool = False,
+        explain: bool = False,
+        **unknown: Any,
+    ) -> None:
+        if unknown:
+            known = list(inspect.signature(Trainer.__init__).parameters)[1:-1]
+            hints = {k: difflib.get_close_matches(k, known, n=1) for k in unknown}
+            detail = ", ".join(f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in hints.items())
+            raise TypeError(f"Unknown Trainer argument(s): {detail}. Known arguments: {', '.join(known)}.")
+        if gradient_clip_algorithm not in ("norm", "value"):
+            raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}: allowed values are 'norm', 'value'.")
+        if not isinstance(accumulate_grad_batches, int) or accumulate_grad_batches < 1:
+            raise ValueError(f"accumulate_grad_batches={accumulate_grad_batches!r} must be an integer >= 1.")
+        if fast_dev_run:
+            n = 1 if fast_dev_run is True else int(fast_dev_run)
+            max_epochs, max_steps, num_sanity_val_steps = 1, n, 0
+            limit_train_batches = limit_val_batches = limit_test_batches = limit_predict_batches = n
+            enable_checkpointing = False
+        if deterministic:
+            torch.use_deterministic_algorithms(True)
+        #: Under `fabric-lite explain`, the arguments this Trainer was given; None otherwise.
+        self.explain_arguments: Optional[Dict[str, Any]] = None
+        if read_launch_settings().explain_dry_run:  # one process stands in for the planned launch
+            self.explain_arguments = explicit_arguments(Trainer.__init__, locals())
+            num_nodes = 1  # the plan compares the requested nodes with the launch
+        else:
+            _relaunch_if_needed(devices, num_nodes)
+        # The Trainer's micro-steps run through the Accelerator's step engine; a short last window of an
+        # epoch averages over its real length (divide_loss_by="window", see engine.py).
+        self.accelerator = Accelerator(
+            strategy=strategy, devices=None if devices == "auto" else devices, mixed_precision=str(precision),
+            accelerator=accelerator, gradient_accumulation_steps=accumulate_grad_batches, divide_loss_by="window",
+        )
+        self.strategy = self.accelerator.strategy
+        if num_nodes != self.strategy.process.num_nodes:
+            raise ValueError(
+                f"num_nodes={num_nodes} disagrees with the launch environment, which has "
+                f"{self.strategy.process.num_nodes} node(s). Launch with `fabric-lite launch --nnodes {num_nodes}`."
+            )
+        self.max_epochs = max_epochs if max_epochs is not None else (1000 if max_steps == -1 else -1)
+        self.max_steps = max_steps
+        self.max_time = max_time
+        self.gradient_clip_val = gradient_clip_val
+        self.gradient_clip_algorithm = gradient_clip_algorithm
+        self.accumulate_grad_batches = accumulate_grad_batches
+        self.val_check_interval = val_check_interval
+        self.check_val_every_n_epoch = check_val_every_n_epoch
+        self.limits = {"train": limit_train_batches, "validate": limit_val_batches, "test": limit_test_batches,
+                       "predict": limit_predict_batches}
+        self.num_sanity_val_steps = num_sanity_val_steps
+        self.log_every_n_steps = log_every_n_steps
+        self.default_root_dir = os.fspath(default_root_dir) if default_root_dir is not None else os.getcwd()
+        self.fast_dev_run = fast_dev_run
+        self.explain = explain  # fit() prints the plan (explain.py) and returns without training
+        self.callbacks: List[Callback] = list(callbacks or [])
+        self._add_default_callbacks(enable_progress_bar, enable_checkpointing)
+        self.current_epoch = 0
+        self.global_step = 0
+        self.should_stop = False
+        self.sanity_checking = False
+        self.epoch_finished = False
+        self.metric_store = MetricStore(self.strategy)
+        self.logged_metrics: Dict[str, float] = {}
+        self.optimizers: List[Any] = []
+        self.lr_scheduler_configs: List[SchedulerConfig] = []
+        self.start_time: Optional[float] = None
+        self.preemption = PreemptionWatch()
+        self.module: Optional[TrainModule] = None
+        self.model: Optional[nn.Module] = None
+        self.eval_model: Optional[nn.Module] = None
+
+    def _add_default_callbacks(self, progress_bar: bool, checkpointing: bool) -> None:
+        from fabric_lite.callbacks.checkpoint import ModelCheckpoint
+        from fabric_lite.callbacks.progress import ProgressBar, ProgressBarBase
+
+        bar = next((c for c in self.callbacks if isinstance(c, ProgressBarBase)), None)
+        if not progress_bar:
+            if bar is not None:
+                raise ValueError(f"enable_progress_bar=False, but a {type(bar).__name__} is in callbacks; "
+                                 f"drop one of them.")
+        elif bar is None:
+            self.callbacks.append(ProgressBar())
+        if not checkpointing:
+            if any(isinstance(c, ModelCheckpoint) for c in self.callbacks):
+                raise ValueError("enable_checkpointing=False, but a ModelCheckpoint is in callbacks; drop one of them.")
+        elif not any(isinstance(c, ModelCheckpoint) for c in self.callbacks):
+            self.callbacks.append(ModelCheckpoint())
+
+    # -- what callbacks and modules read -----------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.strategy.is_global_zero
+
+    @property
+    def world_size(self) -> int:
+        return self.strategy.world_size
+
+    @property
+    def callback_metrics(self) -> Dict[str, torch.Tensor]:
+        """Latest step values and epoch results, as device tensors (brought up to date when read)."""
+        self.metric_store.step_values()
+        return self.metric_store.callback_metrics
+
+    @property
+    def progress_bar_metrics(self) -> Dict[str, torch.Tensor]:
+        self.metric_store.step_values()
+        return self.metric_store.progress_bar_metrics
+
+    @property
+    def checkpoint_callback(self) -> Optional[Callback]:
+        from fabric_lite.callbacks.checkpoint import ModelCheckpoint
+
+        return next((c for c in self.callbacks if isinstance(c, ModelCheckpoint)), None)
+
+    def log_metrics(self, metrics: Dict[str, Any], step: Optional[int] = None) -> None:
+        """Send values to every logger callback (floats; tensors are read here, once)."""
+        values = {k: float(v) for k, v in metrics.items()}
+        if not values:
+            return
+        self.logged_metrics.update(values)
+        for cb in self.callbacks:
+            cb.on_log(self, values, self.global_step if step is None else step)
+
+    def call_hook(self, hook: str, *args: Any) -> None:
+        """Run a hook on the module, then on every callback."""
+        fn = getattr(self.module, hook, None)
+        if fn is not None:
+            fn(*args)
+        for cb in self.callbacks:
+            getattr(cb, hook)(self, self.module, *args)
+
+    def count_manual_step(self, *_: Any) -> None:
+        self.global_step += 1
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """`TrainModule.manual_backward`: backward through the step engine (loss scaling, DDP sync)."""
+        self.accelerator.backward(loss, self.model, **kwargs)
+
+    def time_is_up(self) -> bool:
+        return self.max_time is not None and self.start_time is not None and \
+            time.monotonic() - self.start_time >= self.max_time
+
+    # -- entry points ------------------------------------------------------------------------------
+    def fit(self, module: TrainModule, train_dataloaders: Any = None, val_dataloaders: Any = None,
+            datamodule: Optional[DataModule] = None, ckpt_path: Optional[str] = None) -> None:
+        """Train `module`; `ckpt_path="last"` resumes from the newest checkpoint if there is one."""
+        from fabric_lite.trainer import loops
+
+        train, val = self._loaders(module, datamodule, "fit", train_dataloaders, val_dataloaders)
+        if train is None:
+            raise ValueError("fit() needs train_dataloaders, or a datamodule with train_dataloader().")
+        # A second fit() on this Trainer starts from clean registrations (no duplicate checkpoint entries).
+        self.accelerator.free_memory()
+        self.accelerator.registered_objects.clear()
+        self.accelerator.per_process_objects.clear()
+        self.train_dataloader = self.accelerator.prepare_data_loader(train)
+        self.val_dataloaders = [self._prepare_eval_loader(v) for v in _as_list(val)]
+        self._attach(module, with_optimizers=True)
+        for sched in self.lr_scheduler_configs:
+            self.accelerator.register_for_checkpointing(sched.scheduler)
+        if not module.automatic_optimization:
+            for opt in self.optimizers:  # global_step counts optimizer steps, which the module takes itself
+                if not hasattr(opt.optimizer, "register_step_post_hook"):
+                    raise ValueError(f"{type(self.strategy).__name__} steps its optimizer inside its engine; manual "
+                                     f"optimization (automatic_optimization=False) is not available with it.")
+                opt.optimizer.register_step_post_hook(self.count_manual_step)
+        if self.explain or self.accelerator.explain_requested:  # print the plan instead of training
+            from fabric_lite.explain import explain_trainer
+
+            explain_trainer(self, module, ckpt_path)  # exits 0 under `fabric-lite explain`
+            return
+        self.accelerator.register_for_checkpointing(_TrainerState(self))
+        self.accelerator.register_for_checkpointing(_LoggedAggregates(self), per_process=True)
+        for cb in self.callbacks:
+            cb.setup(self, module, "fit")
+        if ckpt_path is None and detect_process().restart_count > 0:
+            ckpt_path = "last"  # restarted by torch elastic: go on from the newest whole checkpoint
+            if self.is_global_zero:
+                print(f"fabric_lite: restart {detect_process().restart_count}: resuming from the newest checkpoint "
+                      f"under {self.checkpoint_dir()}", file=sys.stderr, flush=True)
+        if ckpt_path is not None:
+            self._restore(ckpt_path)
+        self.preemption = PreemptionWatch()
+        self.preemption.install()
+        try:
+            loops.run_fit(self)
+        except BaseException as err:
+            for cb in self.callbacks:
+                cb.on_exception(self, module, err)
+            raise
+        finally:
+            self.preemption.uninstall()
+            for cb in self.callbacks:
+                cb.teardown(self, module, "fit")
+
+    def validate(self, module: Optional[TrainModule] = None, dataloaders: Any = None,
+                 datamodule: Optional[DataModule] = None) -> List[Dict[str, float]]:
+        return self._evaluate("validate", module, dataloaders, datamodule)
+
+    def test(self, module: Optional[TrainModule] = None, dataloaders: Any = None,
+             datamodule: Optional[DataModule] = None) -> List[Dict[str, float]]:
+        return self._evaluate("test", module, dataloaders, datamodule)
+
+    def predict(self, module: Optional[TrainModule] = None, dataloaders: Any = None,
+                datamodule: Optional[DataModule] = None) -> List[Any]:
+        from fabric_lite.trainer import loops
+
+        module = module or self.module
+        if module is None:
+            raise ValueError("predict() needs a module (or a Trainer that has already fit one).")
+        loaders = self._eval_loaders(module, datamodule, "predict", dataloaders)
+        return loops.run_predict(self, loaders)
+
+    def _evaluate(self, stage: str, module: Optional[TrainModule], dataloaders: Any,
+                  datamodule: Optional[DataModule]) -> List[Dict[str, float]]:
+        from fabric_lite.trainer import loops
+
+        module = module or self.module
+        if module is None:
+            raise ValueError(f"{stage}() needs a module (or a Trainer that has already fit one).")
+        loaders = self._eval_loaders(module, datamodule, stage, dataloaders)
+        return [loops.run_evaluation(self, stage, loader) for loader in loaders]
+
+    def _eval_loaders(self, module: TrainModule, datamodule: Optional[DataModule], stage: str,
+                      dataloaders: Any) -> List[Any]:
+        loaders, _ = self._loaders(module, datamodule, stage, dataloaders, None)
+        if loaders is None:
+            raise ValueError(f"{stage}() needs dataloaders, or a datamodule with {stage}_dataloader().")
+        if self.module is not module:
+            self._attach(module)
+        return [self._prepare_eval_loader(d) for d in _as_list(loaders)]
+
+    def _prepare_eval_loader(self, loader: Any) -> Any:
+        # Every sample exactly once (no even-batch padding), so metrics over the whole set are exact;
+        # unless each forward is a collective (ZeRO-3), where a process that ran out would hang the rest:
+        # then the last step is padded as in training, and its repeated samples count in epoch means.
+        return self.accelerator.prepare_data_loader(loader, even_batches=self.strategy.forward_is_collective)
+
+    # -- plumbing ----------------------------------------------------------------------------------
+    def _loaders(self, module: TrainModule, datamodule: Optional[DataModule], stage: str, first: Any,
+                 second: Any) -> tuple:
+        if datamodule is None:
+            return first, second
+        if first is not None or second is not None:
+            raise ValueError(f"Pass dataloaders or a datamodule to {stage}(), not both.")
+        with self.accelerator.main_process_first():
+            if self.is_global_zero:
+                datamodule.prepare_data()
+        datamodule.setup(stage)
+        if datamodule.hparams:
+            module.hparams.setdefault("datamodule", dict(datamodule.hparams))
+        if stage == "fit":
+            return datamodule.train_dataloader(), datamodule.val_dataloader()
+        name = {"validate": "val_dataloader", "test": "test_dataloader", "predict": "predict_dataloader"}[stage]
+        return getattr(datamodule, name)(), None
+
+    def _attach(self, module: TrainModule, with_optimizers: bool = False) -> None:
+        if not isinstance(module, TrainModule):
+            raise TypeError(f"Trainer runs TrainModule subclasses, got {type(module).__name__}.")
+        module.trainer = self
+        self.module = module
+        acc = self.accelerator
+        if self.strategy.setup_takes_optimizers:  # an engine that owns model and optimizer (DeepSpeed)
+            clip = self.gradient_clip_val if self.gradient_clip_algorithm == "norm" else None
+
+            def prepare(optimizers: List[Any]) -> List[Any]:
+                models, prepared = acc.setup_jointly([_StepRunner(module)], optimizers, self.accumulate_grad_batches,
+                                                     gradient_clip_val=clip)
+                self.model = models[0]
+                return prepared
+
+            if with_optimizers:
+                self.optimizers, self.lr_scheduler_configs = parse_optimizers(module.configure_optimizers(), prepare)
+            else:
+                prepare([])
+        else:
+            self.model = acc.prepare_model(_StepRunner(module))
+            if with_optimizers:
+                self.optimizers, self.lr_scheduler_configs = parse_optimizers(
+                    module.configure_optimizers(), lambda opts: [acc.prepare_optimizer(o) for o in opts])
+        # Evaluation runs without the DDP wrapper: no gradients to sync, and no per-forward buffer
+        # broadcast that would wait for a process that has run out of (unpadded) batches.
+        self.eval_model = self.accelerator.unwrap_model(self.model)
+
+    def save_checkpoint(self, path: str) -> None:
+        """Write a full checkpoint (weights, optimizers, schedulers, RNG, loop position, callbacks).
+
+        Written whole or not at all; once published, ``latest`` in its directory names it."""
+        from fabric_lite.checkpoint import state as state_io
+
+        state_io.save_state(self.accelerator, path, update_latest=True,
+                            meta={"epoch": self.current_epoch, "global_step": self.global_step})
+
+    def checkpoint_dir(self) -> str:
+        callback = self.checkpoint_callback
+        if callback is not None:
+            callback.setup(self, self.module, "fit")  # type: ignore[arg-type]
+            return callback.dirpath  # type: ignore[attr-defined]
+        return f"{self.default_root_dir.rstrip('/')}/checkpoints"
+
+    def _restore(self, ckpt_path: str) -> None:
+        if ckpt_path == "last":
+            from fabric_lite.checkpoint import files as checkpoint_io
+
+            root = self.checkpoint_dir()
+            found = checkpoint_io.newest_whole_checkpoint(root) if self.is_global_zero else None
+            found = self.strategy.broadcast_object(found)
+            if found is None:
+                return  # nothing saved yet: a fresh start, as Lightning does
+            ckpt_path = found
+        self.accelerator.load_state(ckpt_path)
+
+
+def _relaunch_if_needed(devices: Union[int, str], num_nodes: int) -> None:
+    """`Trainer(devices=N)` in a script started with plain `python train.py`: start the script again
+    under torch's elastic launcher on N processes (this process waits for them and exits with their code)."""
+    import sys
+
+    from fabric_lite.strategies.environments import detect_process, explicit_arguments, read_launch_settings
+
+    if not isinstance(devices, int) or devices <= 1 or detect_process().is_distributed:
+        return
+    main = sys.modules.get("__main__")
+    script = getattr(main, "__file__", None)
+    if script is None or not script.endswith(".py") or os.path.basename(sys.argv[0]) != os.path.basename(script):
+        raise RuntimeError(
+            f"Trainer(devices={devices}) needs {devices} processes, and this process was not started from a script "
+            f"it can start again (a notebook or an interactive session). Use notebook_launcher(fn, "
+            f"num_processes={devices}), or run `fabric-lite launch --nproc-per-node {devices} train.py`."
+        )
+    import subprocess
+
+    from fabric_lite.launch.launcher import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(devices), "--nnodes", str(num_nodes),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), script, *sys.argv[1:]]
+    raise SystemExit(subprocess.call(cmd))
+
+
+def _as_list(loaders: Any) -> List[Any]:
+    if loaders is None:
+        return []
+    if isinstance(loaders, (list, tuple)):
+        return list(loaders)
+    return [loaders]

@@ -1,0 +1,460 @@
+"""Strategy conformance: one suite, run for every strategy in STRATEGIES, through both front doors.
+
+What every strategy must do, each asserted numerically against an independent reference:
+
+1. parity: W processes with batch b end with the weights of a plain torch loop (no fabric_lite) with
+   batch W*b over the same sample order;
+2. accumulation: 2 micro-batches of b/2 equal one batch of b (Accelerator.accumulate and the Trainer's
+   accumulate_grad_batches), and both equal the plain loop;
+3. clipping: clip_grad_norm_ / gradient_clip_val equal torch.nn.utils.clip_grad_norm_ in the plain loop;
+4. collectives: gather, reduce, pad_across_processes, broadcast, gather_object, gather_for_metrics;
+5. checkpoints: save_state -> load_state into fresh objects restores weights and optimizer state
+   exactly; Trainer.save_checkpoint -> fit(ckpt_path=...) ends where an uninterrupted fit ends;
+6. killed and resumed: bit for bit equal to never having stopped (load_state / fit(ckpt_path="last"));
+7. bad input: clear ValueErrors.
+
+Cost: two launches per strategy (tests/workers/conformance.py): the first runs cases 1-5 and 7 and ends
+killed (case 6's crash); the second resumes. A module-scoped fixture starts them once per strategy, on
+first use, and every test reads the cached results. Each launch has a timeout (the launcher's whole
+process group is killed when it runs out), so a hang fails instead of blocking. The plain-torch
+references are computed here, in the pytest process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import signal
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Dict, List, Optional
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from conftest import WORKERS
+from test_resume import Run, assert_bit_equal, killed_by, latest_name
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # each launch carries its own, shorter timeout
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str                   # the registry name, as `strategy=` takes it
+    nproc: int                  # processes to launch (1: a plain `python worker.py`, else torchrun)
+    needs: Optional[str] = None  # an optional package it needs: the cases skip without it
+    timeout: int = 180          # seconds for one launch, hang included
+
+
+# A new strategy (FSDP2, XLA, ...) joins the whole suite by adding a line here.
+STRATEGIES = [
+    Case("single", nproc=1),
+    Case("ddp", nproc=2),
+    # the first DeepSpeed launch on a fresh machine JIT-compiles a C++ op (30 s or more, then cached)
+    Case("deepspeed_stage_1", nproc=2, needs="deepspeed", timeout=420),
+    Case("deepspeed_stage_2", nproc=2, needs="deepspeed", timeout=420),
+    Case("deepspeed_stage_3", nproc=2, needs="deepspeed", timeout=420),
+]
+
+# Registered names that are not launched here, and why (see test_every_registered_strategy_is_covered).
+NOT_LAUNCHED = {
+    "auto": "resolves to single or ddp, both launched",
+    "single_device": "an alias of single",
+    "deepspeed": "an alias of deepspeed_stage_2",
+    "deepspeed_stage_2_offload": "stage 2 with the optimizer step on the CPU: on a CPU-only machine the same "
+                                 "numerics as deepspeed_stage_2 (tests/test_deepspeed.py trains it against DDP)",
+    "deepspeed_stage_3_offload": "the same, for stage 3",
+}
+
+# fp32 everywhere. A process group averages W per-rank means where the plain loop takes one mean over W*b
+# samples, and ZeRO reduces in buckets: the sums round in another order (about 1e-7 per step) and 16
+# steps of SGD with momentum carry that along. Measured here: at most ~1e-7 (see the report).
+ATOL = 1e-5
+
+
+# -- launching ---------------------------------------------------------------------------------------------
+
+def unavailable(case: Case) -> Optional[str]:
+    """Why this strategy cannot run here (its package is missing, with the install hint), or None."""
+    if case.needs is None or importlib.util.find_spec(case.needs) is not None:
+        return None
+    from fabric_lite.strategies import create_strategy
+
+    try:
+        create_strategy(case.name)
+    except ImportError as err:  # the strategy's own message: what to pip install
+        return str(err)
+    return f"strategy {case.name!r} needs the {case.needs} package: pip install {case.needs}"
+
+
+class Launches:
+    """The two launches of one strategy, each started on first use and cached."""
+
+    def __init__(self, case: Case, root) -> None:
+        self.case, self.root = case, root
+        self._first: Optional[tuple] = None
+        self._resume: Optional[tuple] = None
+        self.latest_after_crash: Optional[str] = None  # what `latest` named once the killed Trainer run was gone
+
+    def _run(self, phase: str) -> tuple:
+        c = self.case
+        return Run("conformance.py", self.root / f"out_{phase}", "--strategy", c.name, "--phase", phase,
+                   "--root", self.root / "work", nproc=c.nproc, launcher="torchrun" if c.nproc > 1 else None,
+                   timeout=c.timeout).wait()
+
+    @property
+    def first(self) -> tuple:
+        if self._first is None:
+            self._first = self._run("first")
+            checkpoints = self.root / "work" / "trainer_run" / "checkpoints"
+            if (checkpoints / "latest").exists():
+                self.latest_after_crash = latest_name(checkpoints)
+        return self._first
+
+    @property
+    def resume(self) -> tuple:
+        if self._resume is None:
+            self.first  # the checkpoints it resumes from
+            self._resume = self._run("resume")
+        return self._resume
+
+    def results(self, phase: str = "first") -> List[Dict[str, Any]]:
+        code, output, results = self.first if phase == "first" else self.resume
+        missing = [r for r, res in enumerate(results) if res is None]
+        if missing:
+            pytest.fail(f"{self.case.name}: ranks {missing} wrote no results (exit {code}):\n{output[-8000:]}")
+        return results
+
+    def case_result(self, name: str, phase: str = "first") -> List[Any]:
+        """The result of one case on every rank; fails the test with the worker's traceback if it broke."""
+        code, output, _ = self.first if phase == "first" else self.resume
+        values = []
+        for rank, res in enumerate(self.results(phase)):
+            if name not in res["cases"]:
+                pytest.fail(f"{self.case.name}: the {phase} launch ended (exit {code}) before case {name!r} on "
+                            f"rank {rank}:\n{output[-8000:]}")
+            value = res["cases"][name]
+            if isinstance(value, dict) and "error" in value:
+                pytest.fail(f"{self.case.name}: case {name!r} raised on rank {rank}:\n{value['error']}")
+            values.append(value)
+        return values
+
+    @property
+    def settings(self) -> Dict[str, Any]:
+        return self.results()[0]["settings"]
+
+
+@pytest.fixture(scope="module", params=STRATEGIES, ids=lambda c: c.name)
+def launched(request, tmp_path_factory) -> Launches:
+    reason = unavailable(request.param)
+    if reason:
+        pytest.skip(reason)
+    return Launches(request.param, tmp_path_factory.mktemp(request.param.name))
+
+
+# -- independent references: plain torch, no fabric_lite --------------------------------------------------
+
+def _load_common():
+    spec = importlib.util.spec_from_file_location("conformance_common", WORKERS / "common.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+common = _load_common()
+
+
+def flat(weights: Dict[str, List[float]]) -> torch.Tensor:
+    return torch.tensor([v for k in sorted(weights) for v in weights[k]], dtype=torch.float64)
+
+
+def named(model: torch.nn.Module) -> Dict[str, List[float]]:
+    return {k: v.detach().reshape(-1).tolist() for k, v in model.named_parameters()}
+
+
+def assert_close(got: Dict[str, List[float]], expected: Dict[str, List[float]], what: str, atol: float = ATOL):
+    assert sorted(got) == sorted(expected), (what, sorted(got), sorted(expected))
+    diff = (flat(got) - flat(expected)).abs().max().item()
+    assert diff <= atol, f"{what}: max |diff| = {diff:.3g} > {atol}"
+
+
+@lru_cache(maxsize=None)
+def plain_loop(orders: tuple, batch: int, clip: Optional[float], n: int, lr: float, momentum: float):
+    """The one-process torch loop: batches of `batch` consecutive samples of each epoch's order.
+
+    Returns (model, the total gradient norm before clipping at every step)."""
+    data = common.IndexDataset(n)
+    model = common.make_model(seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    norms = []
+    for order in orders:
+        for start in range(0, len(order), batch):
+            idx = torch.tensor(order[start:start + batch])
+            loss = F.cross_entropy(model(data.x[idx]), idx % 3)
+            opt.zero_grad()
+            loss.backward()
+            if clip is not None:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+            opt.step()
+    return model, norms
+
+
+def epoch_orders(launched: Launches) -> tuple:
+    """The sample order of each epoch, as the parity run's processes gathered it, step by step."""
+    s = launched.settings
+    seen = launched.case_result("parity")[0]["seen"]
+    flat_order = [i for step in seen for i in step]
+    n = s["n_samples"]
+    return tuple(tuple(flat_order[e * n:(e + 1) * n]) for e in range(s["epochs"]))
+
+
+def reference(launched: Launches, clip: Optional[float] = None, batch: Optional[int] = None):
+    s = launched.settings
+    return plain_loop(epoch_orders(launched), batch or s["global_batch"], clip, s["n_samples"], s["lr"], s["momentum"])
+
+
+def interleave(per_rank_seen: List[List[List[int]]]) -> List[int]:
+    """Micro-step i of every rank, rank after rank: the global sample order the processes saw together."""
+    return [i for step in zip(*per_rank_seen) for batch in step for i in batch]
+
+
+# -- guards on the list itself ----------------------------------------------------------------------------
+
+def test_every_registered_strategy_is_covered_or_excused():
+    """A strategy registered without being added to STRATEGIES (or to NOT_LAUNCHED, with a reason) fails here."""
+    from fabric_lite.strategies import available_strategies
+
+    launched = {c.name for c in STRATEGIES}
+    assert not launched & set(NOT_LAUNCHED)
+    assert set(available_strategies()) == launched | set(NOT_LAUNCHED), (
+        f"registered but neither launched nor excused: {sorted(set(available_strategies()) - launched - set(NOT_LAUNCHED))}; "
+        f"listed but not registered: {sorted((launched | set(NOT_LAUNCHED)) - set(available_strategies()))}")
+
+
+def test_an_unknown_strategy_name_is_a_value_error_listing_the_allowed_names():
+    from fabric_lite import Accelerator, Trainer
+
+    for make in (lambda: Accelerator(strategy="no_such_strategy"), lambda: Trainer(strategy="no_such_strategy")):
+        with pytest.raises(ValueError, match="no_such_strategy") as info:
+            make()
+        for case in STRATEGIES:
+            assert repr(case.name) in str(info.value) or case.name in str(info.value), (case.name, str(info.value))
+
+
+# -- the launch ran what it says --------------------------------------------------------------------------
+
+def test_the_launch_runs_the_strategy_on_every_process(launched):
+    from fabric_lite.strategies import create_strategy
+
+    results = launched.results()
+    expected = type(create_strategy(launched.case.name)).__name__
+    for rank, r in enumerate(results):
+        assert (r["world"], r["strategy_class"]) == (launched.case.nproc, expected), (rank, r["world"], r["strategy_class"])
+        assert r["settings"] == results[0]["settings"]
+
+
+# -- 1. parity with one device on the same global batch --------------------------------------------------
+
+def test_sample_order_is_the_user_loaders_order_sharded_by_global_step(launched):
+    s = launched.settings
+    orders = epoch_orders(launched)
+    n = s["n_samples"]
+    # the first epoch is exactly what the user's loader (with the global batch) yields in a plain loop
+    loader = DataLoader(common.IndexDataset(n), batch_size=s["global_batch"], shuffle=True,
+                        generator=torch.Generator().manual_seed(s["loader_seed"]))
+    assert list(orders[0]) == [int(i) for _, idx in loader for i in idx]
+    for order in orders:
+        assert sorted(order) == list(range(n))   # every sample once per epoch, no padding (n divides evenly)
+    assert orders[1] != orders[0]                # reshuffled
+    # every process gathered the same order
+    assert all(r["seen"] == launched.case_result("parity")[0]["seen"] for r in launched.case_result("parity"))
+
+
+def test_w_processes_with_batch_b_equal_one_device_with_batch_w_times_b(launched):
+    ranks = launched.case_result("parity")
+    model, _ = reference(launched)
+    assert_close(ranks[0]["weights"], named(model), "weights vs the plain loop")
+    # the comparison can fail: a loop with per-process batches ends elsewhere (far outside ATOL)
+    small, _ = reference(launched, batch=launched.settings["global_batch"] // 2)
+    assert (flat(named(small)) - flat(named(model))).abs().max() > 100 * ATOL
+    # every process computes the same function: the same outputs, bit for bit, and the reference's
+    probes = [torch.tensor(r["probe"]) for r in ranks]
+    for rank, p in enumerate(probes):
+        assert torch.equal(p, probes[0]), f"rank {rank} computes other outputs than rank 0"
+    with torch.no_grad():
+        expected = model(torch.tensor(ranks[0]["probe_input"]))
+    assert torch.allclose(probes[0].double(), expected.double(), atol=ATOL, rtol=0)
+
+
+def test_trainer_parity_with_one_device(launched):
+    ranks = launched.case_result("trainer_parity")
+    model, _ = reference(launched)
+    assert_close(ranks[0]["weights"], named(model), "Trainer weights vs the plain loop")
+    order = interleave([r["seen"] for r in ranks])
+    assert order == [i for epoch in epoch_orders(launched) for i in epoch]
+    assert ranks[0]["global_step"] == 2 * launched.settings["n_samples"] // launched.settings["global_batch"]
+
+
+# -- 2. accumulation equals a bigger batch -----------------------------------------------------------------
+
+def test_accelerator_accumulation_of_two_equals_the_double_batch(launched):
+    accum = launched.case_result("accumulation")
+    parity = launched.case_result("parity")
+    assert accum[0]["seen"] != parity[0]["seen"]  # micro-batches of b/2 ...
+    assert [i for s in accum[0]["seen"] for i in s] == [i for s in parity[0]["seen"] for i in s]  # ... same order
+    assert_close(accum[0]["weights"], parity[0]["weights"], "accumulate 2 x b/2 vs batch b")
+    model, _ = reference(launched)
+    assert_close(accum[0]["weights"], named(model), "accumulate 2 x b/2 vs the plain loop")
+
+
+def test_trainer_accumulate_grad_batches_two_equals_the_double_batch(launched):
+    accum = launched.case_result("trainer_accumulation")
+    single = launched.case_result("trainer_parity")
+    assert interleave([r["seen"] for r in accum]) == interleave([r["seen"] for r in single])
+    assert accum[0]["global_step"] == single[0]["global_step"]
+    assert_close(accum[0]["weights"], single[0]["weights"], "accumulate_grad_batches=2 x b/2 vs batch b")
+    model, _ = reference(launched)
+    assert_close(accum[0]["weights"], named(model), "accumulate_grad_batches=2 vs the plain loop")
+
+
+# -- 3. clipping -------------------------------------------------------------------------------------------
+
+def _clipping_reference(launched):
+    clip = launched.settings["clip"]
+    clipped, norms = reference(launched, clip=clip)
+    unclipped, _ = reference(launched)
+    # the comparison can fail: clipping acted, and changed where training ends
+    assert sum(n > clip for n in norms) >= len(norms) // 2, norms
+    assert (flat(named(clipped)) - flat(named(unclipped))).abs().max() > 100 * ATOL
+    return clipped
+
+
+def test_accelerator_clip_grad_norm_equals_torch_clipping(launched):
+    # DeepSpeed clips inside its step and returns None from clip_grad_norm_: weights are compared, not norms
+    (r0, *_) = launched.case_result("clipping")
+    assert_close(r0["weights"], named(_clipping_reference(launched)), "clip_grad_norm_ vs torch's, plain loop")
+
+
+def test_trainer_gradient_clip_val_equals_torch_clipping(launched):
+    (r0, *_) = launched.case_result("trainer_clipping")
+    assert_close(r0["weights"], named(_clipping_reference(launched)), "gradient_clip_val vs torch's, plain loop")
+
+
+# -- 4. collectives ----------------------------------------------------------------------------------------
+
+def test_collectives(launched):
+    ranks = launched.case_result("collectives")
+    w = launched.case.nproc
+    assert [r["rank"] for r in ranks] == list(range(w)) and {r["world"] for r in ranks} == {w}
+    for r in ranks:
+        rank = r["rank"]
+        assert r["gather"] == [[float(q)] * 2 for q in range(w) for _ in range(q + 1)]
+        assert r["gather_scalar"] == list(range(w))
+        assert r["gather_nested"] == {"a": list(range(w)), "b": [10 * q for q in range(w)]}
+        assert r["gather_object"] == [f"rank{q}" for q in range(w)]
+        assert r["reduce_sum"] == [w * (w + 1) / 2]
+        assert r["reduce_mean"] == [(w + 1) / 2]
+        assert r["pad"] == [[1.0] * 3] * (rank + 1) + [[-1.0] * 3] * (w - rank - 1)
+        assert r["pad_first"] == [[0.0] * (w - rank - 1) + [1.0] * (rank + 1)] * 2
+        assert r["broadcast"] == [float(w - 1), 5.0]
+
+
+def test_gather_for_metrics_drops_the_even_batch_padding(launched):
+    for r in launched.case_result("collectives"):
+        # 13 samples, batches of 2, in order: global step k is batches kW..kW+W-1, padding only at the end
+        assert r["for_metrics"] == list(range(13))
+        assert r["for_metrics_objects"] == [f"s{i}" for i in range(13)]
+    model, _ = reference(launched)
+    with torch.no_grad():
+        expected = model(common.IndexDataset(13).x).double()
+    for r in launched.case_result("evaluation"):
+        assert r["indices"] == list(range(13))
+        got = torch.tensor(r["outputs"], dtype=torch.float64)
+        assert got.shape == expected.shape and torch.allclose(got, expected, atol=ATOL, rtol=0)
+
+
+# -- 5. checkpoints ----------------------------------------------------------------------------------------
+
+def test_save_state_then_load_state_restores_weights_and_optimizer_state(launched):
+    ranks = launched.case_result("roundtrip")
+    r0 = ranks[0]
+    assert_bit_equal(flat(r0["after"]["weights"]).tolist(), flat(r0["before"]["weights"]).tolist(), "weights")
+    for rank, r in enumerate(ranks):
+        before, after = r["before"]["optimizer"], r["after"]["optimizer"]
+        assert before["state"], f"rank {rank}: no optimizer state to compare (momentum buffers expected)"
+        assert after["state"].keys() == before["state"].keys(), rank
+        for key, tensors in before["state"].items():
+            assert after["state"][key].keys() == tensors.keys(), (rank, key)
+            for name, values in tensors.items():
+                assert_bit_equal(after["state"][key][name], values, f"rank {rank}, optimizer state {key}/{name}")
+        assert after["groups"] == before["groups"], rank   # lr among them: the fresh optimizer had another
+    # the same next step from both: nothing the step reads was left behind
+    assert_bit_equal(flat(r0["continued_loaded"]).tolist(), flat(r0["continued"]).tolist(), "one step after loading")
+    assert not torch.equal(flat(r0["continued"]), flat(r0["before"]["weights"]))
+
+
+def test_trainer_save_checkpoint_then_fit_ckpt_path_ends_as_an_uninterrupted_fit(launched):
+    (resumed, *_) = launched.case_result("trainer_resume")
+    (straight, *_) = launched.case_result("trainer_parity")
+    s = launched.settings
+    steps_per_epoch = s["n_samples"] // s["global_batch"]
+    assert resumed["start"] == [steps_per_epoch, 1]
+    assert resumed["global_step"] == straight["global_step"] == 2 * steps_per_epoch
+    assert_bit_equal(flat(resumed["weights"]).tolist(), flat(straight["weights"]).tolist(), "resumed vs straight")
+
+
+# -- 6. killed, then resumed: bit for bit ------------------------------------------------------------------
+
+def _assert_killed(launched):
+    code, output, _ = launched.first
+    if launched.case.nproc == 1:
+        assert killed_by(code, signal.SIGKILL), (code, output[-4000:])
+    else:
+        assert code != 0, output[-4000:]
+    assert "SIGKILLs itself at step" in output, output[-4000:]
+
+
+def test_raw_door_killed_then_load_state_is_bit_exact(launched):
+    _assert_killed(launched)
+    s = launched.settings
+    for r in launched.case_result("raw_crash"):
+        assert r == {"abandoned_at_step": s["kill_step"], "epoch": 1}
+    ranks = launched.case_result("raw_resumed", phase="resume")
+    for rank, r in enumerate(ranks):
+        assert r["restored"] == {"steps": s["save_step"], "epoch": 1}, rank
+        assert r["finished"] == {"finished": 3 * s["resume_epochs"]}, rank
+    assert_bit_equal(flat(ranks[0]["resumed"]).tolist(), flat(ranks[0]["uninterrupted"]).tolist(), "raw door")
+
+
+def test_trainer_killed_then_fit_ckpt_path_last_is_bit_exact(launched):
+    _assert_killed(launched)
+    s = launched.settings
+    assert launched.latest_after_crash == f"epoch=1-step={s['save_step']}"
+    ranks = launched.case_result("trainer_resumed", phase="resume")
+    for rank, r in enumerate(ranks):
+        assert r["start"] == [s["save_step"], 1], rank
+        assert r["global_step"] == r["uninterrupted_global_step"] == 3 * s["resume_epochs"], rank
+    assert_bit_equal(flat(ranks[0]["resumed"]).tolist(), flat(ranks[0]["uninterrupted"]).tolist(), "Trainer")
+
+
+def test_the_resume_launch_exits_cleanly(launched):
+    code, output, _ = launched.resume
+    assert code == 0, output[-6000:]
+
+
+# -- 7. bad input ------------------------------------------------------------------------------------------
+
+def test_backward_of_a_non_scalar_loss_is_a_value_error_naming_the_shape(launched):
+    per_rank = launched.settings["global_batch"] // launched.case.nproc
+    for rank, r in enumerate(launched.case_result("bad_input")):
+        err = r["backward_non_scalar"]
+        assert err is not None and err["type"] == "ValueError" and "(3, 3)" in err["message"], (rank, err)
+        err = r["trainer_non_scalar"]
+        assert err is not None and err["type"] == "ValueError" and f"({per_rank},)" in err["message"], (rank, err)
+
+
+def test_trainer_accumulate_grad_batches_zero_is_a_value_error(launched):
+    for rank, r in enumerate(launched.case_result("bad_input")):
+        err = r["accumulate_zero"]
+        assert err is not None and err["type"] == "ValueError" and "accumulate_grad_batches=0" in err["message"], (rank, err)

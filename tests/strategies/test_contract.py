@@ -1,0 +1,166 @@
+"""The Strategy contract (fabric_lite/strategies/base.py): what a new strategy must implement, and the
+hooks the doors call for it (device feed, step marker, optimizer state with its module, joint set-up,
+precision adaptation, registry)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from fabric_lite import Accelerator, Trainer, TrainModule
+from fabric_lite.strategies import SingleDeviceStrategy, Strategy, available_strategies, create_strategy
+from fabric_lite.strategies.registry import strategy_class, strategy_for_checkpoint_engine
+
+
+def test_the_base_is_abstract_and_names_what_is_missing():
+    class Half(Strategy):
+        def setup_environment(self):
+            pass
+
+    with pytest.raises(TypeError) as err:
+        Half()
+    for member in ("no_backward_sync", "setup_module", "teardown", "unwrap_module"):
+        assert member in str(err.value)
+
+
+def test_every_registered_strategy_implements_the_contract():
+    for name in available_strategies():
+        if name == "auto":
+            continue
+        cls = strategy_class(name)
+        assert issubclass(cls, Strategy), name
+        assert not cls.__abstractmethods__, (name, cls.__abstractmethods__)
+    assert strategy_for_checkpoint_engine("deepspeed").__name__ == "DeepSpeedStrategy"
+    assert strategy_for_checkpoint_engine("no-such-engine") is None
+
+
+def test_unknown_strategy_lists_the_registry():
+    with pytest.raises(ValueError, match=r"Unknown strategy 'dpp'.*'ddp'.*'deepspeed_stage_3'.*'single'"):
+        create_strategy("dpp")
+
+
+def test_launch_takes_its_strategy_choices_from_the_registry():
+    from fabric_lite.launch.config_file import STRATEGIES
+
+    assert list(STRATEGIES) == available_strategies()
+    proc = subprocess.run([sys.executable, "-m", "fabric_lite.cli", "launch", "--strategy", "single_device", "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+class Recording(SingleDeviceStrategy):
+    """One device, with every optional hook overridden to record that the doors called it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fed = 0
+        self.marks = 0
+        self.optimizer_modules = []
+        self.adapted = None
+
+    def adapt_precision(self, precision):
+        self.adapted = precision.name
+        return precision
+
+    def device_feed(self, non_blocking=False):
+        def feed(batch):
+            self.fed += 1
+            return batch
+
+        return feed
+
+    def after_optimizer_step(self):
+        self.marks += 1
+
+    def optimizer_state_dict(self, module, optimizer):
+        self.optimizer_modules.append(module)
+        return super().optimizer_state_dict(module, optimizer)
+
+
+def loader():
+    x = torch.randn(12, 3, generator=torch.Generator().manual_seed(0))
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+
+
+def test_accelerator_calls_the_hooks(tmp_path):
+    strategy = Recording()
+    acc = Accelerator(strategy=strategy, cpu=True, gradient_accumulation_steps=3)
+    assert strategy.adapted == "32-true"
+    opt_first = torch.optim.SGD([p for p in nn.Linear(1, 1).parameters()], lr=0.1)  # prepared before its model
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_first, model, opt, prepared = acc.prepare(opt_first, model, opt, loader())
+    for x, y in prepared:
+        with acc.accumulate(model):
+            acc.backward(nn.functional.mse_loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+    assert strategy.fed == 3  # every batch went through the strategy's feed
+    assert strategy.marks == 1  # one window of three micro-steps: one real optimizer step, one marker
+    # the loader is still the prepared one: position, epoch and sizes
+    assert prepared.state_dict()["epoch"] == 1 and prepared.total_batch_size == 4
+    acc.save_state(str(tmp_path / "ckpt"))
+    assert strategy.optimizer_modules == [None, model]  # each optimizer's state with the model it trains
+
+
+def test_trainer_calls_the_hooks(tmp_path):
+    class Module(TrainModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Linear(3, 1)
+
+        def training_step(self, batch, batch_idx):
+            return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    strategy = Recording()
+    trainer = Trainer(strategy=strategy, accelerator="cpu", max_epochs=2, accumulate_grad_batches=2,
+                      enable_progress_bar=False, default_root_dir=str(tmp_path))
+    trainer.fit(Module(), loader())
+    assert strategy.fed == 6
+    assert strategy.marks == trainer.global_step == 4  # windows of 2 and 1 batch, twice
+    assert strategy.optimizer_modules and all(m is trainer.model for m in strategy.optimizer_modules)
+
+
+class Joint(Recording):
+    """A strategy that must see models and optimizers together (as FSDP2 and DeepSpeed do)."""
+
+    setup_takes_optimizers = True
+
+    def setup(self, modules, optimizers):
+        self.joint = (len(modules), len(optimizers))
+        return super().setup(modules, optimizers)
+
+    def setup_module(self, module):
+        if not getattr(self, "joint", None):
+            raise RuntimeError("setup_module outside setup()")
+        return super().setup_module(module)
+
+
+def test_joint_setup_gets_several_models_and_optimizers():
+    strategy = Joint()
+    acc = Accelerator(strategy=strategy, cpu=True)
+    a, b = nn.Linear(3, 1), nn.Linear(3, 1)
+    opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    a, opt_a, b, opt_b = acc.prepare(a, opt_a, b, opt_b)
+    assert strategy.joint == (2, 2)
+    assert [o.module for o in acc.optimizers] == [a, b]
+
+
+def test_the_doors_do_not_branch_on_strategy_types():
+    """Capabilities, not isinstance checks or engine names, in the doors and the checkpoint layer."""
+    import inspect
+
+    from fabric_lite.accelerator import accelerator
+    from fabric_lite.checkpoint import state
+    from fabric_lite.trainer import loops, trainer
+
+    for module in (accelerator, trainer, loops, state):
+        source = inspect.getsource(module)
+        assert '"deepspeed"' not in source and "DeepSpeedStrategy" not in source, module.__name__
+        assert "DDPStrategy" not in source, module.__name__

@@ -1,0 +1,132 @@
+"""The step engine under both doors (fabric_lite/engine.py): how the loss of an accumulation window is
+divided (`divide_loss_by`), and that the Trainer's micro-steps are the Accelerator's."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from fabric_lite import Accelerator, Trainer, TrainModule
+
+BATCHES, BATCH, ACCUMULATE = 5, 2, 2  # 5 batches in windows of 2: the last window holds one batch
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(BATCHES * BATCH, 3, generator=g)
+    return TensorDataset(x, x @ torch.tensor([[1.0], [-2.0], [0.5]]) + 0.1 * torch.randn(len(x), 1, generator=g))
+
+
+def fresh_model():
+    torch.manual_seed(1)
+    return nn.Linear(3, 1)
+
+
+def reference(divide_by_window: bool, epochs: int = 2):
+    """A plain torch loop: windows of ACCUMULATE batches, the last one shorter; each micro-step's loss
+    divided by the configured steps or by its window's real length."""
+    model = fresh_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(data(), batch_size=BATCH)
+    for _ in range(epochs):
+        for i, (x, y) in enumerate(loader):
+            start = i - i % ACCUMULATE
+            window = min(ACCUMULATE, BATCHES - start) if divide_by_window else ACCUMULATE
+            (nn.functional.mse_loss(model(x), y) / window).backward()
+            if (i + 1) % ACCUMULATE == 0 or i + 1 == BATCHES:
+                opt.step()
+                opt.zero_grad()
+    return model.weight.detach().clone()
+
+
+def accelerator_run(epochs: int = 2, **kwargs):
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATE, **kwargs)
+    model = fresh_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, loader = acc.prepare(model, opt, DataLoader(data(), batch_size=BATCH))
+    steps = 0
+    for _ in range(epochs):
+        for x, y in loader:
+            with acc.accumulate(model):
+                acc.backward(nn.functional.mse_loss(model(x), y))
+                steps += acc.sync_gradients
+                opt.step()
+                opt.zero_grad()
+    assert steps == 3 * epochs  # windows of 2, 2 and 1 batch per epoch
+    return acc.unwrap_model(model).weight.detach().clone()
+
+
+def test_accelerator_divides_by_gradient_accumulation_steps_by_default():
+    """Accelerate's documented behaviour: the last, shorter window is divided by the configured steps too."""
+    ours = accelerator_run()
+    assert torch.allclose(ours, reference(divide_by_window=False), atol=1e-7, rtol=0)
+    assert not torch.allclose(ours, reference(divide_by_window=True), atol=1e-5, rtol=0)
+
+
+def test_accelerator_divide_loss_by_window():
+    ours = accelerator_run(divide_loss_by="window")
+    assert torch.allclose(ours, reference(divide_by_window=True), atol=1e-7, rtol=0)
+    assert not torch.allclose(ours, reference(divide_by_window=False), atol=1e-5, rtol=0)
+
+
+class Regression(TrainModule):
+    def __init__(self):
+        super().__init__()
+        self.net = fresh_model()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def trainer_run(**kwargs):
+    module = Regression()
+    Trainer(max_epochs=2, accelerator="cpu", accumulate_grad_batches=ACCUMULATE, enable_progress_bar=False,
+            enable_checkpointing=False, num_sanity_val_steps=0, **kwargs).fit(module, DataLoader(data(), batch_size=BATCH))
+    return module.net.weight.detach().clone()
+
+
+def test_trainer_divides_by_the_real_window_and_matches_the_accelerator(tmp_path):
+    ours = trainer_run(default_root_dir=str(tmp_path))
+    assert torch.allclose(ours, reference(divide_by_window=True), atol=1e-7, rtol=0)
+    assert torch.equal(ours, accelerator_run(divide_loss_by="window"))  # one engine: the same arithmetic
+
+
+def test_trainer_window_closes_at_the_batch_limit(tmp_path):
+    """limit_train_batches=3 with windows of 2: the second window is one batch, divided by one."""
+    ours = trainer_run(default_root_dir=str(tmp_path), limit_train_batches=3)
+    model = fresh_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        for i, (x, y) in enumerate(DataLoader(data(), batch_size=BATCH)):
+            if i == 3:
+                break
+            (nn.functional.mse_loss(model(x), y) / (2 if i < 2 else 1)).backward()
+            if i in (1, 2):
+                opt.step()
+                opt.zero_grad()
+    assert torch.allclose(ours, model.weight.detach(), atol=1e-7, rtol=0)
+
+
+def test_unknown_divide_loss_by_is_refused():
+    with pytest.raises(ValueError, match=r"divide_loss_by='steps'.*'gradient_accumulation_steps', 'window'"):
+        Accelerator(cpu=True, divide_loss_by="steps")
+
+
+def test_micro_steps_without_accumulate_still_close_windows():
+    """No accumulation: every micro-step syncs and the loss is not divided (the hot path stays plain)."""
+    acc = Accelerator(cpu=True)
+    model = fresh_model()
+    reference_model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    x, y = data().tensors
+    acc.backward(nn.functional.mse_loss(model(x), y))
+    nn.functional.mse_loss(reference_model(x), y).backward()
+    assert acc.sync_gradients and acc.loss_divisor == 1
+    assert torch.equal(model.weight.grad, reference_model.weight.grad)
