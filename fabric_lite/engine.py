@@ -84,7 +84,7 @@ class StepEngine:
         self.divide_loss_by = divide_loss_by
         self.gradient_state = GradientState()
         self.step = 0  # micro-steps counted by accumulate() since the last window closed at a loader's end
-        self.loss_divisor = 1  # what backward() divides the loss by on this micro-step
+        self.loss_divisor = 1  # under divide_loss_by="window": what backward() divides this micro-step's loss by
         self.models: List[nn.Module] = []
         self.optimizers: List[Any] = []
         self.schedulers: List[Any] = []
@@ -171,8 +171,12 @@ class StepEngine:
 
     # -- backward ----------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, model: Optional[nn.Module] = None, **kwargs: Any) -> None:
-        """`loss.backward()` with loss scaling, divided as `divide_loss_by` says on accumulation steps."""
-        divisor = self.loss_divisor
+        """`loss.backward()` with loss scaling, divided as `divide_loss_by` says on accumulation steps.
+
+        Under "gradient_accumulation_steps" the loss is divided whether or not `accumulate()` is used
+        (scripts that accumulate with `no_sync` themselves), as in Accelerate.
+        """
+        divisor = self.loss_divisor if self.divide_loss_by == "window" else self.gradient_accumulation_plugin.num_steps
         if divisor > 1:
             loss = loss / divisor
         try:

@@ -130,3 +130,15 @@ def test_micro_steps_without_accumulate_still_close_windows():
     nn.functional.mse_loss(reference_model(x), y).backward()
     assert acc.sync_gradients and acc.loss_divisor == 1
     assert torch.equal(model.weight.grad, reference_model.weight.grad)
+
+
+def test_accelerate_style_division_also_without_accumulate():
+    """Scripts that accumulate with no_sync themselves: backward still divides by the configured steps."""
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=4)
+    model = fresh_model()
+    reference_model = copy.deepcopy(model)
+    model = acc.prepare(model)
+    x, y = data().tensors
+    acc.backward(nn.functional.mse_loss(model(x), y))
+    (nn.functional.mse_loss(reference_model(x), y) / 4).backward()
+    assert torch.equal(model.weight.grad, reference_model.weight.grad)

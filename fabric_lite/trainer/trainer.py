@@ -1,8 +1,9 @@
 """The trainer door: `Trainer` holds the settings and entry points; the loops live in `loops.py`.
 
-Built on the Accelerator: device placement, sharding, precision and backward go through the same
-Strategy the raw door uses. The Trainer owns the loop (epochs, steps, validation, accumulation,
-clipping, logging, checkpoints, callbacks) and nothing else.
+Built on the Accelerator: each micro-step (accumulation window, no-sync, backward, clipping, optimizer
+step) runs through its step engine (`engine.py`), and device placement, sharding and precision through
+the same Strategy the raw door uses. The Trainer owns the loop (epochs, when windows end, validation,
+logging, checkpoints, callbacks) and nothing else.
 """
 
 from __future__ import annotations

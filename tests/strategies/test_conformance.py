@@ -72,6 +72,18 @@ NOT_LAUNCHED = {
 # steps of SGD with momentum carry that along. Measured here: at most ~1e-7 (see the report).
 ATOL = 1e-5
 
+# Known library bugs. A test meets one only where the result is exactly the bug's signature (then it is
+# an xfail naming the bug); any other difference fails as usual, and once fixed the tests simply pass.
+DEEPSPEED_CLIPS_UNASKED = (
+    "library bug: fabric_lite/strategies/deepspeed.py DeepSpeedStrategy.build_config writes 'gradient_clipping' "
+    "only when clipping was asked for; DeepSpeed 0.19 then uses its default, 1.0 (GRADIENT_CLIPPING_DEFAULT), "
+    "so a run without clipping is clipped at norm 1.0 under DeepSpeed and at nothing under single/DDP")
+DEEPSPEED_DEFAULT_CLIP = 1.0
+DEEPSPEED_NON_SCALAR_ASSERTION = (
+    "library bug: fabric_lite/accelerator/accelerator.py Accelerator.backward turns a RuntimeError/AttributeError "
+    "from a non-scalar loss into the ValueError naming the shape, but DeepSpeed's engine.backward refuses it with "
+    "an AssertionError ('loss must be a scalar tensor'), which passes through unexplained")
+
 
 # -- launching ---------------------------------------------------------------------------------------------
 
@@ -173,10 +185,23 @@ def named(model: torch.nn.Module) -> Dict[str, List[float]]:
     return {k: v.detach().reshape(-1).tolist() for k, v in model.named_parameters()}
 
 
+def max_diff(got: Dict[str, List[float]], expected: Dict[str, List[float]]) -> float:
+    assert sorted(got) == sorted(expected), (sorted(got), sorted(expected))
+    return (flat(got) - flat(expected)).abs().max().item()
+
+
 def assert_close(got: Dict[str, List[float]], expected: Dict[str, List[float]], what: str, atol: float = ATOL):
-    assert sorted(got) == sorted(expected), (what, sorted(got), sorted(expected))
-    diff = (flat(got) - flat(expected)).abs().max().item()
+    diff = max_diff(got, expected)
     assert diff <= atol, f"{what}: max |diff| = {diff:.3g} > {atol}"
+
+
+def model_from(weights: Dict[str, List[float]]) -> torch.nn.Module:
+    """make_model() holding the reported weights."""
+    model = common.make_model(seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.tensor(weights[name]).reshape(p.shape))
+    return model
 
 
 @lru_cache(maxsize=None)
@@ -271,51 +296,61 @@ def test_sample_order_is_the_user_loaders_order_sharded_by_global_step(launched)
     assert all(r["seen"] == launched.case_result("parity")[0]["seen"] for r in launched.case_result("parity"))
 
 
-def test_w_processes_with_batch_b_equal_one_device_with_batch_w_times_b(launched):
-    ranks = launched.case_result("parity")
+def assert_like_the_plain_loop(launched: Launches, runs: Dict[str, Dict[str, List[float]]]) -> None:
+    """Each unclipped run ends where the plain loop with the global batch ends.
+
+    Where the difference is exactly the known DeepSpeed bug (the run equals the plain loop clipped at
+    DeepSpeed's default norm) the test is an xfail naming it; any other difference fails."""
     model, _ = reference(launched)
-    assert_close(ranks[0]["weights"], named(model), "weights vs the plain loop")
-    # the comparison can fail: a loop with per-process batches ends elsewhere (far outside ATOL)
+    diffs = {what: max_diff(weights, named(model)) for what, weights in runs.items()}
+    off = {what: d for what, d in diffs.items() if d > ATOL}
+    if off and launched.case.name.startswith("deepspeed"):
+        clipped, _ = reference(launched, clip=DEEPSPEED_DEFAULT_CLIP)
+        if all(max_diff(runs[what], named(clipped)) <= ATOL for what in off):
+            pytest.xfail(DEEPSPEED_CLIPS_UNASKED)
+    assert not off, f"max |diff| from the plain loop: {diffs} (tolerance {ATOL})"
+    # the comparison can fail: a loop with per-process batches (no gradient averaging) ends far away
     small, _ = reference(launched, batch=launched.settings["global_batch"] // 2)
     assert (flat(named(small)) - flat(named(model))).abs().max() > 100 * ATOL
-    # every process computes the same function: the same outputs, bit for bit, and the reference's
-    probes = [torch.tensor(r["probe"]) for r in ranks]
+
+
+def test_w_processes_with_batch_b_equal_one_device_with_batch_w_times_b(launched):
+    parity, accum = launched.case_result("parity"), launched.case_result("accumulation")
+    # every process computes the same function, the one of the weights it reports: bit for bit
+    probes = [torch.tensor(r["probe"]) for r in parity]
     for rank, p in enumerate(probes):
         assert torch.equal(p, probes[0]), f"rank {rank} computes other outputs than rank 0"
     with torch.no_grad():
-        expected = model(torch.tensor(ranks[0]["probe_input"]))
-    assert torch.allclose(probes[0].double(), expected.double(), atol=ATOL, rtol=0)
+        expected = model_from(parity[0]["weights"])(torch.tensor(parity[0]["probe_input"]))
+    assert torch.allclose(probes[0], expected, atol=1e-6, rtol=0)
+    assert_like_the_plain_loop(launched, {"batch b": parity[0]["weights"], "2 x b/2 accumulated": accum[0]["weights"]})
 
 
 def test_trainer_parity_with_one_device(launched):
-    ranks = launched.case_result("trainer_parity")
-    model, _ = reference(launched)
-    assert_close(ranks[0]["weights"], named(model), "Trainer weights vs the plain loop")
-    order = interleave([r["seen"] for r in ranks])
-    assert order == [i for epoch in epoch_orders(launched) for i in epoch]
-    assert ranks[0]["global_step"] == 2 * launched.settings["n_samples"] // launched.settings["global_batch"]
+    single, accum = launched.case_result("trainer_parity"), launched.case_result("trainer_accumulation")
+    assert interleave([r["seen"] for r in single]) == [i for epoch in epoch_orders(launched) for i in epoch]
+    assert single[0]["global_step"] == 2 * launched.settings["n_samples"] // launched.settings["global_batch"]
+    assert_like_the_plain_loop(launched, {"batch b": single[0]["weights"],
+                                          "accumulate_grad_batches=2 x b/2": accum[0]["weights"]})
 
 
-# -- 2. accumulation equals a bigger batch -----------------------------------------------------------------
+# -- 2. accumulation equals a bigger batch (and, above, both equal the plain loop) -------------------------
 
 def test_accelerator_accumulation_of_two_equals_the_double_batch(launched):
     accum = launched.case_result("accumulation")
     parity = launched.case_result("parity")
-    assert accum[0]["seen"] != parity[0]["seen"]  # micro-batches of b/2 ...
+    assert len(accum[0]["seen"]) == 2 * len(parity[0]["seen"])  # micro-batches of b/2 ...
     assert [i for s in accum[0]["seen"] for i in s] == [i for s in parity[0]["seen"] for i in s]  # ... same order
     assert_close(accum[0]["weights"], parity[0]["weights"], "accumulate 2 x b/2 vs batch b")
-    model, _ = reference(launched)
-    assert_close(accum[0]["weights"], named(model), "accumulate 2 x b/2 vs the plain loop")
 
 
 def test_trainer_accumulate_grad_batches_two_equals_the_double_batch(launched):
     accum = launched.case_result("trainer_accumulation")
     single = launched.case_result("trainer_parity")
+    assert len(accum[0]["seen"]) == 2 * len(single[0]["seen"])
     assert interleave([r["seen"] for r in accum]) == interleave([r["seen"] for r in single])
     assert accum[0]["global_step"] == single[0]["global_step"]
     assert_close(accum[0]["weights"], single[0]["weights"], "accumulate_grad_batches=2 x b/2 vs batch b")
-    model, _ = reference(launched)
-    assert_close(accum[0]["weights"], named(model), "accumulate_grad_batches=2 vs the plain loop")
 
 
 # -- 3. clipping -------------------------------------------------------------------------------------------
@@ -365,13 +400,13 @@ def test_gather_for_metrics_drops_the_even_batch_padding(launched):
         # 13 samples, batches of 2, in order: global step k is batches kW..kW+W-1, padding only at the end
         assert r["for_metrics"] == list(range(13))
         assert r["for_metrics_objects"] == [f"s{i}" for i in range(13)]
-    model, _ = reference(launched)
+    # the trained model of the parity run over those 13 samples: the outputs its reported weights give
     with torch.no_grad():
-        expected = model(common.IndexDataset(13).x).double()
+        expected = model_from(launched.case_result("parity")[0]["weights"])(common.IndexDataset(13).x).double()
     for r in launched.case_result("evaluation"):
         assert r["indices"] == list(range(13))
         got = torch.tensor(r["outputs"], dtype=torch.float64)
-        assert got.shape == expected.shape and torch.allclose(got, expected, atol=ATOL, rtol=0)
+        assert got.shape == expected.shape and torch.allclose(got, expected, atol=1e-6, rtol=0)
 
 
 # -- 5. checkpoints ----------------------------------------------------------------------------------------
@@ -382,12 +417,12 @@ def test_save_state_then_load_state_restores_weights_and_optimizer_state(launche
     assert_bit_equal(flat(r0["after"]["weights"]).tolist(), flat(r0["before"]["weights"]).tolist(), "weights")
     for rank, r in enumerate(ranks):
         before, after = r["before"]["optimizer"], r["after"]["optimizer"]
-        assert before["state"], f"rank {rank}: no optimizer state to compare (momentum buffers expected)"
-        assert after["state"].keys() == before["state"].keys(), rank
-        for key, tensors in before["state"].items():
-            assert after["state"][key].keys() == tensors.keys(), (rank, key)
-            for name, values in tensors.items():
-                assert_bit_equal(after["state"][key][name], values, f"rank {rank}, optimizer state {key}/{name}")
+        assert before["state"] and all(before["state"]), f"rank {rank}: no momentum buffers to compare"
+        assert len(after["state"]) == len(before["state"]), rank
+        for i, (got, expected) in enumerate(zip(after["state"], before["state"])):
+            assert got.keys() == expected.keys(), (rank, i)
+            for name, values in expected.items():
+                assert_bit_equal(got[name], values, f"rank {rank}, optimizer state {i}/{name}")
         assert after["groups"] == before["groups"], rank   # lr among them: the fresh optimizer had another
     # the same next step from both: nothing the step reads was left behind
     assert_bit_equal(flat(r0["continued_loaded"]).tolist(), flat(r0["continued"]).tolist(), "one step after loading")
@@ -446,10 +481,18 @@ def test_the_resume_launch_exits_cleanly(launched):
 # -- 7. bad input ------------------------------------------------------------------------------------------
 
 def test_backward_of_a_non_scalar_loss_is_a_value_error_naming_the_shape(launched):
-    per_rank = launched.settings["global_batch"] // launched.case.nproc
     for rank, r in enumerate(launched.case_result("bad_input")):
         err = r["backward_non_scalar"]
-        assert err is not None and err["type"] == "ValueError" and "(3, 3)" in err["message"], (rank, err)
+        assert err is not None, f"rank {rank}: backward() of a (3, 3) loss raised nothing"
+        if (err["type"], launched.case.name.startswith("deepspeed")) == ("AssertionError", True) \
+                and "loss must be a scalar" in err["message"]:
+            pytest.xfail(DEEPSPEED_NON_SCALAR_ASSERTION)
+        assert err["type"] == "ValueError" and "(3, 3)" in err["message"], (rank, err)
+
+
+def test_a_training_step_returning_a_non_scalar_loss_is_a_value_error_naming_the_shape(launched):
+    per_rank = launched.settings["global_batch"] // launched.case.nproc
+    for rank, r in enumerate(launched.case_result("bad_input")):
         err = r["trainer_non_scalar"]
         assert err is not None and err["type"] == "ValueError" and f"({per_rank},)" in err["message"], (rank, err)
 

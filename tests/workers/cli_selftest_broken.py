@@ -2,7 +2,8 @@
 
 import sys
 
-from fabric_lite import Accelerator, selftest
+from fabric_lite import Accelerator
+from fabric_lite.cli import selftest
 
 _reduce = Accelerator.reduce
 

@@ -86,12 +86,15 @@ def user_optimizer(prepared, cls):
 
 
 def optimizer_state(prepared):
-    """This rank's state of the user's optimizer (its partition, under ZeRO), as JSON."""
-    state = user_optimizer(prepared, torch.optim.SGD).state_dict()
-    tensors = {str(k): {n: local(t).detach().float().reshape(-1).tolist() for n, t in v.items() if torch.is_tensor(t)}
-               for k, v in state["state"].items()}
+    """This rank's state of the user's optimizer (its partition, under ZeRO), in the optimizer's own order.
+
+    Read from `.state` rather than `state_dict()`: ZeRO-3 keys the state by flat partitions that are not
+    in the optimizer's param_groups, which `state_dict()` cannot map."""
+    opt = user_optimizer(prepared, torch.optim.SGD)
+    tensors = [{n: local(t).detach().float().reshape(-1).tolist() for n, t in entry.items() if torch.is_tensor(t)}
+               for entry in opt.state.values()]
     groups = [{k: v for k, v in g.items() if isinstance(v, (int, float, bool, str, type(None)))}
-              for g in state["param_groups"]]
+              for g in opt.param_groups]
     return {"state": tensors, "groups": groups}
 
 
