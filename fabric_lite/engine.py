@@ -182,7 +182,7 @@ class StepEngine:
         try:
             self.strategy.backward(loss, model if model is not None else (self.models[0] if self.models else None),
                                    **kwargs)
-        except (RuntimeError, AttributeError) as err:  # checked only on failure: nothing on the hot path
+        except (RuntimeError, AttributeError, AssertionError) as err:  # checked only on failure: not on the hot path
             if not isinstance(loss, torch.Tensor) or (loss.numel() != 1 and "gradient" not in kwargs):
                 shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
                 raise ValueError(

@@ -97,7 +97,8 @@ class DeepSpeedStrategy(DDPStrategy):
         timeout: Any = None,
         **zero_kwargs: Any,
     ) -> None:
-        _require_deepspeed("deepspeed" if stage is None else f"deepspeed_stage_{stage}")
+        offload = "_offload" if offload_optimizer or offload_parameters else ""
+        _require_deepspeed("deepspeed" if stage is None else f"deepspeed_stage_{stage}{offload}")
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         user = _read_config(config)
         if stage is None:
@@ -151,8 +152,8 @@ class DeepSpeedStrategy(DDPStrategy):
             "zero_force_ds_cpu_optimizer": False,
             "steps_per_print": 2**31 - 1,
         }
-        if self.gradient_clip_val is not None:
-            ours["gradient_clipping"] = float(self.gradient_clip_val)
+        # DeepSpeed clips at norm 1.0 unless told otherwise; here nothing is clipped unless asked for.
+        ours["gradient_clipping"] = float(self.gradient_clip_val) if self.gradient_clip_val is not None else 0.0
         if precision is not None:
             ours[precision] = {"enabled": True}
             if precision == "fp16":

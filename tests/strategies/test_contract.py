@@ -164,3 +164,12 @@ def test_the_doors_do_not_branch_on_strategy_types():
         source = inspect.getsource(module)
         assert '"deepspeed"' not in source and "DeepSpeedStrategy" not in source, module.__name__
         assert "DDPStrategy" not in source, module.__name__
+
+
+def test_listing_strategies_imports_no_torch():
+    """The launcher and the config file read the registry before any strategy (or torch) is needed."""
+    code = ("import sys; import fabric_lite.strategies.registry as r, fabric_lite.launch.config_file; "
+            "assert 'deepspeed_stage_3' in r.available_strategies(); "
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr

@@ -39,15 +39,16 @@ RANK = int(os.environ.get("RANK", "0"))
 # Numerical cases: 64 samples, global batch 8 (per rank 8 / W), 2 epochs of 8 optimizer steps, SGD with momentum.
 N_SAMPLES, GLOBAL_BATCH, EPOCHS, LR, MOMENTUM, LOADER_SEED = 64, 8, 2, 0.1, 0.9, 3
 CLIP = 0.3  # well below the gradient norms of this problem: clipping acts on most steps
-# Kill and resume: 48 samples, global micro-batch 8, accumulation 2: 3 optimizer steps an epoch, 9 in all.
-RESUME_EPOCHS, SAVE_STEP, KILL_STEP = 3, 4, 5
+# Kill and resume: 48 samples, global micro-batch 8, accumulation 2: 3 optimizer steps an epoch, 9 in all;
+# saved at step 4 (epoch 1, itself mid-epoch), killed mid-window after step 5.
+RESUME_SAMPLES, RESUME_EPOCHS, SAVE_STEP, KILL_STEP = 48, 3, 4, 5
 assert GLOBAL_BATCH % (2 * WORLD) == 0, f"the cases need a world size dividing {GLOBAL_BATCH // 2}, got {WORLD}"
 PER_RANK = GLOBAL_BATCH // WORLD
 
 # What the tests build their plain-torch references from: read from here, never repeated there.
 SETTINGS = {"n_samples": N_SAMPLES, "global_batch": GLOBAL_BATCH, "epochs": EPOCHS, "lr": LR, "momentum": MOMENTUM,
             "loader_seed": LOADER_SEED, "clip": CLIP, "resume_epochs": RESUME_EPOCHS, "save_step": SAVE_STEP,
-            "kill_step": KILL_STEP}
+            "kill_step": KILL_STEP, "resume_steps_per_epoch": RESUME_SAMPLES // GLOBAL_BATCH // 2}
 results = {"strategy": args.strategy, "phase": args.phase, "world": None, "strategy_class": None, "settings": SETTINGS,
            "cases": {}}
 
@@ -163,7 +164,8 @@ def case_collectives():
     out = {"rank": r, "world": w}
     out["gather"] = acc.gather(torch.full((r + 1, 2), float(r))).tolist()  # first dims differ on purpose
     out["gather_scalar"] = acc.gather(torch.tensor(r)).tolist()
-    out["gather_nested"] = {k: v.tolist() for k, v in acc.gather({"a": torch.tensor([r]), "b": torch.tensor([10 * r])}).items()}
+    nested = acc.gather({"a": torch.tensor([r]), "b": torch.tensor([10 * r])})
+    out["gather_nested"] = {k: v.tolist() for k, v in nested.items()}
     out["gather_object"] = acc.gather_object([f"rank{r}"])
     out["reduce_sum"] = acc.reduce(torch.tensor([float(r + 1)]), reduction="sum").tolist()
     out["reduce_mean"] = acc.reduce(torch.tensor([float(r + 1)]), reduction="mean").tolist()
@@ -304,7 +306,8 @@ def case_bad_input():
     model = make_model(seed=0)
     model, _ = acc.prepare(model, sgd(model))
     non_scalar = error_of(lambda: acc.backward(model(torch.randn(3, 4))))  # a (3, 3) "loss"
-    trainer_non_scalar = error_of(lambda: make_trainer("t_bad").fit(Classifier(reduction="none"), train_loader(PER_RANK)))
+    per_sample = Classifier(reduction="none")  # training_step returns a (batch,) loss
+    trainer_non_scalar = error_of(lambda: make_trainer("t_bad").fit(per_sample, train_loader(PER_RANK)))
     accumulate_zero = error_of(lambda: Trainer(strategy=args.strategy, accumulate_grad_batches=0))
     return {"backward_non_scalar": non_scalar, "trainer_non_scalar": trainer_non_scalar,
             "accumulate_zero": accumulate_zero}
@@ -329,7 +332,8 @@ def dropout_net(seed):
 
 
 def resume_loader(seed):
-    return DataLoader(regression_data(48), batch_size=PER_RANK, shuffle=True, generator=torch.Generator().manual_seed(seed))
+    return DataLoader(regression_data(RESUME_SAMPLES), batch_size=PER_RANK, shuffle=True,
+                      generator=torch.Generator().manual_seed(seed))
 
 
 def raw_build(seed):
@@ -390,7 +394,8 @@ class KillMidWindow(Callback):
 def trainer_fit_resumable(root, seed, callbacks, ckpt_path=None):
     set_seed(seed)
     module = Regression(seed)
-    trainer = Trainer(strategy=args.strategy, max_epochs=RESUME_EPOCHS, accumulate_grad_batches=2, default_root_dir=root,
+    trainer = Trainer(strategy=args.strategy, max_epochs=RESUME_EPOCHS, accumulate_grad_batches=2,
+                      default_root_dir=root,
                       callbacks=[ModelCheckpoint(every_n_train_steps=SAVE_STEP, save_top_k=1), *callbacks],
                       enable_progress_bar=False, num_sanity_val_steps=0, log_every_n_steps=1)
     trainer.fit(module, resume_loader(seed), ckpt_path=ckpt_path)
@@ -419,7 +424,8 @@ def case_raw_resumed():
 
 def case_trainer_resumed():
     start = StartStep()
-    trainer = trainer_fit_resumable(os.path.join(args.root, "trainer_run"), seed=99, callbacks=[start], ckpt_path="last")
+    trainer = trainer_fit_resumable(os.path.join(args.root, "trainer_run"), seed=99, callbacks=[start],
+                                    ckpt_path="last")
     resumed = full_weights(trainer.accelerator, trainer.model)
     straight = trainer_fit_resumable(os.path.join(args.root, "trainer_uninterrupted"), seed=1, callbacks=[])
     return {"start": start.start, "global_step": trainer.global_step, "resumed": resumed,
