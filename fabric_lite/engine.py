@@ -10,7 +10,8 @@ the doors differ is `divide_loss_by`:
   shorter window of an epoch.
 * ``"window"`` (the Trainer's): the loss is divided by the real length of its window, so a shorter
   last window averages its micro-batches as a longer one does. The window's length is known when
-  the loader's length is (else the configured number of steps is used).
+  the loader's length is; without one (an iterable dataset) the last window still closes at the
+  loader's end, its micro-steps divided by the configured number of steps.
 
 A window is counted in one of two ways. The Accelerator counts calls of `accumulate()` (Accelerate's
 `accelerator.step`), and a window also ends at the last batch of the active prepared loader. The
@@ -101,38 +102,33 @@ class StepEngine:
         """
         n = self.gradient_accumulation_plugin.num_steps
         state = self.gradient_state
-        if index is None:
+        if index is None:  # counted here: the window's own position, and what the loader has left
+            position = self.step % n  # this micro-step's place in its window
             if self.gradient_accumulation_plugin.sync_with_dataloader and state.end_of_dataloader:
                 closes = True
                 self.step = 0
             else:
                 self.step += 1
                 closes = self.step % n == 0
-            if n > 1 and self.divide_loss_by == "window":
-                index, length = self._loader_position()
+            left = None
+            if self.divide_loss_by == "window" and self.gradient_accumulation_plugin.sync_with_dataloader:
+                left = self._batches_left()
+            # (a window that a loader's end closes early holds this micro-step, the ones before it and what is left)
+            self.loss_divisor = n if left is None else max(1, min(n, position + 1 + left))
         else:
             closes = (index + 1) % n == 0 or (length is not None and index + 1 >= length) \
                 or state.end_of_dataloader
-        if n == 1:
-            self.loss_divisor = 1
-        elif self.divide_loss_by == "window" and index is not None and length is not None:
-            start = index - index % n
-            self.loss_divisor = max(1, min(n, length - start))
-        else:
-            self.loss_divisor = n
+            if length is not None and self.divide_loss_by == "window":
+                self.loss_divisor = max(1, min(n, length - (index - index % n)))
+            else:
+                self.loss_divisor = n
         state.sync_gradients = closes
         return _SYNCS if closes else self.sync_context(models)
 
-    def _loader_position(self) -> tuple:
-        """(index of the batch just yielded, epoch length) of the active prepared loader, or (None, None)."""
+    def _batches_left(self) -> Optional[int]:
+        """Batches the active prepared loader has left in this epoch after the current one, if known."""
         state = self.gradient_state
-        if not state.active:
-            return None, None
-        loader = state.active[-1]
-        try:
-            return loader.state_dict()["batches_seen"] - 1, len(loader)
-        except TypeError:
-            return None, None
+        return state.active[-1].batches_left() if state.active else None
 
     def sync_context(self, models: Sequence[nn.Module] = ()) -> ContextManager:
         """No gradient all-reduce on a micro-step that does not close its window (the current one)."""

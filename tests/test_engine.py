@@ -142,3 +142,72 @@ def test_accelerate_style_division_also_without_accumulate():
     acc.backward(nn.functional.mse_loss(model(x), y))
     (nn.functional.mse_loss(reference_model(x), y) / 4).backward()
     assert torch.equal(model.weight.grad, reference_model.weight.grad)
+
+
+def window_divisors(n, batches, skip=0, sync_with_dataloader=True, epochs=1):
+    """The divisor and window end the engine picks for each micro-step of a raw loop (divide_loss_by="window")."""
+    from fabric_lite import GradientAccumulationPlugin, skip_first_batches
+
+    acc = Accelerator(cpu=True, divide_loss_by="window", gradient_accumulation_plugin=GradientAccumulationPlugin(
+        num_steps=n, sync_with_dataloader=sync_with_dataloader))
+    loader = acc.prepare(DataLoader(torch.arange(batches), batch_size=1))
+    seen = []
+    for _ in range(epochs):
+        for _batch in skip_first_batches(loader, skip) if skip else loader:
+            with acc.accumulate():
+                seen.append((acc.loss_divisor, acc.sync_gradients))
+    return seen
+
+
+def test_raw_door_window_division_follows_its_own_windows():
+    # 10 batches in windows of 3: 3 3 3 | 3 3 3 | 3 3 3 | 1
+    assert window_divisors(3, 10) == [(3, False), (3, False), (3, True)] * 3 + [(1, True)]
+    # after skip_first_batches(loader, 4), 6 batches are left: two full windows
+    assert window_divisors(3, 10, skip=4) == [(3, False), (3, False), (3, True)] * 2
+    # windows that run over the epoch's end (sync_with_dataloader=False) are always full
+    seen = window_divisors(3, 4, sync_with_dataloader=False, epochs=3)
+    assert [d for d, _ in seen] == [3] * 12 and [s for _, s in seen] == [False, False, True] * 4
+
+
+def test_manual_backward_after_an_accumulating_fit_is_not_divided(tmp_path):
+    class Manual(Regression):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+            self.grads = []
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(super().training_step(batch, batch_idx))
+            self.grads.append(self.net.weight.grad.clone())
+            opt.step()
+
+    trainer = Trainer(max_epochs=1, accelerator="cpu", accumulate_grad_batches=3, enable_progress_bar=False,
+                      enable_checkpointing=False, num_sanity_val_steps=0, default_root_dir=str(tmp_path))
+    trainer.fit(Regression(), DataLoader(data(), batch_size=BATCH))  # leaves a window divisor behind
+    trainer.max_epochs = 2  # one more epoch, manual this time
+    module = Manual()
+    reference_model = copy.deepcopy(module.net)
+    trainer.fit(module, DataLoader(data(), batch_size=BATCH))
+    x, y = next(iter(DataLoader(data(), batch_size=BATCH)))
+    nn.functional.mse_loss(reference_model(x), y).backward()
+    assert torch.equal(module.grads[0], reference_model.weight.grad)
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """An iterable dataset without a length: the loader finds its last batch by looking one ahead."""
+
+    def __iter__(self):
+        return iter(data())
+
+
+def test_trainer_closes_the_last_window_of_an_iterable_dataset(tmp_path):
+    """No length: the last window (one batch of 5 in windows of 2) still steps at the epoch's end, its
+    micro-steps divided by the configured steps, and nothing leaks into the next epoch."""
+    module = Regression()
+    trainer = Trainer(max_epochs=2, accelerator="cpu", accumulate_grad_batches=ACCUMULATE, enable_progress_bar=False,
+                      enable_checkpointing=False, num_sanity_val_steps=0, default_root_dir=str(tmp_path))
+    trainer.fit(module, DataLoader(Stream(), batch_size=BATCH))
+    assert trainer.global_step == 6
+    assert torch.allclose(module.net.weight.detach(), reference(divide_by_window=False), atol=1e-7, rtol=0)

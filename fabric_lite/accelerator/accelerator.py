@@ -24,7 +24,7 @@ from fabric_lite.accelerator.configs import (
 from fabric_lite.strategies.connector import connect
 from fabric_lite.data.loader import DataLoaderShard, shard_dataloader, skip_first_batches
 from fabric_lite.engine import StepEngine
-from fabric_lite.strategies.environments import detect_process, explicit_arguments, read_launch_settings
+from fabric_lite.strategies.environments import detect_process, read_launch_settings, records_explain_arguments
 from fabric_lite.accelerator.wrappers import AcceleratedOptimizer, AcceleratedScheduler, HookHandle, is_scheduler
 from fabric_lite.strategies.precision import PrecisionForward
 from fabric_lite.accelerator.process_control import ProcessControl
@@ -41,6 +41,11 @@ class Accelerator(StepEngine, ProcessControl):
     >>> model, optimizer, loader = accelerator.prepare(model, optimizer, loader)  # doctest: +SKIP
     """
 
+    #: Under `fabric-lite explain`, the arguments this Accelerator was given (the plan reports settings
+    #: given twice or ignored); None otherwise.
+    explain_arguments: Optional[Dict[str, Any]] = None
+
+    @records_explain_arguments
     def __init__(
         self,
         device_placement: bool = True,
@@ -66,13 +71,8 @@ class Accelerator(StepEngine, ProcessControl):
         divide_loss_by: str = "gradient_accumulation_steps",
     ) -> None:
         launch = read_launch_settings()
-        #: Under `fabric-lite explain`, the arguments this Accelerator was given (the plan reports settings
-        #: given twice or ignored); None otherwise.
-        self.explain_arguments: Optional[Dict[str, Any]] = None
-        if launch.explain_dry_run:
-            self.explain_arguments = explicit_arguments(Accelerator.__init__, locals())
-            if isinstance(devices, int) and not isinstance(devices, bool) and devices > 1:
-                devices = None  # this lone process stands in for rank 0; the plan checks devices
+        if launch.explain_dry_run and isinstance(devices, int) and not isinstance(devices, bool) and devices > 1:
+            devices = None  # this lone process stands in for rank 0 of a planned launch; the plan checks devices
         if deepspeed_plugin is not None:
             if strategy != "auto":
                 raise ValueError(f"Pass strategy={strategy!r} or deepspeed_plugin, not both.")
@@ -474,6 +474,8 @@ class Accelerator(StepEngine, ProcessControl):
     def free_memory(self, *objects: Any) -> List[Any]:
         self.models, self.optimizers, self.schedulers, self.dataloaders = [], [], [], []
         self.step = 0
+        self.loss_divisor = 1  # (a manual loop after an accumulating one must not divide)
+        self.gradient_state.sync_gradients = True
         return [None] * len(objects)
 
     clear = free_memory

@@ -196,6 +196,15 @@ class DataLoaderShard(DataLoader):
         except TypeError:
             return None
 
+    def batches_left(self) -> Optional[int]:
+        """This process's batches still to come in the current epoch (after those yielded), if known."""
+        if isinstance(self.dataset, IterableDataset):  # its length, where it has one, is a guess
+            return None
+        try:
+            return max(0, DataLoader.__len__(self) - self._position.batches_seen)
+        except TypeError:
+            return None
+
     def state_dict(self) -> Dict[str, int]:
         return {"base_seed": self._position.base_seed, "epoch": self._position.epoch,
                 "batches_seen": self._position.batches_seen, "draws_before_sampler": self._draws_before_sampler}

@@ -35,7 +35,7 @@ __all__ = [
 
 CONFIG_NAME = "default_config.yaml"
 COMPUTE_ENVIRONMENTS = ("this_machine", "multi_node")
-STRATEGIES = tuple(available_strategies())  # the registry's names: a registered strategy can be launched
+STRATEGIES = tuple(available_strategies())  # the names in strategies/registry.py: a strategy listed there can be launched
 MIXED_PRECISIONS = ("no", "fp16", "bf16")
 NPROC_WORDS = ("auto", "cpu", "gpu")
 # Other spellings the launcher and the Accelerator accept, mapped to the config's three names.

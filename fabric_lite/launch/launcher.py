@@ -17,6 +17,7 @@ import sys
 import uuid
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
+from fabric_lite.strategies.registry import runs_one_process
 from fabric_lite.launch.config_file import STRATEGIES, ConfigError, LaunchConfigFile, find_config, load_config
 from fabric_lite.strategies.environments import ENV_GRAD_ACCUM, ENV_LAUNCHED, ENV_MIXED_PRECISION, ENV_STRATEGY, ENV_USE_CPU
 from fabric_lite.strategies.precision import resolve_precision
@@ -129,6 +130,12 @@ def check_launch(args: argparse.Namespace) -> None:
         raise LaunchError(f"--master-port={args.master_port} must lie in 1..65535.")
     if args.max_restarts < 0:
         raise LaunchError(f"--max-restarts={args.max_restarts} must be >= 0.")
+    several = (nproc.isdigit() and int(nproc) > 1) or max_nodes > 1
+    strategy = getattr(args, "strategy", None)
+    if strategy and several and runs_one_process(strategy):
+        raise LaunchError(f"--strategy {strategy} trains in one process, but this launch starts "
+                          f"{nproc} per node on {args.nnodes} node(s). Use --strategy ddp (or leave it out), or "
+                          f"--nproc-per-node 1.")
     # On the machine that hosts the rendezvous store (static rendezvous, node 0) a port in use would
     # surface as a traceback from deep inside c10d, or a hang: look before starting.
     if static and not args.rdzv_endpoint and args.master_port is not None and args.node_rank == 0:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, Mapping, Optional
 
 __all__ = ["ProcessInfo", "LaunchSettings", "detect_process", "read_launch_settings", "first_host"]
 
@@ -66,22 +66,25 @@ class LaunchSettings:
         return self.explain is not None and self.explain.lstrip().startswith("{")
 
 
-def explicit_arguments(function: Any, values: Mapping[str, Any]) -> Dict[str, Any]:
-    """The arguments among `values` (a call's locals) that differ from `function`'s defaults."""
-    import inspect
+def records_explain_arguments(init: Callable[..., None]) -> Callable[..., None]:
+    """For the doors' `__init__`: under `fabric-lite explain`, keep the arguments the caller gave (as
+    given, before the door adjusts them) in `self.explain_arguments`, for the plan to report settings
+    given twice or ignored. Costs one environment read per construction otherwise."""
+    import functools
 
-    out: Dict[str, Any] = {}
-    for name, param in inspect.signature(function).parameters.items():
-        if name == "self" or name not in values or param.kind is param.VAR_KEYWORD:
-            continue
-        value = values[name]
-        try:
-            same = value is param.default or bool(value == param.default)
-        except Exception:  # values without a plain ==
-            same = False
-        if not same:
-            out[name] = value
-    return out
+    @functools.wraps(init)
+    def recording_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        if read_launch_settings().explain_dry_run:
+            import inspect
+
+            try:
+                bound = inspect.signature(init).bind(self, *args, **kwargs)
+            except TypeError:  # the door reports the mistake itself
+                return init(self, *args, **kwargs)
+            self.explain_arguments = {k: v for k, v in bound.arguments.items() if k != "self"}
+        return init(self, *args, **kwargs)
+
+    return recording_init
 
 
 def _int(env: Mapping[str, str], name: str, default: Optional[int] = None) -> Optional[int]:

@@ -11,15 +11,23 @@ import importlib
 from typing import Any, Dict, List, Optional, Tuple, Type, Union
 
 __all__ = ["register_strategy", "create_strategy", "available_strategies", "strategy_class",
-           "strategy_for_checkpoint_engine"]
+           "strategy_for_checkpoint_engine", "runs_one_process"]
 
 # name -> (class or "module:Class", keyword defaults)
 _REGISTRY: Dict[str, Tuple[Union[type, str], Dict[str, Any]]] = {}
+_ONE_PROCESS: set = set()  # names that train in exactly one process (a launch of several is refused)
 
 
-def register_strategy(name: str, cls: Union[type, str], **defaults: Any) -> None:
-    """Make `name` resolve to `cls(**defaults)`; `cls` may be "package.module:ClassName"."""
+def register_strategy(name: str, cls: Union[type, str], one_process: bool = False, **defaults: Any) -> None:
+    """Make `name` resolve to `cls(**defaults)`; `cls` may be "package.module:ClassName". `one_process`:
+    the strategy trains in a lone process, so `fabric-lite launch` refuses to start several with it."""
     _REGISTRY[name.lower()] = (cls, defaults)
+    (_ONE_PROCESS.add if one_process else _ONE_PROCESS.discard)(name.lower())
+
+
+def runs_one_process(name: str) -> bool:
+    """Whether the strategy `name` trains in exactly one process."""
+    return name.lower() in _ONE_PROCESS
 
 
 def available_strategies() -> List[str]:
@@ -64,8 +72,8 @@ def strategy_for_checkpoint_engine(engine: str) -> Optional[Type[Any]]:
     return None
 
 
-register_strategy("single", "fabric_lite.strategies.single:SingleDeviceStrategy")
-register_strategy("single_device", "fabric_lite.strategies.single:SingleDeviceStrategy")
+register_strategy("single", "fabric_lite.strategies.single:SingleDeviceStrategy", one_process=True)
+register_strategy("single_device", "fabric_lite.strategies.single:SingleDeviceStrategy", one_process=True)
 register_strategy("ddp", "fabric_lite.strategies.ddp:DDPStrategy")
 _DEEPSPEED = "fabric_lite.strategies.deepspeed:DeepSpeedStrategy"
 register_strategy("deepspeed", _DEEPSPEED)

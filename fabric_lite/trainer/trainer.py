@@ -20,7 +20,7 @@ from torch import nn
 
 from fabric_lite.accelerator.accelerator import Accelerator
 from fabric_lite.callbacks.base import Callback
-from fabric_lite.strategies.environments import detect_process, explicit_arguments, read_launch_settings
+from fabric_lite.strategies.environments import detect_process, read_launch_settings, records_explain_arguments
 from fabric_lite.trainer.logged_metrics import MetricStore
 from fabric_lite.trainer.module import DataModule, TrainModule
 from fabric_lite.trainer.configure_optimizers import SchedulerConfig, parse_optimizers
@@ -99,6 +99,10 @@ class _LoggedAggregates:
 class Trainer:
     """Fit a TrainModule: `Trainer(max_epochs=3, precision="bf16-mixed").fit(module, train_loader, val_loader)`."""
 
+    #: Under `fabric-lite explain`, the arguments this Trainer was given; None otherwise.
+    explain_arguments: Optional[Dict[str, Any]] = None
+
+    @records_explain_arguments
     def __init__(
         self, *, max_epochs: Optional[int] = None, max_steps: int = -1, max_time: Optional[float] = None,
         accelerator: str = "auto", devices: Union[int, str] = "auto", num_nodes: int = 1,
@@ -129,10 +133,7 @@ class Trainer:
             enable_checkpointing = False
         if deterministic:
             torch.use_deterministic_algorithms(True)
-        #: Under `fabric-lite explain`, the arguments this Trainer was given; None otherwise.
-        self.explain_arguments: Optional[Dict[str, Any]] = None
         if read_launch_settings().explain_dry_run:  # one process stands in for the planned launch
-            self.explain_arguments = explicit_arguments(Trainer.__init__, locals())
             num_nodes = 1  # the plan compares the requested nodes with the launch
         else:
             _relaunch_if_needed(devices, num_nodes)
@@ -431,7 +432,7 @@ def _relaunch_if_needed(devices: Union[int, str], num_nodes: int) -> None:
     under torch's elastic launcher on N processes (this process waits for them and exits with their code)."""
     import sys
 
-    from fabric_lite.strategies.environments import detect_process, explicit_arguments, read_launch_settings
+    from fabric_lite.strategies.environments import detect_process, read_launch_settings, records_explain_arguments
 
     if not isinstance(devices, int) or devices <= 1 or detect_process().is_distributed:
         return

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import re
 import sys
 
@@ -209,3 +210,20 @@ def test_cli_explain_script_without_prepare(tmp_path):
     proc = explain(script)
     assert proc.returncode == 1
     assert "nothing to explain" in proc.stderr
+
+
+def test_the_doors_record_the_arguments_given_under_a_planned_launch(monkeypatch, tmp_path):
+    """`fabric-lite explain` hands the planned launch down; the doors keep what the caller passed, as passed
+    (a default given explicitly too, and before fast_dev_run rewrites limits), and nothing otherwise."""
+    from fabric_lite import Trainer
+
+    plain = Trainer(accelerator="cpu", default_root_dir=str(tmp_path))
+    assert plain.explain_arguments is None and plain.accelerator.explain_arguments is None
+    monkeypatch.setenv("FABRIC_LITE_EXPLAIN", json.dumps({"nproc_per_node": 2, "nnodes": 1}))
+    trainer = Trainer(accelerator="cpu", num_sanity_val_steps=2, fast_dev_run=True, devices=2,
+                      default_root_dir=str(tmp_path))
+    assert trainer.explain_arguments == {"accelerator": "cpu", "num_sanity_val_steps": 2, "fast_dev_run": True,
+                                         "devices": 2, "default_root_dir": str(tmp_path)}
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=1, devices=2)  # devices=2 is for the planned launch
+    assert acc.explain_arguments == {"cpu": True, "gradient_accumulation_steps": 1, "devices": 2}
+    assert acc.num_processes == 1

@@ -173,3 +173,12 @@ def test_listing_strategies_imports_no_torch():
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_launch_refuses_a_one_process_strategy_on_several():
+    from fabric_lite.launch.launcher import LaunchError, check_launch, launch_command_parser
+
+    args = launch_command_parser().parse_args(["--nproc-per-node", "2", "--strategy", "single", "train.py"])
+    with pytest.raises(LaunchError, match=r"--strategy single trains in one process.*--strategy ddp"):
+        check_launch(args)
+    check_launch(launch_command_parser().parse_args(["--strategy", "single", "train.py"]))  # one process: fine
