@@ -111,7 +111,7 @@ class StepEngine:
                 self.step += 1
                 closes = self.step % n == 0
             left = None
-            if self.divide_loss_by == "window" and self.gradient_accumulation_plugin.sync_with_dataloader:
+            if n > 1 and self.divide_loss_by == "window" and self.gradient_accumulation_plugin.sync_with_dataloader:
                 left = self._batches_left()
             # (a window that a loader's end closes early holds this micro-step, the ones before it and what is left)
             self.loss_divisor = n if left is None else max(1, min(n, position + 1 + left))
