@@ -50,3 +50,16 @@ def regression_data(n, seed=0):
     x = torch.randn(n, 4, generator=g)
     w = torch.tensor([[1.5], [-2.0], [0.5], [3.0]])
     return TensorDataset(x, x @ w + 0.1 * torch.randn(n, 1, generator=g))
+
+
+class StepCounter:
+    """A registered checkpoint object: optimizer steps taken, saved and restored with the run."""
+
+    def __init__(self):
+        self.steps = 0
+
+    def state_dict(self):
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state):
+        self.steps = state["steps"]

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from common import IndexDataset, make_model, parse, regression_data, write_result
+from common import IndexDataset, StepCounter, make_model, parse, regression_data, write_result
 from fabric_lite import Accelerator, Trainer, TrainModule, set_seed
 from fabric_lite.callbacks import Callback, ModelCheckpoint
 
@@ -314,17 +314,6 @@ def case_bad_input():
 
 
 # -- killed and resumed ------------------------------------------------------------------------------------
-
-class StepCounter:
-    def __init__(self):
-        self.steps = 0
-
-    def state_dict(self):
-        return {"steps": self.steps}
-
-    def load_state_dict(self, state):
-        self.steps = state["steps"]
-
 
 def dropout_net(seed):
     torch.manual_seed(seed)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from common import parse, regression_data, write_result
+from common import StepCounter, parse, regression_data, write_result
 from fabric_lite import EXIT_PREEMPTED, Accelerator, ProjectConfiguration, set_seed
 
 args = parse({
@@ -38,17 +38,6 @@ args = parse({
 })
 
 
-class Counter:
-    def __init__(self):
-        self.steps = 0
-
-    def state_dict(self):
-        return {"steps": self.steps}
-
-    def load_state_dict(self, state):
-        self.steps = state["steps"]
-
-
 def build(seed, project):
     set_seed(seed)
     acc = Accelerator(gradient_accumulation_steps=2, strategy=args.strategy, project_config=ProjectConfiguration(
@@ -58,7 +47,7 @@ def build(seed, project):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.8)
     loader = DataLoader(regression_data(48), batch_size=4, shuffle=True, num_workers=args.workers)
-    counter = Counter()
+    counter = StepCounter()
     acc.register_for_checkpointing(counter)
     model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
     return acc, model, opt, loader, sched, counter
