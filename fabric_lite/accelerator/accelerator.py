@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 from fabric_lite.checkpoint import state as state_io
 from fabric_lite.accelerator.configs import (
     DataLoaderConfiguration, DeepSpeedPlugin, DistributedDataParallelKwargs, DistributedType,
+    FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin, GradScalerKwargs, InitProcessGroupKwargs, KwargsHandler, ProjectConfiguration,
     strategy_from_handlers,
 )
@@ -68,6 +69,7 @@ class Accelerator(StepEngine, ProcessControl):
         devices: Union[int, str, None] = None,
         accelerator: str = "auto",
         deepspeed_plugin: Optional[DeepSpeedPlugin] = None,
+        fsdp_plugin: Optional[FullyShardedDataParallelPlugin] = None,
         divide_loss_by: str = "gradient_accumulation_steps",
     ) -> None:
         launch = read_launch_settings()
@@ -78,6 +80,10 @@ class Accelerator(StepEngine, ProcessControl):
                 raise ValueError(f"Pass strategy={strategy!r} or deepspeed_plugin, not both.")
             strategy = deepspeed_plugin.to_strategy()
             gradient_accumulation_steps = gradient_accumulation_steps or deepspeed_plugin.gradient_accumulation_steps
+        if fsdp_plugin is not None:
+            if strategy != "auto" or deepspeed_plugin is not None:
+                raise ValueError(f"Pass one of strategy={strategy!r}, deepspeed_plugin and fsdp_plugin, not several.")
+            strategy = fsdp_plugin.to_strategy()
         process = detect_process()
         handlers = {type(h): h for h in (kwargs_handlers or [])}
         for h in handlers.values():
@@ -244,16 +250,16 @@ class Accelerator(StepEngine, ProcessControl):
             swap: Dict[int, Any] = {id(raw): w for raw, w in zip(models, wrapped_models)}
             swap.update({id(raw): w for raw, w in zip(optimizers, wrapped)})
             args = [swap.get(id(a), a) for a in args]
-        result: List[Any] = []
-        for obj, place in zip(args, placement):
+        result: List[Any] = list(args)
+        # Models first, whatever the order given: a sharding strategy re-points optimizers at the new parameters.
+        for i, (obj, place) in enumerate(zip(args, placement)):
             if isinstance(obj, nn.Module) and obj not in self.models and not joint:
-                result.append(self.prepare_model(obj, device_placement=place))
-            elif isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, AcceleratedOptimizer):
-                result.append(self.prepare_optimizer(obj))
+                result[i] = self.prepare_model(obj, device_placement=place)
+        for i, (obj, place) in enumerate(zip(args, placement)):
+            if isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, AcceleratedOptimizer):
+                result[i] = self.prepare_optimizer(obj)
             elif isinstance(obj, DataLoader):
-                result.append(self.prepare_data_loader(obj, device_placement=place))
-            else:
-                result.append(obj)
+                result[i] = self.prepare_data_loader(obj, device_placement=place)
         for opt in self.optimizers:  # an optimizer prepared before its model: found now
             if opt.module is None:
                 opt.module = self._model_of(opt)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, fields
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Optional, Sequence, Union
 
 __all__ = [
     "KwargsHandler", "DistributedDataParallelKwargs", "GradScalerKwargs", "InitProcessGroupKwargs",
     "DataLoaderConfiguration", "ProjectConfiguration", "GradientAccumulationPlugin", "DeepSpeedPlugin",
+    "FullyShardedDataParallelPlugin",
     "strategy_from_handlers",
     "DistributedType",
 ]
@@ -120,6 +121,80 @@ class DeepSpeedPlugin:
                                      offload_parameters=self.offload_param_device == "cpu")
         strategy.gradient_clip_val = self.gradient_clipping
         return strategy
+
+
+@dataclass
+class FullyShardedDataParallelPlugin:
+    """Accelerate's way to ask for FSDP: ``Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2,
+    auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["Block"]))``.
+
+    Fields with Accelerate's names and meanings; FSDP2 (`fully_shard`) is what runs. `mixed_precision_policy`
+    may be a `torch.distributed.fsdp.MixedPrecisionPolicy`, a dict of its fields, or a dtype name ("bf16").
+    """
+
+    fsdp_version: int = 2
+    auto_wrap_policy: Any = None  # "transformer_based_wrap" | "size_based_wrap" | "no_wrap" | a callable
+    transformer_cls_names_to_wrap: Optional[Sequence[str]] = None
+    min_num_params: Optional[int] = None
+    reshard_after_forward: Union[bool, str] = True  # also FSDP1's "FULL_SHARD" / "SHARD_GRAD_OP"
+    cpu_offload: bool = False
+    activation_checkpointing: bool = False
+    state_dict_type: str = "SHARDED_STATE_DICT"
+    mixed_precision_policy: Any = None
+    cpu_ram_efficient_loading: bool = False  # accepted: meta-device models are materialized shard by shard
+    sync_module_states: bool = True  # accepted: every process starts from the same weights (seeded, or loaded)
+    use_orig_params: bool = True  # accepted: FSDP2 always keeps the original parameters' names
+
+    def to_strategy(self) -> Any:
+        from fabric_lite.strategies.fsdp import FSDPStrategy
+
+        if self.fsdp_version != 2:
+            raise ValueError(f"FullyShardedDataParallelPlugin(fsdp_version={self.fsdp_version!r}): fabric_lite runs "
+                             f"FSDP2 (torch's fully_shard) only. Pass fsdp_version=2; the common fields mean the same.")
+        reshard = self.reshard_after_forward
+        if isinstance(reshard, str):
+            table = {"FULL_SHARD": True, "HYBRID_SHARD": True, "SHARD_GRAD_OP": False, "NO_SHARD": False}
+            if reshard.upper() not in table:
+                raise ValueError(f"reshard_after_forward={reshard!r}: pass True/False (or {sorted(table)}).")
+            reshard = table[reshard.upper()]
+        return FSDPStrategy(auto_wrap_policy=self._wrap_policy(), reshard_after_forward=bool(reshard),
+                            cpu_offload=self.cpu_offload, activation_checkpointing=self.activation_checkpointing,
+                            state_dict_type=self.state_dict_type, mixed_precision_policy=self._mp_policy())
+
+    def _wrap_policy(self) -> Any:
+        policy = self.auto_wrap_policy
+        if callable(policy) or policy is None and self.transformer_cls_names_to_wrap is None:
+            return policy
+        name = str(policy or "transformer_based_wrap").lower()
+        if name == "transformer_based_wrap":
+            return list(self.transformer_cls_names_to_wrap or []) or None
+        if name == "size_based_wrap":
+            if not self.min_num_params:
+                raise ValueError("auto_wrap_policy='size_based_wrap' needs min_num_params (e.g. 1e8).")
+            limit = int(self.min_num_params)
+            return lambda module: sum(p.numel() for p in module.parameters()) >= limit
+        if name == "no_wrap":
+            return lambda module: False
+        raise ValueError(f"auto_wrap_policy={policy!r}: allowed values are 'transformer_based_wrap', "
+                         f"'size_based_wrap', 'no_wrap' or a callable module -> bool.")
+
+    def _mp_policy(self) -> Any:
+        policy = self.mixed_precision_policy
+        if policy is None or not isinstance(policy, (str, dict)):
+            return policy
+        import torch
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        dtypes = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+                  "fp32": torch.float32, "float32": torch.float32, "no": torch.float32}
+        if isinstance(policy, str):
+            if policy.lower() not in dtypes:
+                raise ValueError(f"mixed_precision_policy={policy!r}: pass one of {sorted(dtypes)}, a dict or a "
+                                 f"MixedPrecisionPolicy.")
+            dtype = dtypes[policy.lower()]
+            return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        fields_ = {k: dtypes.get(str(v).lower(), v) if isinstance(v, str) else v for k, v in policy.items()}
+        return MixedPrecisionPolicy(**fields_)
 
 
 class DistributedType:

@@ -6,6 +6,12 @@ schedulers, dataloader positions, registered objects, loss scaler) from the main
 ``rng_{rank}.pt`` (random states, partial accumulation gradients) from every process;
 ``manifest.json`` (checksums, format version, step counters) written last.
 
+A strategy with `sharded_checkpoints` (FSDP) writes model and optimizer state shard by shard
+instead of ``model_{i}.pt`` (see `sharded.py`; the manifest says ``"engine": "dcp"``); a strategy
+with a `checkpoint_engine` (DeepSpeed) lets its engine write them. Which of the three a checkpoint
+holds is read from its manifest, so a run loads whichever it is given where that can work: state
+dicts and sharded checkpoints load into every strategy but an engine's, at any world size.
+
 Few files on purpose: each file costs a serialization and a write (~0.3 ms on a local disk, a
 request on an object store), and frequent small checkpoints are common.
 """
@@ -22,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
 import torch
 
 from fabric_lite.checkpoint import files as checkpoint_io
+from fabric_lite.checkpoint import sharded
 from fabric_lite.checkpoint.files import CheckpointError, CheckpointWriter
 from fabric_lite.seed import capture_rng_state, restore_rng_state
 
@@ -156,7 +163,8 @@ def save_state(acc: "Accelerator", output_dir: Optional[Union[str, os.PathLike]]
             for _, part in reports:
                 checksums.update(part)
             assert writer is not None
-            engine_meta = {"engine": strategy.checkpoint_engine} if strategy.checkpoint_engine else {}
+            saved_as = _format_of(strategy)
+            engine_meta = {"engine": saved_as} if saved_as else {}
             writer.commit(checksums, {"step": acc.step, "world_size": strategy.world_size,
                                       "iteration": project.iteration, **engine_meta, **(meta or {})})
             if update_latest or automatic:
@@ -177,12 +185,22 @@ def save_state(acc: "Accelerator", output_dir: Optional[Union[str, os.PathLike]]
     return url
 
 
+def _format_of(strategy: Any) -> Optional[str]:
+    """How a strategy's checkpoints hold model and optimizer state: None (state dicts), "dcp", or its engine."""
+    if strategy.checkpoint_engine:
+        return strategy.checkpoint_engine
+    return sharded.ENGINE if strategy.sharded_checkpoints else None
+
+
 def _write_files(acc: "Accelerator", writer: CheckpointWriter, url: str) -> None:
     strategy = acc.strategy
-    engine = strategy.checkpoint_engine
+    engine = _format_of(strategy)
     if engine is None:
         # State dicts are built on every rank: sharded strategies need all ranks to assemble them.
         weights = [strategy.module_state_dict(model) for model in acc.models]
+    elif engine == sharded.ENGINE:  # every rank writes its own shards
+        weights = []
+        sharded.save(writer, strategy, acc.models, [(opt.module, opt.optimizer) for opt in acc.optimizers])
     else:  # the engine writes model and optimizer state itself, each rank its own files
         weights = []
         strategy.save_engine_state(writer)
@@ -219,9 +237,9 @@ def _raise_if_any_failed(reports: List[Any], verb: str, url: str, error: Optiona
 def _process_local_state(acc: "Accelerator") -> Dict[str, Any]:
     """What differs between processes: RNG states, and mid-accumulation gradients (not yet all-reduced)."""
     state: Dict[str, Any] = {"rng": capture_rng_state(), "objects": [o.state_dict() for o in acc.per_process_objects]}
-    if not acc.gradient_state.sync_gradients and acc.strategy.checkpoint_engine:
+    if not acc.gradient_state.sync_gradients and not acc.strategy.saves_partial_gradients:
         warnings.warn(
-            f"save_state inside a gradient accumulation window: the {acc.strategy.checkpoint_engine} engine keeps "
+            f"save_state inside a gradient accumulation window: {type(acc.strategy).__name__} keeps "
             f"the window's partial gradients in its own buffers, which are not saved. A run resumed from this "
             f"checkpoint steps with the rest of the window only. Save after an optimizer step to resume exactly.",
             stacklevel=4,
@@ -245,10 +263,15 @@ def _restore_process_local_state(acc: "Accelerator", state: Dict[str, Any]) -> N
             p.grad = saved[name].to(p.device) if name in saved else None
 
 
-def _check_keys(url: str, index: int, current: Dict[str, Any], saved: Dict[str, Any]) -> None:
+def _check_keys(url: str, index: int, current: Dict[str, Any], saved: Dict[str, Any], strict: bool) -> None:
+    shapes = [f"{k}: saved {tuple(saved[k].shape)}, model {tuple(v.shape)}" for k, v in current.items()
+              if isinstance(v, torch.Tensor) and isinstance(saved.get(k), torch.Tensor) and saved[k].shape != v.shape]
+    if shapes:
+        raise CheckpointError(f"{url}/model_{index}.pt does not fit model {index}: {len(shapes)} tensor(s) differ in "
+                              f"shape, first: {shapes[:5]}. Nothing was loaded. Load a checkpoint of this model.")
     missing = sorted(set(current) - set(saved))
     unexpected = sorted(set(saved) - set(current))
-    if missing or unexpected:
+    if strict and (missing or unexpected):
         def show(keys: List[str]) -> str:
             return ", ".join(keys[:10]) + (f" and {len(keys) - 10} more" if len(keys) > 10 else "") if keys else "none"
 
@@ -291,8 +314,10 @@ def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]],
                           key=lambda f: int(f[6:-3]))
     state = _load(url, TRAINING_STATE, manifest, weights_only)
     engine = strategy.checkpoint_engine
-    if manifest["meta"].get("engine") != engine:
-        saved_by = manifest["meta"].get("engine") or "a strategy without an engine (single, ddp)"
+    saved_as = manifest["meta"].get("engine")
+    if saved_as != engine and not (engine is None and saved_as == sharded.ENGINE):
+        saved_by = {None: "a strategy that saves state dicts (single, ddp, fsdp with state_dict_type='full')",
+                    sharded.ENGINE: "a sharded strategy (fsdp)"}.get(saved_as, saved_as)
         raise CheckpointError(
             f"{url} was written by {saved_by}, but this run uses {type(strategy).__name__}; their model and "
             f"optimizer state are stored differently. Resume with the strategy that saved it, or start this run "
@@ -308,11 +333,14 @@ def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]],
                 f"{url} holds {saved} {kind}(s) but this Accelerator prepared {len(objects)}. Prepare (and register) "
                 f"the same objects, in the same order, as the run that saved it."
             )
-    apply_engine = strategy.read_engine_state(url, manifest, strict) if engine else None
-    weights = [] if engine else [_load(url, f"model_{i}.pt", manifest, weights_only) for i in range(len(acc.models))]
-    if strict:
-        for i, (model, saved_weights) in enumerate(zip(acc.models, weights)):
-            _check_keys(url, i, strategy.module_state_dict(model), saved_weights)
+    if saved_as == sharded.ENGINE:
+        apply_engine = sharded.read(url, manifest, strategy, acc.models,
+                                    [(opt.module, opt.optimizer) for opt in acc.optimizers], strict)
+    else:
+        apply_engine = strategy.read_engine_state(url, manifest, strict) if engine else None
+    weights = [] if saved_as else [_load(url, f"model_{i}.pt", manifest, weights_only) for i in range(len(acc.models))]
+    for i, (model, saved_weights) in enumerate(zip(acc.models, weights)):
+        _check_keys(url, i, strategy.unwrap_module(model).state_dict(), saved_weights, strict)
     rng_name = f"rng_{strategy.global_rank}.pt"
     local = _load(url, rng_name, manifest, weights_only=True) if rng_name in manifest["files"] else None
 
@@ -346,6 +374,10 @@ def export_weights(checkpoint: Union[str, os.PathLike], out: Union[str, os.PathL
     manifest = checkpoint_io.read_manifest(url)
     out = os.fspath(out)
     engine = manifest["meta"].get("engine")
+    if engine == sharded.ENGINE:
+        state = sharded.consolidate(url, manifest, model_index)
+        save_object(state, out, safe_serialization=out.endswith(".safetensors"))
+        return len(state)
     if engine:  # written by a strategy's own engine: that strategy consolidates it
         from fabric_lite.strategies.registry import strategy_for_checkpoint_engine
 

@@ -1,6 +1,6 @@
 """Strategies: where a process runs, how a model is wrapped, how gradients move.
 
-`base.Strategy` is the contract; `single`, `ddp`, `deepspeed` implement it, one file each;
+`base.Strategy` is the contract; `single`, `ddp`, `fsdp`, `deepspeed` implement it, one file each;
 `registry` is the one list of names; `precision`, `environments` and `connector` are the pieces a
 strategy is configured with. Names are imported on first use, so listing strategies stays cheap.
 """
@@ -12,11 +12,11 @@ from typing import Any
 
 from fabric_lite.strategies.registry import available_strategies, create_strategy, register_strategy
 
-__all__ = ["Strategy", "SingleDeviceStrategy", "DDPStrategy", "register_strategy", "create_strategy",
+__all__ = ["Strategy", "SingleDeviceStrategy", "DDPStrategy", "FSDPStrategy", "register_strategy", "create_strategy",
            "available_strategies"]
 
 _LAZY = {"Strategy": "fabric_lite.strategies.base", "SingleDeviceStrategy": "fabric_lite.strategies.single",
-         "DDPStrategy": "fabric_lite.strategies.ddp"}
+         "DDPStrategy": "fabric_lite.strategies.ddp", "FSDPStrategy": "fabric_lite.strategies.fsdp"}
 
 
 def __getattr__(name: str) -> Any:

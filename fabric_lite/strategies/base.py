@@ -64,6 +64,12 @@ class Strategy(abc.ABC):
     #: `save_engine_state`, read by `read_engine_state`), recorded in each checkpoint's manifest, or
     #: None: the doors save state dicts.
     checkpoint_engine: ClassVar[Optional[str]] = None
+    #: Checkpoints hold model and optimizer state shard by shard (torch.distributed.checkpoint, written by
+    #: every process, reloadable on any number of processes) instead of whole state dicts from rank 0.
+    sharded_checkpoints: bool = False
+    #: Inside an accumulation window the partial gradients are in `param.grad`, where a checkpoint can save them
+    #: (an engine or a sharding that keeps them in its own buffers cannot resume mid-window exactly).
+    saves_partial_gradients: ClassVar[bool] = True
     #: Hugging Face Accelerate's `DistributedType` name for this strategy, where it has its own one.
     accelerate_type: ClassVar[Optional[str]] = None
     #: Every forward is a collective (ZeRO-3 gathers parameters): evaluation must give every process

@@ -86,6 +86,7 @@ class DeepSpeedStrategy(DDPStrategy):
     accelerate_type: ClassVar[Optional[str]] = "DEEPSPEED"
     #: Model and optimizer state are written by the engine, one file per rank (see deepspeed_checkpoint.py).
     checkpoint_engine: ClassVar[Optional[str]] = "deepspeed"
+    saves_partial_gradients: ClassVar[bool] = False
 
     def __init__(
         self,

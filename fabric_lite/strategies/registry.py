@@ -75,6 +75,7 @@ def strategy_for_checkpoint_engine(engine: str) -> Optional[Type[Any]]:
 register_strategy("single", "fabric_lite.strategies.single:SingleDeviceStrategy", one_process=True)
 register_strategy("single_device", "fabric_lite.strategies.single:SingleDeviceStrategy", one_process=True)
 register_strategy("ddp", "fabric_lite.strategies.ddp:DDPStrategy")
+register_strategy("fsdp", "fabric_lite.strategies.fsdp:FSDPStrategy")
 _DEEPSPEED = "fabric_lite.strategies.deepspeed:DeepSpeedStrategy"
 register_strategy("deepspeed", _DEEPSPEED)
 for _stage in (1, 2, 3):

@@ -1,0 +1,246 @@
+"""Sharded checkpoints: model and optimizer state written by every process through
+torch.distributed.checkpoint (DCP), inside fabric_lite's checkpoint layout.
+
+Each process writes the shards it holds (``__<rank>_<n>.distcp``), rank 0 the index (``.metadata``);
+the files sit in the checkpoint directory next to ``training_state.pt`` and the ``rng_<rank>.pt``
+files, are checksummed into the manifest, and are published with the rest (staged, manifest last,
+moved into place). The manifest records the format as ``"engine": "dcp"``.
+
+Keys are the user's parameter names (``model_<i>.<name>``, ``optimizer_<j>.state.<name>.<key>``),
+whatever wraps the module, so such a checkpoint loads into any strategy that hands out state
+dicts, on any number of processes: DCP reads into whatever tensors the loading run holds (its
+shards under FSDP, whole tensors under DDP or on one device). `consolidate` assembles the whole
+weights without a process group (`fabric-lite consolidate`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+import zlib
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from fabric_lite.checkpoint import files as checkpoint_io
+from fabric_lite.checkpoint.files import CheckpointError, CheckpointWriter
+
+__all__ = ["ENGINE", "save", "read", "consolidate", "is_shard_file", "optimizer_state_by_name"]
+
+ENGINE = "dcp"
+METADATA = ".metadata"
+
+
+def is_shard_file(name: str) -> bool:
+    """Whether a manifest entry is one of DCP's files."""
+    return name == METADATA or (name.startswith("__") and name.endswith(".distcp"))
+
+
+def _is_local(fs: Any) -> bool:
+    protocol = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return bool({"file", "local"} & set(protocol))
+
+
+def _storage(fs: Any, path: str, write: bool) -> Any:
+    import torch.distributed.checkpoint as dcp
+
+    if _is_local(fs):
+        return dcp.FileSystemWriter(path, sync_files=False) if write else dcp.FileSystemReader(path)
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    url = fs.unstrip_protocol(path)
+    return FsspecWriter(url, sync_files=False) if write else FsspecReader(url)
+
+
+def _crc(fs: Any, path: str) -> str:
+    value = 0
+    with fs.open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(8 << 20), b""):
+            value = zlib.crc32(chunk, value)
+    return f"{value:08x}"
+
+
+def parameter_names(module: torch.nn.Module) -> Dict[int, str]:
+    """id(parameter) -> the name it has in the module's state dict (wrapper prefixes are the module's business)."""
+    return {id(v): k for k, v in module.state_dict(keep_vars=True).items()}
+
+
+def optimizer_state_by_name(module: Optional[torch.nn.Module], optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """`optimizer.state_dict()` keyed by parameter name instead of position (tensors left as they are)."""
+    names = parameter_names(module) if module is not None else {}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    keys = [names.get(id(p), f"param_{i}") for i, p in enumerate(params)]
+    sd = optimizer.state_dict()
+    positions = [i for group in sd["param_groups"] for i in group["params"]]
+    by_position = dict(zip(positions, keys))
+    groups = [{**g, "params": [by_position[i] for i in g["params"]]} for g in sd["param_groups"]]
+    return {"state": {by_position[i]: s for i, s in sd["state"].items()}, "param_groups": groups}
+
+
+def _by_position(optimizer: torch.optim.Optimizer, state: Dict[str, Any], keys: List[str]) -> Dict[str, Any]:
+    positions = {k: i for i, k in enumerate(keys)}
+    groups = [{**g, "params": [positions[k] for k in g["params"]]} for g in state["param_groups"]]
+    return {"state": {positions[k]: s for k, s in state["state"].items()}, "param_groups": groups}
+
+
+def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state tensors (a step with zero gradients at learning rate 0, which changes
+    no weight) so that DCP has tensors, of the right shards, to read into."""
+    if optimizer.state:
+        return
+    saved_grads = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            saved_grads.append((p, p.grad))
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+    saved_lrs = [group.get("lr") for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        if "lr" in group:
+            group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
+    try:
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved_lrs):
+            if lr is not None:
+                group["lr"] = lr
+        for p, grad in saved_grads:
+            p.grad = grad
+
+
+@contextlib.contextmanager
+def _quiet_lone_process() -> Any:
+    """DCP warns that it assumes one process whenever it runs without a process group; that is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _gather(strategy: Any, value: Any) -> List[Any]:
+    return strategy.all_gather_object(value)
+
+
+def save(writer: CheckpointWriter, strategy: Any, models: Sequence[torch.nn.Module],
+         optimizers: Sequence[Tuple[Optional[torch.nn.Module], torch.optim.Optimizer]]) -> None:
+    """Every rank: write this process's shards of every model and optimizer into `writer`'s staging dir."""
+    import torch.distributed.checkpoint as dcp
+
+    state: Dict[str, Any] = {f"model_{i}": strategy.unwrap_module(m).state_dict() for i, m in enumerate(models)}
+    for j, (module, optimizer) in enumerate(optimizers):
+        state[f"optimizer_{j}"] = optimizer_state_by_name(
+            strategy.unwrap_module(module) if module is not None else None, optimizer)
+    with _quiet_lone_process():
+        dcp.save(state, storage_writer=_storage(writer.fs, writer.staging, write=True), no_dist=strategy.world_size == 1)
+    rank = strategy.global_rank
+    for entry in writer.fs.ls(writer.staging, detail=False):
+        name = entry.rstrip("/").rsplit("/", 1)[-1]
+        if name.startswith(f"__{rank}_") or (name == METADATA and rank == 0):
+            writer.checksums[name] = _crc(writer.fs, entry)
+
+
+def _verify(url: str, manifest: Dict[str, Any], strategy: Any) -> None:
+    """Every rank checks its share of the shard files against the manifest; any bad file stops all."""
+    fs, path = checkpoint_io.filesystem(url)
+    names = sorted(n for n in manifest["files"] if is_shard_file(n))
+    if METADATA not in names:
+        raise CheckpointError(f"{url} records the {ENGINE} format but has no {METADATA}; it is damaged.")
+    errors = []
+    algorithm = manifest.get("checksum")
+    for name in names[strategy.global_rank::strategy.world_size]:
+        full = f"{path.rstrip('/')}/{name}"
+        if not fs.exists(full):
+            errors.append(f"{name} is missing")
+        elif algorithm == "crc32" and _crc(fs, full) != manifest["files"][name]:
+            errors.append(f"{name} does not match its checksum (corrupt)")
+    found = [e for part in _gather(strategy, errors) for e in part]
+    if found:
+        raise CheckpointError(f"{url}: {'; '.join(found[:5])}. Nothing was loaded. Load an earlier checkpoint.")
+
+
+def _tensor_shapes(metadata: Any) -> Dict[str, Tuple[int, ...]]:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    return {k: tuple(m.size) for k, m in metadata.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
+
+
+def _check_model(url: str, index: int, current: Dict[str, Any], saved: Dict[str, Tuple[int, ...]], strict: bool) -> None:
+    prefix = f"model_{index}."
+    mine = {k[len(prefix):]: shape for k, shape in saved.items() if k.startswith(prefix)}
+    shapes = [f"{n}: saved {mine[n]}, model {tuple(v.shape)}" for n, v in current.items()
+              if n in mine and isinstance(v, torch.Tensor) and mine[n] != tuple(v.shape)]
+    missing = sorted(set(current) - set(mine))
+    unexpected = sorted(set(mine) - set(current))
+    if shapes:
+        raise CheckpointError(f"{url} does not fit model {index}: {len(shapes)} tensor(s) differ in shape, first: "
+                              f"{shapes[:5]}. Nothing was loaded. Load a checkpoint of this model (same configuration).")
+    if strict and (missing or unexpected):
+        raise CheckpointError(
+            f"{url} does not fit model {index}: missing keys: {missing[:10] or 'none'}; unexpected keys: "
+            f"{unexpected[:10] or 'none'}. Nothing was loaded. Load a checkpoint of this model, or pass strict=False.")
+
+
+def read(url: str, manifest: Dict[str, Any], strategy: Any, models: Sequence[torch.nn.Module],
+         optimizers: Sequence[Tuple[Optional[torch.nn.Module], torch.optim.Optimizer]], strict: bool) -> Callable[[], None]:
+    """Verify the shard files and check they fit the models now; return what loads them (every rank)."""
+    _verify(url, manifest, strategy)
+    fs, path = checkpoint_io.filesystem(url)
+    reader = _storage(fs, path, write=False)
+    saved = _tensor_shapes(reader.read_metadata())
+    states = [strategy.unwrap_module(m).state_dict() for m in models]
+    for i, current in enumerate(states):
+        _check_model(url, i, current, saved, strict)
+
+    def apply() -> None:
+        import torch.distributed.checkpoint as dcp
+
+        target: Dict[str, Any] = {}
+        for i, current in enumerate(states):
+            target[f"model_{i}"] = {k: v for k, v in current.items() if f"model_{i}.{k}" in saved}
+        layouts = []
+        for j, (module, optimizer) in enumerate(optimizers):
+            _initialize_state(optimizer)
+            owner = strategy.unwrap_module(module) if module is not None else None
+            by_name = optimizer_state_by_name(owner, optimizer)
+            keys = [k for g in by_name["param_groups"] for k in g["params"]]
+            stored = {k for k in by_name["state"] if any(s.startswith(f"optimizer_{j}.state.{k}.") for s in saved)}
+            by_name["state"] = {k: v for k, v in by_name["state"].items() if k in stored}
+            target[f"optimizer_{j}"] = by_name
+            layouts.append(keys)
+        try:
+            with _quiet_lone_process():
+                dcp.load(target, storage_reader=_storage(fs, path, write=False), no_dist=strategy.world_size == 1)
+        except Exception as err:
+            raise CheckpointError(f"{url} could not be read into this run: {err}") from err
+        for i, m in enumerate(models):
+            strategy.unwrap_module(m).load_state_dict(target[f"model_{i}"], strict=strict)
+        for j, (module, optimizer) in enumerate(optimizers):
+            optimizer.load_state_dict(_by_position(optimizer, target[f"optimizer_{j}"], layouts[j]))
+
+    return apply
+
+
+def consolidate(url: str, manifest: Dict[str, Any], model_index: int = 0) -> Dict[str, torch.Tensor]:
+    """The whole weights of model `model_index` of a sharded checkpoint, in one process, without a process group."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    class _Lone:
+        global_rank, world_size = 0, 1
+
+        @staticmethod
+        def all_gather_object(value: Any) -> List[Any]:
+            return [value]
+
+    _verify(url, manifest, _Lone)
+    fs, path = checkpoint_io.filesystem(url)
+    metadata = _storage(fs, path, write=False).read_metadata()
+    prefix = f"model_{model_index}."
+    target = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+              for k, m in metadata.state_dict_metadata.items()
+              if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+    if not target:
+        models = sorted({k.split(".", 1)[0] for k in metadata.state_dict_metadata if k.startswith("model_")})
+        raise CheckpointError(f"{url} holds no model_{model_index}; it holds {models or 'no model weights'}.")
+    with _quiet_lone_process():
+        dcp.load(target, storage_reader=_storage(fs, path, write=False), no_dist=True)
+    return {k[len(prefix):]: v for k, v in target.items()}

@@ -1,0 +1,440 @@
+"""Fully sharded data parallel training with PyTorch's FSDP2 (`torch.distributed.fsdp.fully_shard`).
+
+Each process keeps 1/W of every parameter, gradient and optimizer state; a block's parameters are
+gathered for its forward and backward and freed after. Blocks are chosen by class (or a callable),
+sharded bottom-up, then the root. What the doors see stays the same as for DDP: accumulation skips
+the gradient reduce-scatter on micro-steps (`set_requires_gradient_sync`), clipping returns a plain
+number, checkpoints keep the user's parameter names (sharded through torch.distributed.checkpoint by
+default, or gathered whole), and an optimizer built before `prepare` is pointed at the shards by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from typing import Any, Callable, ClassVar, ContextManager, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from fabric_lite.strategies.ddp import DDPStrategy
+from fabric_lite.strategies.precision import Precision
+
+__all__ = ["FSDPStrategy", "WrapPolicy", "STATE_DICT_TYPES"]
+
+#: Block choice: class objects or class names, a callable `module -> bool`, or None (the root alone, or a
+#: Hugging Face model's `_no_split_modules`).
+WrapPolicy = Union[None, Iterable[Union[type, str]], Callable[[nn.Module], bool]]
+#: "sharded": each process writes its own shards (torch.distributed.checkpoint), reloadable on any number
+#: of processes; "full": the whole state is gathered to rank 0 and written as for DDP.
+STATE_DICT_TYPES = ("sharded", "full")
+_STATE_DICT_ALIASES = {"sharded": "sharded", "sharded_state_dict": "sharded", "full": "full",
+                       "full_state_dict": "full"}
+
+
+def _fsdp() -> Any:
+    try:
+        from torch.distributed import fsdp
+    except ImportError as err:  # pragma: no cover - torch without distributed
+        raise RuntimeError(f"strategy='fsdp' needs torch.distributed.fsdp, which this torch lacks ({err}).") from None
+    if not hasattr(fsdp, "fully_shard"):  # pragma: no cover - torch < 2.6
+        raise RuntimeError(f"strategy='fsdp' needs FSDP2 (torch.distributed.fsdp.fully_shard, torch >= 2.6); this is "
+                           f"torch {torch.__version__}. Upgrade torch or use strategy='ddp'.")
+    return fsdp
+
+
+def is_dtensor(tensor: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+class CheckpointedForward:
+    """A block's forward run under activation checkpointing (recomputed in backward). Installed on the
+    instance, so parameter names do not change (no `_checkpoint_wrapped_module.` prefix)."""
+
+    def __init__(self, forward: Callable) -> None:
+        self.forward = forward
+        functools.update_wrapper(self, forward)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+
+
+def block_classes(module: nn.Module) -> List[str]:
+    """Names of the classes of `module`'s non-leaf submodules that hold parameters (wrap candidates)."""
+    seen: Dict[str, None] = {}
+    for _, sub in module.named_modules():
+        if sub is not module and any(True for _ in sub.children()) and any(True for _ in sub.parameters()):
+            seen.setdefault(type(sub).__name__)
+    return list(seen)
+
+
+def resolve_wrap_policy(policy: WrapPolicy, module: nn.Module) -> Callable[[nn.Module], bool]:
+    """The wrap policy as a predicate; class names that match nothing in `module` are an error."""
+    if policy is None:
+        policy = list(getattr(module, "_no_split_modules", None) or [])  # a Hugging Face model's blocks
+        if not policy:
+            return lambda sub: False
+    if callable(policy) and not isinstance(policy, type):
+        return policy
+    wanted = [policy] if isinstance(policy, (str, type)) else list(policy)
+    names = {w for w in wanted if isinstance(w, str)}
+    classes = tuple(w for w in wanted if isinstance(w, type))
+    bad = [w for w in wanted if not isinstance(w, (str, type))]
+    if bad:
+        raise ValueError(f"auto_wrap_policy entries must be module classes or class names; got {bad!r}.")
+    present = {type(sub).__name__ for sub in module.modules()}
+    missing = sorted(names - present) + [c.__name__ for c in classes if not any(isinstance(s, c) for s in module.modules())]
+    if missing:
+        raise ValueError(
+            f"auto_wrap_policy names {missing}, which this model ({type(module).__name__}) does not contain. Its "
+            f"block classes are: {block_classes(module) or 'none (it has no nested blocks)'}. Name one of those, or "
+            f"leave auto_wrap_policy=None to shard the model as one group."
+        )
+    return lambda sub: type(sub).__name__ in names or isinstance(sub, classes)
+
+
+def parameter_owners(module: nn.Module) -> Dict[int, List[str]]:
+    """For each parameter (by id), the paths of the modules that hold it directly (several when tied)."""
+    owners: Dict[int, List[str]] = {}
+    for path, sub in module.named_modules(remove_duplicate=False):
+        for p in sub.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(path)
+    return owners
+
+
+def shares_outside(path: str, sub: nn.Module, owners: Dict[int, List[str]]) -> bool:
+    """Whether a parameter of the block at `path` is also held by a module outside it (a tied weight)."""
+    return any(not (o == path or o.startswith(path + ".")) for p in sub.parameters() for o in owners[id(p)])
+
+
+class FSDPStrategy(DDPStrategy):
+    """Shard parameters, gradients and optimizer state over the processes with FSDP2.
+
+    >>> FSDPStrategy(auto_wrap_policy={"TransformerBlock"}, activation_checkpointing=True)  # doctest: +SKIP
+
+    `auto_wrap_policy`: the blocks that each get their own `fully_shard` (classes, class names, or a
+    callable); None shards the model as one group (a Hugging Face model's `_no_split_modules` are used
+    when it has them). `reshard_after_forward`: free gathered parameters after each block's forward
+    (less memory, one more all-gather in backward). `cpu_offload`: keep shards in CPU memory between uses
+    (CUDA only). `activation_checkpointing`: True (the wrapped blocks) or classes/names to recompute in
+    backward. `state_dict_type`: "sharded" (default) or "full". `mixed_precision_policy`: a
+    `torch.distributed.fsdp.MixedPrecisionPolicy` that replaces the one derived from `precision`.
+    """
+
+    aliases: ClassVar[Tuple[str, ...]] = ("fsdp",)
+    accelerate_type: ClassVar[Optional[str]] = "FSDP"
+    #: Between micro-steps FSDP keeps the unsharded partial gradients in its own buffers, not `param.grad`.
+    saves_partial_gradients: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        auto_wrap_policy: WrapPolicy = None,
+        reshard_after_forward: bool = True,
+        cpu_offload: bool = False,
+        activation_checkpointing: Union[bool, WrapPolicy] = False,
+        state_dict_type: str = "sharded",
+        mixed_precision_policy: Any = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Any = None,
+    ) -> None:
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout)
+        kind = _STATE_DICT_ALIASES.get(str(state_dict_type).lower())
+        if kind is None:
+            raise ValueError(f"state_dict_type={state_dict_type!r} is not valid: allowed values are 'sharded' "
+                             f"(SHARDED_STATE_DICT) and 'full' (FULL_STATE_DICT).")
+        self.auto_wrap_policy = auto_wrap_policy
+        self.reshard_after_forward = reshard_after_forward
+        self.cpu_offload = bool(cpu_offload)
+        self.activation_checkpointing = activation_checkpointing
+        self.state_dict_type = kind
+        self.user_mp_policy = mixed_precision_policy
+        #: Checkpoints are written shard by shard (torch.distributed.checkpoint), see checkpoint/sharded.py.
+        self.sharded_checkpoints = kind == "sharded"
+        #: What `setup_module` did, per prepared model (for `explain`): wrapped block paths, skipped ones.
+        self.plans: List[Dict[str, Any]] = []
+        # old parameter id -> (weakref to it, its sharded replacement): re-points optimizers built before prepare
+        self._replaced: Dict[int, Tuple[Any, nn.Parameter]] = {}
+
+    # -- set-up ------------------------------------------------------------------------------------
+    def adapt_precision(self, precision: Precision) -> Precision:
+        if precision.scaler is not None:  # fp16: the inf check must see every shard (all-reduced found_inf)
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            old = precision.scaler
+            scaler = ShardedGradScaler(device=precision.device_type, enabled=old.is_enabled())
+            if old.is_enabled():
+                scaler.load_state_dict(old.state_dict())
+            precision.scaler = scaler
+        return precision
+
+    def mp_policy(self) -> Any:
+        """The MixedPrecisionPolicy this run trains with: fp32 master weights, compute in the autocast
+        dtype, gradients reduced in fp32 (or the user's own policy)."""
+        if self.user_mp_policy is not None:
+            return self.user_mp_policy
+        fsdp = _fsdp()
+        compute = self.precision.autocast_dtype
+        if compute is None:
+            return fsdp.MixedPrecisionPolicy()
+        return fsdp.MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+
+    def setup_environment(self) -> None:
+        import torch.distributed as dist
+
+        if self.cpu_offload and self.root_device.type != "cuda":
+            raise ValueError(
+                f"cpu_offload=True keeps the shards in CPU memory and moves them to the GPU for each block; this run "
+                f"trains on {self.root_device.type!r}, where everything already is in CPU memory (torch "
+                f"{torch.__version__}, CUDA available: {torch.cuda.is_available()}). Drop cpu_offload, or train on CUDA."
+            )
+        _fsdp()
+        if self.world_size == 1 and not dist.is_initialized():
+            # One process is one shard: FSDP still needs a (one-member) process group for its mesh.
+            if self.root_device.type == "cuda":
+                torch.cuda.set_device(self.root_device)
+            dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1)
+            self._owns_process_group = True
+            return
+        super().setup_environment()
+
+    def _mesh(self) -> Any:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(self.root_device.type, (self.world_size,))
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        fsdp = _fsdp()
+        if is_dtensor(next(module.parameters(), None)):
+            raise ValueError(f"{type(module).__name__} is already sharded; prepare each model once.")
+        module = self.precision.convert_module(module)
+        on_meta = any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+        if not on_meta:
+            module = module.to(self.root_device)
+        old = {n: p for n, p in module.named_parameters()}
+        wrap = resolve_wrap_policy(self.auto_wrap_policy, module)
+        checkpointed = self._checkpoint_policy(module, wrap)
+        owners = parameter_owners(module)
+        kwargs: Dict[str, Any] = {"mesh": self._mesh(), "reshard_after_forward": self.reshard_after_forward,
+                                  "mp_policy": self.mp_policy()}
+        if self.cpu_offload:
+            kwargs["offload_policy"] = fsdp.CPUOffloadPolicy()
+        blocks = [(path, sub) for path, sub in module.named_modules() if path and wrap(sub)]
+        # a weight a block shares with a module outside it (tied embeddings) must stay in one group: the root's
+        kept_whole = [path for path, sub in blocks if shares_outside(path, sub, owners)]
+        blocks = [(path, sub) for path, sub in blocks if path not in kept_whole]
+        recomputed = []
+        for path, sub in module.named_modules():
+            if path and checkpointed(sub) and not isinstance(sub.__dict__.get("forward"), CheckpointedForward):
+                sub.forward = CheckpointedForward(sub.forward)
+                recomputed.append(path)
+        # bottom-up: a block inside another block is sharded first, so each parameter lands in its innermost group
+        for _, sub in reversed(blocks):
+            fsdp.fully_shard(sub, **kwargs)
+        wrapped = [path for path, _ in blocks]
+        fsdp.fully_shard(module, **kwargs)
+        if on_meta:
+            self._materialize(module)
+        new = dict(module.named_parameters())
+        for name, p in old.items():
+            if name in new and new[name] is not p:
+                self._replaced[id(p)] = (weakref.ref(p), new[name])
+        self.plans.append({"model": type(module).__name__, "wrapped": wrapped,
+                           "kept_whole": kept_whole, "recomputed": recomputed, "meta_init": on_meta})
+        return module
+
+    def _checkpoint_policy(self, module: nn.Module, wrap: Callable[[nn.Module], bool]) -> Callable[[nn.Module], bool]:
+        ac = self.activation_checkpointing
+        if ac is False or ac is None:
+            return lambda sub: False
+        if ac is True:
+            if self.auto_wrap_policy is None and not getattr(module, "_no_split_modules", None):
+                raise ValueError("activation_checkpointing=True recomputes the wrapped blocks, but auto_wrap_policy "
+                                 "names none. Name the blocks: activation_checkpointing={'Block'} or auto_wrap_policy.")
+            return wrap
+        return resolve_wrap_policy(ac, module)
+
+    def _materialize(self, module: nn.Module) -> None:
+        """Give a model built on the meta device real storage (each process its shards only) and initial values."""
+        module.to_empty(device=self.root_device)
+        uninitialized = []
+        with torch.no_grad():
+            for path, sub in module.named_modules():
+                own = list(sub.parameters(recurse=False)) + list(sub.buffers(recurse=False))
+                if not own:
+                    continue
+                if hasattr(sub, "reset_parameters"):
+                    sub.reset_parameters()
+                else:
+                    uninitialized.append(f"{path or '<root>'} ({type(sub).__name__})")
+        if uninitialized:
+            raise ValueError(
+                f"The model was built on the meta device, but these modules hold parameters or buffers and have no "
+                f"reset_parameters() to give them values: {uninitialized[:8]}. Add reset_parameters() to them, or build "
+                f"the model normally (empty_init=False), or load full weights after prepare (load_model_weights)."
+            )
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Point an optimizer built on the unsharded model at the sharded parameters (by name)."""
+        stale = []
+        for group in optimizer.param_groups:
+            params = group["params"]
+            for i, p in enumerate(params):
+                entry = self._replaced.get(id(p))
+                if entry is not None and entry[0]() is p:
+                    if p in optimizer.state:
+                        raise ValueError(
+                            "This optimizer has already stepped on the unsharded model, so its state does not fit the "
+                            "shards. Create it before the first step and prepare it with the model (or load its "
+                            "state after prepare with load_state).")
+                    params[i] = entry[1]
+                elif not is_dtensor(p) and p.requires_grad:
+                    stale.append(tuple(p.shape))
+        if stale:
+            raise ValueError(
+                f"The optimizer holds {len(stale)} parameter(s) (shapes {stale[:4]}) of no model prepared with "
+                f"strategy='fsdp'. Prepare the model first (or in the same prepare() call), then the optimizer.")
+        return optimizer
+
+    def unwrap_module(self, module: nn.Module) -> nn.Module:
+        return module  # fully_shard works in place: the user's module, its names unchanged
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:
+        if not enabled or not hasattr(module, "set_requires_gradient_sync"):
+            return contextlib.nullcontext()
+        return self._gradient_sync(module, False)
+
+    @contextlib.contextmanager
+    def _gradient_sync(self, module: nn.Module, sync: bool) -> Any:
+        module.set_requires_gradient_sync(sync)
+        try:
+            yield
+        finally:
+            module.set_requires_gradient_sync(not sync)
+
+    def force_backward_sync(self, module: nn.Module) -> ContextManager:
+        if not hasattr(module, "set_requires_gradient_sync"):
+            return contextlib.nullcontext()
+        return self._gradient_sync(module, True)
+
+    # -- the step ----------------------------------------------------------------------------------
+    def clip_gradients_norm(self, parameters: Iterable[torch.Tensor], optimizer: Optional[torch.optim.Optimizer],
+                            max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        norm = super().clip_gradients_norm(parameters, optimizer, max_norm, norm_type)
+        return norm.full_tensor() if is_dtensor(norm) else norm  # the norm over every shard, a plain tensor
+
+    # -- state -------------------------------------------------------------------------------------
+    def module_state_dict(self, module: nn.Module) -> Dict[str, Any]:
+        """The full state dict, gathered shard by shard onto rank 0's CPU memory (empty on other ranks)."""
+        out: Dict[str, Any] = {}
+        for name, value in module.state_dict().items():
+            if is_dtensor(value):
+                value = value.full_tensor()
+            if self.is_global_zero:
+                out[name] = value.detach().cpu()
+        return out
+
+    def load_module_state_dict(self, module: nn.Module, state: Dict[str, Any], strict: bool = True) -> None:
+        """Load a full state dict (needed on rank 0 only; the others may pass {}): each tensor is scattered
+        from rank 0 to the shards, so no process holds more than one whole tensor at a time."""
+        current = module.state_dict()
+        problem = None
+        if self.is_global_zero:
+            problem = _state_mismatch(current, state, strict)
+        problem = self.broadcast_object(problem)
+        if problem:
+            raise ValueError(problem)
+        from torch.distributed.tensor import distribute_tensor
+
+        names = [n for n in current if n in state] if self.is_global_zero else None
+        names = self.broadcast_object(names)
+        with torch.no_grad():
+            for name in names:
+                target = current[name]
+                if is_dtensor(target):
+                    src = state[name] if self.is_global_zero else torch.empty(target.shape, dtype=target.dtype)
+                    shard = distribute_tensor(src.to(device=target.device, dtype=target.dtype), target.device_mesh,
+                                              target.placements, src_data_rank=0)
+                    target.copy_(shard)
+                else:
+                    src = state[name] if self.is_global_zero else torch.empty_like(target)
+                    target.copy_(self.broadcast(src.to(device=target.device, dtype=target.dtype).contiguous()))
+
+    def optimizer_state_dict(self, module: Optional[nn.Module], optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+        """The optimizer's full state (each sharded tensor gathered), meaningful on rank 0."""
+        state = optimizer.state_dict()
+        full: Dict[Any, Any] = {}
+        for index in sorted(state["state"]):  # the same order on every rank: each gather is a collective
+            entry = {}
+            for key, value in state["state"][index].items():
+                if is_dtensor(value):
+                    value = value.full_tensor()
+                entry[key] = value.detach().cpu() if isinstance(value, torch.Tensor) else value
+            full[index] = entry
+        return {"state": full, "param_groups": state["param_groups"]}
+
+    def load_optimizer_state_dict(self, module: Optional[nn.Module], optimizer: torch.optim.Optimizer,
+                                  state: Dict[str, Any]) -> None:
+        """Load a full optimizer state (every rank holds it): each process keeps the slices of its shards."""
+        from torch.distributed.tensor import distribute_tensor
+
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        saved_ids = [i for group in state["param_groups"] for i in group["params"]]
+        if len(saved_ids) != len(params):
+            raise ValueError(f"The saved optimizer state has {len(saved_ids)} parameters; this optimizer has "
+                             f"{len(params)}. Build the optimizer as the run that saved it did.")
+        by_id = dict(zip(saved_ids, params))
+        sharded: Dict[Any, Any] = {}
+        for index, entry in state["state"].items():
+            p = by_id.get(index)
+            out = {}
+            for key, value in entry.items():
+                if p is not None and is_dtensor(p) and isinstance(value, torch.Tensor) and value.shape == p.shape:
+                    value = distribute_tensor(value.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+                out[key] = value
+            sharded[index] = out
+        optimizer.load_state_dict({"state": sharded, "param_groups": state["param_groups"]})
+
+    # -- what `explain` shows ----------------------------------------------------------------------
+    def describe(self, modules: Sequence[nn.Module], optimizers: Sequence[Any] = ()) -> Dict[str, Any]:
+        """Per process: the sharding plan, the dtypes of each kind of state, and the bytes held."""
+        policy = self.mp_policy()
+        master = next((p.dtype for m in modules for p in m.parameters()), torch.float32)
+        param_bytes = sum(_local_bytes(t) for m in modules for t in m.parameters())
+        optim_bytes = sum(_local_bytes(v) for o in optimizers for s in o.state.values() for v in s.values()
+                          if isinstance(v, torch.Tensor))
+        return {
+            "plans": self.plans,
+            "dtypes": {"parameters (master)": str(master).replace("torch.", ""),
+                       "compute": str(policy.param_dtype or master).replace("torch.", ""),
+                       "gradient reduce": str(policy.reduce_dtype or policy.param_dtype or master).replace("torch.", ""),
+                       "optimizer state": str(master).replace("torch.", "")},
+            "parameter_bytes": param_bytes, "optimizer_bytes": optim_bytes,
+            "reshard_after_forward": self.reshard_after_forward, "cpu_offload": self.cpu_offload,
+            "state_dict_type": self.state_dict_type,
+        }
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if is_dtensor(tensor) else tensor
+    return local.numel() * local.element_size()
+
+
+def _state_mismatch(current: Dict[str, Any], state: Dict[str, Any], strict: bool) -> Optional[str]:
+    """Why `state` cannot load into a model whose state dict is `current`, or None."""
+    missing = sorted(set(current) - set(state))
+    unexpected = sorted(set(state) - set(current))
+    shapes = [f"{n}: saved {tuple(state[n].shape)}, model {tuple(current[n].shape)}"
+              for n in current if n in state and isinstance(state[n], torch.Tensor)
+              and tuple(state[n].shape) != tuple(current[n].shape)]
+    if shapes:
+        return (f"The weights do not fit this model: {len(shapes)} tensor(s) differ in shape, first: "
+                f"{shapes[:5]}. Nothing was loaded. Load weights of this model (same configuration).")
+    if strict and (missing or unexpected):
+        return (f"The weights do not fit this model: missing keys: {missing[:10] or 'none'}; unexpected keys: "
+                f"{unexpected[:10] or 'none'}. Nothing was loaded. Load weights of this model, or pass strict=False.")
+    return None
