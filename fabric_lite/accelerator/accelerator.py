@@ -405,6 +405,34 @@ class Accelerator(StepEngine, ProcessControl):
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> Dict[str, torch.Tensor]:
         return self.strategy.module_state_dict(model)
 
+    @contextlib.contextmanager
+    def init_module(self, empty_init: Optional[bool] = None) -> Iterator[None]:
+        """Build a model inside this context: on the meta device (no memory; `prepare` materializes each
+        process's shards and runs every submodule's `reset_parameters`) when `empty_init` is True, or by
+        default under a strategy that shards parameters (FSDP); else on this process's device.
+
+        >>> with accelerator.init_module():                     # doctest: +SKIP
+        ...     model = GPT(config)        # on FSDP: nothing allocated until prepare()
+        """
+        meta = self.strategy.initializes_on_meta if empty_init is None else bool(empty_init)
+        if meta and not self.strategy.initializes_on_meta:
+            raise ValueError(f"init_module(empty_init=True) builds the model on the meta device, which "
+                             f"{type(self.strategy).__name__} cannot materialize. Use strategy='fsdp', or "
+                             f"empty_init=False.")
+        with torch.device("meta" if meta else self.device):
+            yield
+
+    def load_model_weights(self, model: nn.Module, source: Any, strict: bool = True) -> None:
+        """Load full weights (a state dict, a .safetensors/.pt/.bin file, or a `save_model` directory) into a
+        prepared model. Under FSDP only the main process reads them, and each tensor is scattered to the shards."""
+        if isinstance(source, dict):
+            state = source
+        elif self.is_main_process or not self.strategy.reads_weights_on_rank_zero:
+            state = state_io.read_weights(os.fspath(source))
+        else:
+            state = {}
+        self.strategy.load_module_state_dict(model, state, strict=strict)
+
     def check_preemption(self) -> bool:
         """True, on every process at the same call, once any process has received SIGTERM or SIGUSR1.
 

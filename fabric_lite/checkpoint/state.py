@@ -35,7 +35,8 @@ from fabric_lite.seed import capture_rng_state, restore_rng_state
 if TYPE_CHECKING:
     from fabric_lite.accelerator.accelerator import Accelerator
 
-__all__ = ["save_state", "load_state", "save_object", "save_model_weights", "parse_size", "export_weights"]
+__all__ = ["save_state", "load_state", "save_object", "save_model_weights", "read_weights", "parse_size",
+           "export_weights"]
 
 _CHECKPOINT_RE = re.compile(r"checkpoint_(\d+)$")
 TRAINING_STATE = "training_state.pt"
@@ -109,6 +110,43 @@ def save_model_weights(state: Dict[str, torch.Tensor], directory: str, max_shard
              "weight_map": weight_map}
     with fs.open(f"{path.rstrip('/')}/{stem}.{ext}.index.json", "w") as f:
         json.dump(index, f, indent=2, sort_keys=True)
+
+
+def read_weights(source: str) -> Dict[str, torch.Tensor]:
+    """Full weights from a .safetensors/.pt/.bin file, a `save_model` directory (one file or shards with an
+    index), or a fabric_lite checkpoint (its model 0); tensors load safely (weights_only)."""
+    fs, path = checkpoint_io.filesystem(source)
+    if fs.isdir(path):
+        if fs.exists(f"{path.rstrip('/')}/{checkpoint_io.MANIFEST}"):
+            import tempfile
+
+            with tempfile.TemporaryDirectory(prefix="fabric-lite-weights-") as tmp:
+                export_weights(source, f"{tmp}/weights.pt")
+                return torch.load(f"{tmp}/weights.pt", weights_only=True)
+        names = [e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(path, detail=False)]
+        for stem in ("model.safetensors", "pytorch_model.bin"):
+            if stem in names:
+                return read_weights(f"{source.rstrip('/')}/{stem}")
+            if f"{stem}.index.json" in names:
+                with fs.open(f"{path.rstrip('/')}/{stem}.index.json", "r") as f:
+                    shards = sorted(set(json.load(f)["weight_map"].values()))
+                state: Dict[str, torch.Tensor] = {}
+                for shard in shards:
+                    state.update(read_weights(f"{source.rstrip('/')}/{shard}"))
+                return state
+        raise ValueError(f"{source} holds no weights this can read (model.safetensors, pytorch_model.bin, their "
+                         f"sharded index, or a fabric_lite checkpoint); it holds {sorted(names)[:10]}.")
+    if not fs.exists(path):
+        raise FileNotFoundError(f"No weights at {source}.")
+    with fs.open(path, "rb") as f:
+        data = f.read()
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load as st_load
+
+        return st_load(data)
+    import io
+
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
 def _checkpoints_root(acc: "Accelerator") -> str:

@@ -70,6 +70,12 @@ class Strategy(abc.ABC):
     #: Inside an accumulation window the partial gradients are in `param.grad`, where a checkpoint can save them
     #: (an engine or a sharding that keeps them in its own buffers cannot resume mid-window exactly).
     saves_partial_gradients: ClassVar[bool] = True
+    #: `setup_module` takes a model built on the meta device and gives each process its own shards only
+    #: (`init_module` builds there by default).
+    initializes_on_meta: ClassVar[bool] = False
+    #: `load_module_state_dict` needs the full state on global rank 0 only (the others pass {}): big weights
+    #: are read by one process and scattered.
+    reads_weights_on_rank_zero: ClassVar[bool] = False
     #: Hugging Face Accelerate's `DistributedType` name for this strategy, where it has its own one.
     accelerate_type: ClassVar[Optional[str]] = None
     #: Every forward is a collective (ZeRO-3 gathers parameters): evaluation must give every process

@@ -130,6 +130,8 @@ class FSDPStrategy(DDPStrategy):
     accelerate_type: ClassVar[Optional[str]] = "FSDP"
     #: Between micro-steps FSDP keeps the unsharded partial gradients in its own buffers, not `param.grad`.
     saves_partial_gradients: ClassVar[bool] = False
+    initializes_on_meta: ClassVar[bool] = True
+    reads_weights_on_rank_zero: ClassVar[bool] = True
 
     def __init__(
         self,

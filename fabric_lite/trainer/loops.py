@@ -7,7 +7,6 @@ functions only decide *when* things happen.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional

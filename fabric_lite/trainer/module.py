@@ -55,6 +55,11 @@ class TrainModule(nn.Module):
     def predict_step(self, batch: Any, batch_idx: int) -> Any:
         return self(batch)
 
+    def configure_model(self) -> None:
+        """Build the layers here (not in __init__) for models too big for one process: the Trainer calls it
+        once, inside `init_module()`, so under strategy='fsdp' they are created on the meta device and each
+        process materializes only its shards. Give every module holding parameters a reset_parameters()."""
+
     def configure_optimizers(self) -> Any:
         raise NotImplementedError(
             f"{type(self).__name__} has no configure_optimizers(self); return an optimizer, a list of them, "

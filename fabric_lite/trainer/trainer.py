@@ -178,6 +178,8 @@ class Trainer:
         self.start_time: Optional[float] = None
         self.preemption = PreemptionWatch()
         self.module: Optional[TrainModule] = None
+        #: ids of the TrainModules whose configure_model() has run (once each, whatever stage comes first).
+        self.configured_models: set = set()
         self.model: Optional[nn.Module] = None
         self.eval_model: Optional[nn.Module] = None
 
@@ -376,6 +378,10 @@ class Trainer:
         module.trainer = self
         self.module = module
         acc = self.accelerator
+        if id(module) not in self.configured_models:  # layers built here land on the meta device under FSDP
+            with acc.init_module():
+                module.configure_model()
+            self.configured_models.add(id(module))
         if self.strategy.setup_takes_optimizers:  # an engine that owns model and optimizer (DeepSpeed)
             clip = self.gradient_clip_val if self.gradient_clip_algorithm == "norm" else None
 

@@ -53,6 +53,7 @@ class Case:
 STRATEGIES = [
     Case("single", nproc=1),
     Case("ddp", nproc=2),
+    Case("fsdp", nproc=2),
     # the first DeepSpeed launch on a fresh machine JIT-compiles a C++ op (30 s or more, then cached);
     # the offload variants run ZeRO's CPU-offload code paths (on a CPU machine, the same numbers expected)
     Case("deepspeed_stage_1", nproc=2, needs="deepspeed", timeout=420),
