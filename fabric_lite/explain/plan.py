@@ -376,6 +376,14 @@ def model_line(plan: Plan, models: Sequence[Any], accelerator: "Accelerator") ->
     plan.add(_HW, "model", "; ".join(words))
 
 
+def strategy_lines(plan: Plan, accelerator: "Accelerator", models: Sequence[Any], optimizers: Sequence[Any],
+                   layout: _Layout) -> None:
+    """What the strategy says about itself (FSDP: the sharded blocks, dtypes, bytes per process)."""
+    sections = {"hardware": _HW, "precision": _PREC}
+    for section, label, text in accelerator.strategy.explain_lines(models, optimizers, layout.world):
+        plan.add(sections.get(section, _HW), label, text)
+
+
 def effective_value(plan: Plan, share: Optional[Share], world: int, accumulation: int, what: str) -> None:
     if share is None or share.batch is None:
         plan.add(OPT_SECTION, "effective global batch", "unknown (no per-process batch size)")
@@ -397,6 +405,7 @@ def plan_for_accelerator(accelerator: "Accelerator") -> Plan:
     hardware_lines(plan, accelerator, layout)
     model_line(plan, accelerator.models, accelerator)
     precision_lines(plan, accelerator, None)
+    strategy_lines(plan, accelerator, accelerator.models, accelerator.optimizers, layout)
 
     shares = [data_lines(plan, f"loader {i + 1}", loader, layout.world)
               for i, loader in enumerate(accelerator.dataloaders)]

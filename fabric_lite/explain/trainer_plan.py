@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, List, Optional
 
 from fabric_lite.explain.plan import (
     CKPT_SECTION, CONFLICTS_SECTION, DATA_SECTION, OPT_SECTION, Plan, accelerator_conflicts, data_lines, effective_value, given_arguments, hardware_lines,
-    header_lines, planned_layout, model_line, optimizer_lines, setting_origin, precision_lines,
+    header_lines, planned_layout, model_line, optimizer_lines, setting_origin, precision_lines, strategy_lines,
 )
 
 if TYPE_CHECKING:
@@ -27,6 +27,7 @@ def plan_for_trainer(trainer: "Trainer", module: "TrainModule", ckpt_path: Optio
     hardware_lines(plan, accelerator, layout)
     model_line(plan, [trainer.model], accelerator)
     precision_lines(plan, accelerator, trainer)
+    strategy_lines(plan, accelerator, [trainer.model], trainer.optimizers, layout)
 
     train = data_lines(plan, "train", trainer.train_dataloader, layout.world, trainer.limits["train"])
     for i, loader in enumerate(trainer.val_dataloaders):

@@ -24,6 +24,7 @@ May override (the defaults suit one device or plain data parallel):
 `clip_gradients_norm/value`    the right way for this strategy (sharded norms, engine-side clipping)
 `module_state_dict`, `load_module_state_dict`, `optimizer_state_dict(module, optimizer)`,
 `load_optimizer_state_dict`    full (unsharded) state; the optimizer's with its module (FSDP2, DCP)
+`explain_lines`                what `fabric-lite explain` shows about the strategy (sharding, dtypes, bytes)
 `save_engine_state`, `read_engine_state`, `consolidate_checkpoint`
                                checkpoints in the engine's own files (when `checkpoint_engine` is set)
 `_primitive_*`                 the backend's collectives (torch.distributed by default)
@@ -230,6 +231,11 @@ class Strategy(abc.ABC):
         """The full weights of a checkpoint written by this engine, in one state dict, without a process
         group (`fabric-lite consolidate`). Only for strategies with a `checkpoint_engine`."""
         raise NotImplementedError(f"{cls.__name__} has no checkpoint engine.")
+
+    def explain_lines(self, modules: Sequence[nn.Module], optimizers: Sequence[Any], world: int) -> List[Tuple[str, str, str]]:
+        """What `fabric-lite explain` adds about this strategy, as (section, label, text); section is
+        "hardware" or "precision". `world` is the planned number of processes."""
+        return []
 
     # -- collectives (identities on one process) ---------------------------------------------------
     def barrier(self, name: Optional[str] = None) -> None:

@@ -213,6 +213,7 @@ class FSDPStrategy(DDPStrategy):
         fsdp = _fsdp()
         if is_dtensor(next(module.parameters(), None)):
             raise ValueError(f"{type(module).__name__} is already sharded; prepare each model once.")
+        model_name = type(module).__name__
         module = self.precision.convert_module(module)
         on_meta = any(t.is_meta for t in (*module.parameters(), *module.buffers()))
         if not on_meta:
@@ -245,7 +246,7 @@ class FSDPStrategy(DDPStrategy):
         for name, p in old.items():
             if name in new and new[name] is not p:
                 self._replaced[id(p)] = (weakref.ref(p), new[name])
-        self.plans.append({"model": type(module).__name__, "wrapped": wrapped,
+        self.plans.append({"model": model_name, "wrapped": wrapped,
                            "kept_whole": kept_whole, "recomputed": recomputed, "meta_init": on_meta})
         return module
 
@@ -402,23 +403,56 @@ class FSDPStrategy(DDPStrategy):
         optimizer.load_state_dict({"state": sharded, "param_groups": state["param_groups"]})
 
     # -- what `explain` shows ----------------------------------------------------------------------
-    def describe(self, modules: Sequence[nn.Module], optimizers: Sequence[Any] = ()) -> Dict[str, Any]:
-        """Per process: the sharding plan, the dtypes of each kind of state, and the bytes held."""
+    def explain_lines(self, modules: Sequence[nn.Module], optimizers: Sequence[Any], world: int) -> List[Tuple[str, str, str]]:
+        """The sharding plan, the dtype of each kind of state, and the bytes each of `world` processes holds."""
+        lines: List[Tuple[str, str, str]] = []
+        for plan in self.plans:
+            wrapped = plan["wrapped"]
+            shown = ", ".join(wrapped[:8]) + (f" and {len(wrapped) - 8} more" if len(wrapped) > 8 else "")
+            groups = f"{len(wrapped)} block(s) with their own fully_shard ({shown}) + the root" if wrapped else \
+                "the whole model as one group (auto_wrap_policy names no blocks: all of it is gathered for each forward)"
+            lines.append(("hardware", f"sharding ({plan['model']})", groups))
+            if plan["kept_whole"]:
+                lines.append(("hardware", "kept in the root's group",
+                              f"{', '.join(plan['kept_whole'][:8])}: they share (tie) a weight with a module outside"))
+            if plan["recomputed"]:
+                lines.append(("hardware", "activation checkpointing", ", ".join(plan["recomputed"][:8])))
+            if plan["meta_init"]:
+                lines.append(("hardware", "initialization", "built on the meta device; each process materialized its "
+                                                             "shards and ran reset_parameters()"))
         policy = self.mp_policy()
         master = next((p.dtype for m in modules for p in m.parameters()), torch.float32)
-        param_bytes = sum(_local_bytes(t) for m in modules for t in m.parameters())
-        optim_bytes = sum(_local_bytes(v) for o in optimizers for s in o.state.values() for v in s.values()
-                          if isinstance(v, torch.Tensor))
-        return {
-            "plans": self.plans,
-            "dtypes": {"parameters (master)": str(master).replace("torch.", ""),
-                       "compute": str(policy.param_dtype or master).replace("torch.", ""),
-                       "gradient reduce": str(policy.reduce_dtype or policy.param_dtype or master).replace("torch.", ""),
-                       "optimizer state": str(master).replace("torch.", "")},
-            "parameter_bytes": param_bytes, "optimizer_bytes": optim_bytes,
-            "reshard_after_forward": self.reshard_after_forward, "cpu_offload": self.cpu_offload,
-            "state_dict_type": self.state_dict_type,
-        }
+        name = lambda dtype: str(dtype).replace("torch.", "")  # noqa: E731
+        lines.append(("precision", "FSDP dtypes",
+                      f"parameters {name(master)} (sharded master copy), compute {name(policy.param_dtype or master)}, "
+                      f"gradient reduce-scatter {name(policy.reduce_dtype or policy.param_dtype or master)}, "
+                      f"optimizer state {name(master)}"))
+        whole = sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
+        shards = max(1, world)
+        optim = sum(_local_bytes(v) for o in optimizers for s in o.state.values() for v in s.values()
+                    if isinstance(v, torch.Tensor)) * self.world_size
+        if optim:
+            optim_words = f"{_size(optim / shards)} optimizer state"
+        else:
+            factor = {"Adam": 2, "AdamW": 2, "SGD": 1, "RMSprop": 1, "Adagrad": 1}
+            kinds = {type(getattr(o, "optimizer", o)).__name__ for o in optimizers}
+            guess = sum(factor.get(k, 0) for k in kinds)
+            optim_words = (f"~{_size(guess * whole / shards)} optimizer state once it exists ({', '.join(sorted(kinds))})"
+                           if guess else "optimizer state: none yet")
+        lines.append(("hardware", "bytes per process",
+                      f"{_size(whole / shards)} parameters + {optim_words} (1/{shards} of "
+                      f"{_size(whole)} of parameters; DDP would hold all of it in each process)"))
+        lines.append(("hardware", "FSDP settings",
+                      f"reshard_after_forward={self.reshard_after_forward}, cpu_offload={self.cpu_offload}, "
+                      f"checkpoints {self.state_dict_type} ({'each process writes its shards' if self.sharded_checkpoints else 'gathered to rank 0'})"))
+        return lines
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 def _local_bytes(tensor: torch.Tensor) -> int:
