@@ -392,13 +392,22 @@ def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]],
             if saved_state is not None:  # None: an engine's optimizer, restored with its own files
                 obj.load_state_dict(saved_state)
     strategy.precision.load_state_dict(state["precision"])
+    saved_world = manifest["meta"].get("world_size")
     if local is not None:
         _restore_process_local_state(acc, local)
-    else:
+    if saved_world is not None and saved_world != strategy.world_size:
+        if strategy.is_global_zero:
+            warnings.warn(
+                f"{url} was saved by {saved_world} process(es); this run has {strategy.world_size}. Weights, optimizer "
+                f"state and the data position (in samples: the epoch goes on with the next unseen sample) are "
+                f"restored, but each process's random stream and the batches' grouping differ, so training continues "
+                f"correctly but will not repeat the uninterrupted run bit for bit.",
+                stacklevel=3,
+            )
+    elif local is None:
         warnings.warn(
-            f"{url} has no random state for rank {strategy.global_rank} (it was saved by "
-            f"{manifest['meta'].get('world_size')} process(es)); training continues but will not repeat the "
-            f"uninterrupted run bit for bit.",
+            f"{url} has no random state for rank {strategy.global_rank}; training continues but will not repeat "
+            f"the uninterrupted run bit for bit.",
             stacklevel=3,
         )
     acc.step = int(manifest["meta"].get("step", 0))

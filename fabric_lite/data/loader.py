@@ -34,6 +34,7 @@ class _Position:
     base_seed: int = 0
     epoch: int = 0
     batches_seen: int = 0  # batches of this rank yielded in the current epoch
+    samples_skipped: int = 0  # global samples of this epoch seen before a resume with another global batch
     restored: bool = False  # set by load_state: the next iteration continues at batches_seen
 
 
@@ -63,6 +64,7 @@ class DataLoaderShard(DataLoader):
         self._batch_sampler = batch_sampler
         self._position = position
         self.remainder = remainder
+        self._epoch_remainder = remainder  # of a whole epoch (a resumed one may end with another)
         self.total_batch_size = total_batch_size
         self._convert = convert_batch
         self._non_blocking = non_blocking
@@ -90,6 +92,7 @@ class DataLoaderShard(DataLoader):
         if epoch != self._position.epoch:
             self._position.epoch = epoch
             self._position.batches_seen = 0
+            self._skip_samples(0)
 
     def _start_epoch(self) -> int:
         pos = self._position
@@ -98,6 +101,7 @@ class DataLoaderShard(DataLoader):
             # iteration is a new epoch. Only a restored position is continued.
             pos.epoch += 1
             pos.batches_seen = 0
+            self._skip_samples(0)
         pos.restored = False
         if self._generator is not None:
             self._generator.manual_seed(pos.base_seed + pos.epoch)
@@ -174,6 +178,7 @@ class DataLoaderShard(DataLoader):
                     current = upcoming
             pos.epoch += 1
             pos.batches_seen = 0
+            self._skip_samples(0)
         finally:
             if feed is not None:
                 feed.wait_host()  # (also when the loop was left early: the next iteration may reuse memory)
@@ -205,15 +210,43 @@ class DataLoaderShard(DataLoader):
         except TypeError:
             return None
 
-    def state_dict(self) -> Dict[str, int]:
-        return {"base_seed": self._position.base_seed, "epoch": self._position.epoch,
-                "batches_seen": self._position.batches_seen, "draws_before_sampler": self._draws_before_sampler}
+    def _skip_samples(self, samples: int) -> None:
+        """Start (or, with 0, stop) an epoch part-way, after `samples` global samples of its order."""
+        self._position.samples_skipped = samples
+        if self._batch_sampler is not None:
+            self._batch_sampler.skip_samples = samples
+        whole = self._epoch_remainder
+        self.remainder = whole if whole < 0 or not samples else (whole - samples) % self.total_batch_size
 
-    def load_state_dict(self, state: Dict[str, int]) -> None:
+    def state_dict(self) -> Dict[str, Any]:
+        pos = self._position
+        # The position also in global samples: a run with another number of processes resumes from it.
+        seen = pos.samples_skipped + pos.batches_seen * self.total_batch_size if self.total_batch_size else None
+        return {"base_seed": pos.base_seed, "epoch": pos.epoch, "batches_seen": pos.batches_seen,
+                "draws_before_sampler": self._draws_before_sampler, "samples_seen": seen,
+                "total_batch_size": self.total_batch_size}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        batches, skipped = int(state["batches_seen"]), 0
+        saved_total, seen, total = state.get("total_batch_size"), state.get("samples_seen"), self.total_batch_size
+        if seen and saved_total and total and saved_total != total:
+            # Saved by a run with another global batch (another number of processes): go on after the samples
+            # it saw, at a step boundary of this run when there is one, else part-way into its order.
+            batches, rest = divmod(int(seen), total)
+            if rest:
+                sampler = self._batch_sampler
+                if sampler is None or not sampler.can_skip_samples():
+                    raise ValueError(
+                        f"This loader was saved {seen} samples into epoch {state['epoch']} by a run with a global "
+                        f"batch of {saved_total}; this run's is {total}, and its sampler cannot be cut part-way "
+                        f"(a custom sampler or batch sampler). Resume with the same number of processes and batch "
+                        f"size, or from a checkpoint saved at an epoch's end.")
+                batches, skipped = 0, int(seen)
         self._position.base_seed = int(state["base_seed"])
         self._position.epoch = int(state["epoch"])
-        self._position.batches_seen = int(state["batches_seen"])
+        self._position.batches_seen = batches
         self._position.restored = True
+        self._skip_samples(skipped)
         self._draws_before_sampler = int(state.get("draws_before_sampler", self._draws_before_sampler))
 
     def view_skipping(self, num_batches: int) -> "DataLoaderShard":

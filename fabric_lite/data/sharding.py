@@ -39,18 +39,40 @@ class ShardedBatchSampler:
         self.even_batches = even_batches
         self.drop_last = drop_last
         self.skip = 0  # batches of this rank to pass over at the start of the next iteration
+        #: Samples at the start of this epoch's order already seen by a run with another global batch (a
+        #: checkpoint resumed on another number of processes): the epoch goes on from the next one.
+        self.skip_samples = 0
+
+    def can_skip_samples(self) -> bool:
+        """Whether the epoch's order can be cut at any sample (torch's BatchSampler over a plain
+        RandomSampler or SequentialSampler: the order is drawn whole)."""
+        bs = self.batch_sampler
+        sampler = getattr(bs, "sampler", None)
+        if type(bs) is not BatchSampler:
+            return False
+        return type(sampler) is SequentialSampler or (
+            type(sampler) is RandomSampler and not sampler.replacement and sampler.generator is not None
+            and sampler.num_samples == len(sampler.data_source))
 
     def _draw_order(self) -> Optional[List[int]]:
         """For torch's own BatchSampler over a RandomSampler or SequentialSampler: the epoch's order,
         drawn exactly as the sampler would draw it (same generator, same call). None otherwise."""
-        bs = self.batch_sampler
-        sampler = getattr(bs, "sampler", None)
-        if type(bs) is BatchSampler and type(sampler) is SequentialSampler:
-            return list(range(len(sampler.data_source)))
-        if (type(bs) is BatchSampler and type(sampler) is RandomSampler and not sampler.replacement
-                and sampler.generator is not None and sampler.num_samples == len(sampler.data_source)):
-            return torch.randperm(sampler.num_samples, generator=sampler.generator).tolist()
-        return None
+        if not self.can_skip_samples():
+            return None
+        sampler = self.batch_sampler.sampler
+        if type(sampler) is SequentialSampler:
+            order = list(range(len(sampler.data_source)))
+        else:
+            order = torch.randperm(sampler.num_samples, generator=sampler.generator).tolist()
+        return order[self.skip_samples:] if self.skip_samples else order
+
+    def _user_batch_count(self) -> int:
+        """How many batches the user's batch sampler makes of this epoch's samples (those left, after a skip)."""
+        if not self.skip_samples:
+            return len(self.batch_sampler)
+        left = len(self.batch_sampler.sampler) - self.skip_samples
+        b = self.batch_sampler.batch_size
+        return left // b if self.batch_sampler.drop_last else math.ceil(left / b)
 
     def _user_batches(self, order: Optional[List[int]] = None) -> Iterator[List[int]]:
         """The user's batches for this epoch, cut from `_draw_order` where there is one instead of
@@ -155,7 +177,7 @@ class ShardedBatchSampler:
                 yield mine
 
     def __len__(self) -> int:
-        n = len(self.batch_sampler)
+        n = self._user_batch_count()
         W = self.num_replicas
         if self.split_batches and W > 1 and not self.even_batches and not self.drop_last and n:
             # the short last batch is cut in ceil(L/W) pieces: the last ranks may get none

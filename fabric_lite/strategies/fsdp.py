@@ -262,18 +262,37 @@ class FSDPStrategy(DDPStrategy):
         return resolve_wrap_policy(ac, module)
 
     def _materialize(self, module: nn.Module) -> None:
-        """Give a model built on the meta device real storage (each process its shards only) and initial values."""
+        """Give a model built on the meta device real storage (each process its shards only) and initial values.
+
+        Each module's `reset_parameters` runs on whole-size stand-ins of its own parameters, with the same random
+        stream on every process, and each process keeps its slices: the values are those the model would have
+        had if built whole (random ops on sharded tensors would draw the same numbers for every shard on CPU).
+        Memory: one module's own parameters at a time, whole."""
+        from torch.distributed.tensor import distribute_tensor
+
         module.to_empty(device=self.root_device)
         uninitialized = []
         with torch.no_grad():
             for path, sub in module.named_modules():
-                own = list(sub.parameters(recurse=False)) + list(sub.buffers(recurse=False))
-                if not own:
+                own = dict(sub.named_parameters(recurse=False))
+                if not own and not list(sub.buffers(recurse=False)):
                     continue
-                if hasattr(sub, "reset_parameters"):
-                    sub.reset_parameters()
-                else:
+                if not hasattr(sub, "reset_parameters"):
                     uninitialized.append(f"{path or '<root>'} ({type(sub).__name__})")
+                    continue
+                sharded = {n: p for n, p in own.items() if is_dtensor(p)}
+                stand_ins = {n: nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=self.root_device),
+                                             requires_grad=p.requires_grad) for n, p in sharded.items()}
+                for name, whole in stand_ins.items():
+                    setattr(sub, name, whole)
+                try:
+                    sub.reset_parameters()
+                finally:
+                    for name, p in sharded.items():
+                        setattr(sub, name, p)
+                for name, p in sharded.items():
+                    piece = distribute_tensor(stand_ins[name].detach(), p.device_mesh, p.placements, src_data_rank=None)
+                    p.to_local().copy_(piece.to_local())
         if uninitialized:
             raise ValueError(
                 f"The model was built on the meta device, but these modules hold parameters or buffers and have no "

@@ -1,0 +1,246 @@
+"""FSDP2 (strategy="fsdp"): what the conformance suite does not already assert for every strategy.
+
+- against DDP in the same processes: fp32 weights after accumulation and clipping, the clipped norms;
+  bf16 and fp16 policies (master weights and optimizer state stay fp32); activation checkpointing;
+  tied weights kept in one group; meta-device init (values of a whole build) and full weights scattered
+  from rank 0;
+- the portability matrix: a sharded checkpoint saved by 2 processes loads into FSDP on 1 and 3 processes,
+  DDP, one device, and a plain nn.Module (after consolidation to .safetensors and .pt); a DDP checkpoint
+  and a full FSDP checkpoint load into FSDP and DDP; every cell restores weights and optimizer state bit
+  for bit and finishes the epoch with each sample seen exactly once;
+- bad input: unknown block classes, shape mismatches, cpu_offload without a GPU, an optimizer that stepped.
+
+Real processes (gloo on CPU) through tests/workers/fsdp_cases.py, each with a timeout. About 1.5 minutes
+on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import WORKERS
+from test_resume import Run
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+N_SAMPLES = 48
+
+
+def _worker_model():
+    """tests/workers/fsdp_model.py (the workers' folder is not on this process's path)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fsdp_model", WORKERS / "fsdp_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+make = _worker_model().make
+
+
+def tensor(values):
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def max_diff(a, b):
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+    return max((tensor(a[k]) - tensor(b[k])).abs().max().item() for k in a)
+
+
+def assert_equal_state(got, expected, what):
+    assert sorted(got) == sorted(expected), what
+    for k in expected:
+        assert got[k] == expected[k], f"{what}: {k} differs"
+
+
+# -- training: FSDP against DDP -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp_train")
+    return Run("fsdp_cases.py", out, "--phase", "train", nproc=2, launcher="torchrun", timeout=300).ok()[0]
+
+
+def test_fsdp_matches_ddp_with_accumulation_and_clipping(trained):
+    r = trained["fp32"]
+    assert set(r["sharded"]) == {"DTensor"}
+    assert r["local_rows"][:2] == [8, 8]  # each of 2 processes holds half of the 16 rows
+    # the same sums in another order (reduce-scatter vs all-reduce): measured 0 on 2 CPU cores
+    assert max_diff(r["fsdp"], r["ddp"]) <= 1e-6
+    assert len(r["fsdp_norms"]) == 3 and all(isinstance(n, float) for n in r["fsdp_norms"])
+    assert r["fsdp_norms"] == pytest.approx(r["ddp_norms"], rel=1e-5)
+
+
+def test_bf16_policy_keeps_fp32_master_weights_and_state(trained):
+    r = trained["bf16"]
+    assert r["master"] == ["torch.float32"] and r["state"] == ["torch.float32"]
+    diff = max_diff(r["weights"], trained["fp32"]["fsdp"])
+    assert 0 < diff < 0.05  # computed in bf16: close to fp32, not equal
+
+
+def test_fp16_uses_a_sharded_scaler(trained):
+    r = trained["fp16"]
+    assert r["scaler"] == "ShardedGradScaler" and r["skipped"] is False
+    assert max_diff(r["weights"], trained["fp32"]["fsdp"]) < 0.05
+
+
+def test_activation_checkpointing_changes_memory_not_results(trained):
+    r = trained["checkpointed"]
+    assert r["recomputed"] == ["1", "2"]
+    assert max_diff(r["weights"], trained["fp32"]["fsdp"]) <= 1e-6
+
+
+def test_meta_device_init_and_weights_from_rank_zero(trained):
+    r = trained["meta"]
+    assert r["built_on_meta"] and r["materialized"]
+    assert max_diff(r["initial"], r["reference"]) == 0  # the values of the model built whole
+    assert max_diff(r["weights"], r["loaded_reference"]) == 0
+    assert "differ in shape" in r["bad_weights"] and "0.weight: saved (8, 4), model (16, 4)" in r["bad_weights"]
+
+
+def test_tied_weights_stay_in_one_group(trained):
+    r = trained["tied"]
+    assert r["kept_whole"] == ["body"] and r["still_tied"]
+    assert max_diff(r["fsdp"], r["ddp"]) <= 1e-6
+
+
+def test_optimizer_that_already_stepped_is_refused(trained):
+    assert "already stepped on the unsharded model" in trained["stepped_optimizer"]
+
+
+# -- portability: save on one setup, load on another ----------------------------------------------------
+
+SAVES = {"fsdp_sharded": ("fsdp", "sharded"), "fsdp_full": ("fsdp", "full"), "ddp": ("ddp", "sharded")}
+LOADS = [  # (saved by, loading strategy, processes)
+    ("fsdp_sharded", "fsdp", 2), ("fsdp_sharded", "fsdp", 1), ("fsdp_sharded", "fsdp", 3),
+    ("fsdp_sharded", "ddp", 2), ("fsdp_sharded", "single", 1),
+    ("ddp", "fsdp", 2), ("ddp", "fsdp", 3), ("fsdp_full", "ddp", 2), ("fsdp_full", "fsdp", 3),
+]
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp_matrix")
+    saves = {name: Run("fsdp_cases.py", root / f"save_{name}", "--phase", "save", "--strategy", strategy, "--kind", kind,
+                       "--ckpt", root / f"ckpt_{name}", nproc=2, launcher="torchrun", timeout=240)
+             for name, (strategy, kind) in SAVES.items()}
+    saved = {name: run.ok()[0] for name, run in saves.items()}
+    loads = {}
+    for source, strategy, nproc in LOADS:
+        loads[(source, strategy, nproc)] = Run(
+            "fsdp_cases.py", root / f"load_{source}_{strategy}_{nproc}", "--phase", "load", "--strategy", strategy,
+            "--ckpt", root / f"ckpt_{source}", nproc=nproc, launcher="torchrun" if nproc > 1 else None, timeout=240)
+    loads["mismatch"] = Run("fsdp_cases.py", root / "load_mismatch", "--phase", "load", "--strategy", "fsdp",
+                            "--width", 8, "--ckpt", root / "ckpt_fsdp_sharded", nproc=2, launcher="torchrun",
+                            timeout=240)
+    return root, saved, {key: run.ok()[0] for key, run in loads.items()}
+
+
+def test_sharded_checkpoint_layout(matrix):
+    import json
+
+    root, _, _ = matrix
+    manifest = json.loads((root / "ckpt_fsdp_sharded" / "manifest.json").read_text())
+    assert manifest["meta"]["engine"] == "dcp" and manifest["meta"]["world_size"] == 2
+    assert {".metadata", "training_state.pt", "rng_0.pt", "rng_1.pt"} <= set(manifest["files"])
+    assert any(f.startswith("__0_") for f in manifest["files"]) and any(f.startswith("__1_") for f in manifest["files"])
+    assert not any(f.startswith("model_") for f in manifest["files"])  # no whole copy anywhere
+    full = json.loads((root / "ckpt_fsdp_full" / "manifest.json").read_text())
+    assert "engine" not in full["meta"] and "model_0.pt" in full["files"]
+
+
+@pytest.mark.parametrize("source,strategy,nproc", LOADS, ids=[f"{s}->{t}x{n}" for s, t, n in LOADS])
+def test_checkpoint_moves_between_strategies_and_world_sizes(matrix, source, strategy, nproc):
+    _, saved, loads = matrix
+    got, ref = loads[(source, strategy, nproc)], saved[source]
+    assert "error" not in got, got.get("error")
+    assert_equal_state(got["weights"], ref["weights"], "weights")
+    assert_equal_state(got["optimizer"], ref["optimizer"], "optimizer state")
+    # the rest of the epoch, from the saved position in global samples: nothing twice, nothing skipped
+    assert sorted(ref["before"] + got["after"]) == list(range(N_SAMPLES))
+    if nproc == 2:
+        assert got["after"] == ref["after"]  # same world size: the very batches of the uninterrupted run
+    else:
+        assert any("will not repeat the uninterrupted run bit for bit" in w for w in got["warnings"])
+
+
+def test_checkpoint_of_another_shape_is_refused_naming_the_first_keys(matrix):
+    _, _, loads = matrix
+    error = loads["mismatch"]["error"]
+    assert error.startswith("CheckpointError") and "differ in shape" in error
+    assert "0.weight: saved (16, 4), model (8, 4)" in error
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_consolidated_weights_load_into_a_plain_module(matrix, tmp_path, suffix):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    root, saved, _ = matrix
+    out = tmp_path / f"weights{suffix}"
+    done = subprocess.run([sys.executable, "-m", "fabric_lite.cli", "consolidate", str(root / "ckpt_fsdp_sharded"),
+                           str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    if suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(str(out))
+    else:
+        state = torch.load(out, weights_only=True)
+    model = make(seed=3)
+    model.load_state_dict(state, strict=True)
+    got = {k: v.reshape(-1).tolist() for k, v in model.state_dict().items()}
+    assert_equal_state(got, saved["fsdp_sharded"]["weights"], "consolidated weights")
+
+
+# -- bad input, in this process (no process group needed) ----------------------------------------------
+
+def test_unknown_block_class_names_the_model_blocks():
+    from fabric_lite.strategies.fsdp import resolve_wrap_policy
+
+    with pytest.raises(ValueError, match=r"\['Nope'\].*block classes are: \['Block'\]"):
+        resolve_wrap_policy({"Nope"}, make())
+    assert resolve_wrap_policy({"Block"}, make())(make()[1])
+
+
+def test_cpu_offload_without_a_gpu_is_refused():
+    from fabric_lite import Accelerator, FSDPStrategy
+
+    with pytest.raises(ValueError, match="cpu_offload=True.*train on CUDA"):
+        Accelerator(strategy=FSDPStrategy(cpu_offload=True), cpu=True)
+
+
+def test_empty_init_needs_a_strategy_that_materializes():
+    from fabric_lite import Accelerator
+
+    acc = Accelerator(cpu=True)
+    with pytest.raises(ValueError, match="empty_init=True.*strategy='fsdp'"):
+        with acc.init_module(empty_init=True):
+            pass
+    with acc.init_module():
+        assert nn.Linear(2, 2).weight.device.type == "cpu"
+
+
+def test_accelerate_plugin_names():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from fabric_lite import FullyShardedDataParallelPlugin as Plugin
+
+    s = Plugin(auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["Block"],
+               reshard_after_forward="SHARD_GRAD_OP", state_dict_type="FULL_STATE_DICT",
+               mixed_precision_policy="bf16", activation_checkpointing=True).to_strategy()
+    assert s.auto_wrap_policy == ["Block"] and s.reshard_after_forward is False and s.state_dict_type == "full"
+    assert s.user_mp_policy == MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    assert s.activation_checkpointing is True and not s.sharded_checkpoints
+    big = Plugin(auto_wrap_policy="size_based_wrap", min_num_params=100).to_strategy().auto_wrap_policy
+    assert big(nn.Linear(10, 10)) and not big(nn.Linear(2, 2))
+    for bad, match in ((dict(fsdp_version=1), "fsdp_version=2"), (dict(auto_wrap_policy="size_based_wrap"), "min_num_params"),
+                       (dict(state_dict_type="LOCAL_STATE_DICT"), "state_dict_type"),
+                       (dict(mixed_precision_policy="int8"), "mixed_precision_policy")):
+        with pytest.raises(ValueError, match=match):
+            Plugin(**bad).to_strategy()
