@@ -224,11 +224,22 @@ class DataLoaderShard(DataLoader):
         seen = pos.samples_skipped + pos.batches_seen * self.total_batch_size if self.total_batch_size else None
         return {"base_seed": pos.base_seed, "epoch": pos.epoch, "batches_seen": pos.batches_seen,
                 "draws_before_sampler": self._draws_before_sampler, "samples_seen": seen,
-                "total_batch_size": self.total_batch_size}
+                "total_batch_size": self.total_batch_size, "num_replicas": self._replicas()}
+
+    def _replicas(self) -> Optional[int]:
+        sampler = self._batch_sampler
+        return sampler.num_replicas if sampler is not None else None
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         batches, skipped = int(state["batches_seen"]), 0
         saved_total, seen, total = state.get("total_batch_size"), state.get("samples_seen"), self.total_batch_size
+        saved_replicas = state.get("num_replicas")
+        if batches and total is None and saved_replicas not in (None, self._replicas()):
+            raise ValueError(
+                f"This loader was saved {batches} batches into epoch {state['epoch']} by {saved_replicas} process(es); "
+                f"this run has {self._replicas()}, and its batches have no fixed size (a custom batch sampler), so "
+                f"the position cannot be carried over. Resume with {saved_replicas} processes, or from a checkpoint "
+                f"saved at an epoch's end.")
         if seen and saved_total and total and saved_total != total:
             # Saved by a run with another global batch (another number of processes): go on after the samples
             # it saw, at a step boundary of this run when there is one, else part-way into its order.

@@ -549,3 +549,75 @@ def test_sharding_shortcut_gives_the_general_paths_batches(W, shuffle, drop_last
                     s._draw_order = lambda: None  # indices pulled from the sampler one by one
                 got[shortcut, r] = list(s)
         assert all(got[True, r] == got[False, r] for r in range(W)), (b, n, skip, got)
+
+
+# -- resuming on another number of processes ---------------------------------------------------------------
+
+def _ranks(world, loader_factory):
+    from fabric_lite.data.loader import shard_dataloader
+    from fabric_lite.engine import GradientState
+
+    return [shard_dataloader(loader_factory(), num_replicas=world, rank=r, device=None,
+                             gradient_state=GradientState()) for r in range(world)]
+
+
+@pytest.mark.parametrize("new_world", [1, 3, 5, 4])
+def test_position_moves_to_another_world_size_by_samples(new_world):
+    """Saved 3 steps into an epoch by 2 processes (24 of 48 samples), resumed by 1, 3, 4 or 5: the epoch goes on
+    with sample 25 of the same order, every remaining sample once (the last step's padding is marked by
+    `remainder`), whether or not 24 is a whole number of the new run's steps."""
+    def make():
+        return DataLoader(TensorDataset(torch.arange(48)), batch_size=4, shuffle=True,
+                          generator=torch.Generator().manual_seed(3))
+
+    reference = _ranks(1, make)[0]
+    reference.load_state_dict({**reference.state_dict(), "base_seed": 0})
+    full_epoch = [i for batch in reference for i in batch[0].tolist()]  # one process, the whole epoch
+    old = _ranks(2, make)
+    for loader in old:
+        loader.load_state_dict({**loader.state_dict(), "base_seed": 0})  # the seed a prepared loader shares
+    seen = []
+    iterators = [iter(loader) for loader in old]
+    for _ in range(3):
+        for it in iterators:
+            seen.extend(next(it)[0].tolist())
+    state = old[0].state_dict()
+    assert state["samples_seen"] == 24 and state["total_batch_size"] == 8
+    new = _ranks(new_world, make)
+    for loader in new:
+        loader.load_state_dict(state)
+    lengths = [loader.batches_left() for loader in new]
+    remainder = new[0].remainder  # real samples in the last step (read when an iteration starts)
+    steps = list(zip(*[list(loader) for loader in new]))  # each rank's batches, step by step
+    assert lengths == [len(steps)] * new_world
+    rest = []
+    for k, step in enumerate(steps):
+        flat = [i for batch in step for i in batch[0].tolist()]
+        last = k == len(steps) - 1
+        rest.extend(flat[:remainder] if last and remainder > 0 else flat)
+    assert seen + rest == full_epoch  # the epoch's order, cut at sample 24: nothing twice, nothing skipped
+    assert new[0].state_dict()["samples_seen"] == 0  # the epoch ended: the next one starts whole
+
+
+def test_position_that_cannot_be_cut_is_refused():
+    class Batches(BatchSampler):  # a custom batch sampler: its order cannot be cut part-way
+        pass
+
+    def make():
+        ds = TensorDataset(torch.arange(48))
+        return DataLoader(ds, batch_sampler=Batches(SequentialSampler(ds), batch_size=4, drop_last=False))
+
+    new = _ranks(5, make)
+    state = {"base_seed": 0, "epoch": 0, "batches_seen": 3, "samples_seen": None, "total_batch_size": None,
+             "num_replicas": 2}
+    with pytest.raises(ValueError, match="saved 3 batches into epoch 0 by 2 process.*this run has 5.*custom batch"):
+        new[0].load_state_dict(state)
+
+    def shuffled():  # a plain DataLoader whose sampler draws with replacement: its order cannot be cut
+        ds = TensorDataset(torch.arange(48))
+        return DataLoader(ds, batch_size=4, sampler=torch.utils.data.RandomSampler(ds, replacement=True))
+
+    state = {"base_seed": 0, "epoch": 0, "batches_seen": 3, "samples_seen": 24, "total_batch_size": 8}
+    with pytest.raises(ValueError, match="saved 24 samples into epoch 0.*global batch of 8.*cannot be cut"):
+        _ranks(5, shuffled)[0].load_state_dict(state)
+    _ranks(3, shuffled)[0].load_state_dict(state)  # 24 samples are 2 whole steps of 12: no cut needed
