@@ -397,3 +397,18 @@ def test_deepspeed_fp16_on_the_gpu_skips_overflow_and_resumes_exactly(tmp_path):
     assert r["lr_after"] == pytest.approx(1e-2 * 0.9 ** steps_taken)
     assert r["last_loss"] < r["first_loss"]
     assert r["resumed_equal"] is True
+
+
+def test_fsdp_cpu_offload_on_the_gpu(tmp_path):
+    """FSDP2 with CPUOffloadPolicy on one GPU: shards live in CPU memory, compute runs on the GPU in bf16,
+    training converges and a sharded checkpoint restores the weights exactly."""
+    import json
+
+    proc = run_command([sys.executable, str(WORKERS / "cuda_fsdp.py"), "--out", str(tmp_path)], timeout=300, gpus=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    r = json.loads((tmp_path / "rank0.json").read_text())
+    assert r["device"].startswith("cuda")
+    assert r["shard_devices"] == ["cpu"]
+    assert r["master_dtypes"] == ["torch.float32"]
+    assert r["last_loss"] < r["first_loss"]
+    assert r["restored_equal"] is True

@@ -11,7 +11,6 @@ default, or gathered whole), and an optimizer built before `prepare` is pointed 
 from __future__ import annotations
 
 import contextlib
-import functools
 import weakref
 from typing import Any, Callable, ClassVar, ContextManager, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -19,13 +18,13 @@ import torch
 from torch import nn
 
 from fabric_lite.strategies.ddp import DDPStrategy
+from fabric_lite.strategies.fsdp_blocks import (
+    CheckpointedForward, WrapPolicy, is_dtensor, materialize, parameter_owners, resolve_wrap_policy, shares_outside,
+)
 from fabric_lite.strategies.precision import Precision
 
 __all__ = ["FSDPStrategy", "WrapPolicy", "STATE_DICT_TYPES"]
 
-#: Block choice: class objects or class names, a callable `module -> bool`, or None (the root alone, or a
-#: Hugging Face model's `_no_split_modules`).
-WrapPolicy = Union[None, Iterable[Union[type, str]], Callable[[nn.Module], bool]]
 #: "sharded": each process writes its own shards (torch.distributed.checkpoint), reloadable on any number
 #: of processes; "full": the whole state is gathered to rank 0 and written as for DDP.
 STATE_DICT_TYPES = ("sharded", "full")
@@ -42,74 +41,6 @@ def _fsdp() -> Any:
         raise RuntimeError(f"strategy='fsdp' needs FSDP2 (torch.distributed.fsdp.fully_shard, torch >= 2.6); this is "
                            f"torch {torch.__version__}. Upgrade torch or use strategy='ddp'.")
     return fsdp
-
-
-def is_dtensor(tensor: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
-
-
-class CheckpointedForward:
-    """A block's forward run under activation checkpointing (recomputed in backward). Installed on the
-    instance, so parameter names do not change (no `_checkpoint_wrapped_module.` prefix)."""
-
-    def __init__(self, forward: Callable) -> None:
-        self.forward = forward
-        functools.update_wrapper(self, forward)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from torch.utils.checkpoint import checkpoint
-
-        return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
-
-
-def block_classes(module: nn.Module) -> List[str]:
-    """Names of the classes of `module`'s non-leaf submodules that hold parameters (wrap candidates)."""
-    seen: Dict[str, None] = {}
-    for _, sub in module.named_modules():
-        if sub is not module and any(True for _ in sub.children()) and any(True for _ in sub.parameters()):
-            seen.setdefault(type(sub).__name__)
-    return list(seen)
-
-
-def resolve_wrap_policy(policy: WrapPolicy, module: nn.Module) -> Callable[[nn.Module], bool]:
-    """The wrap policy as a predicate; class names that match nothing in `module` are an error."""
-    if policy is None:
-        policy = list(getattr(module, "_no_split_modules", None) or [])  # a Hugging Face model's blocks
-        if not policy:
-            return lambda sub: False
-    if callable(policy) and not isinstance(policy, type):
-        return policy
-    wanted = [policy] if isinstance(policy, (str, type)) else list(policy)
-    names = {w for w in wanted if isinstance(w, str)}
-    classes = tuple(w for w in wanted if isinstance(w, type))
-    bad = [w for w in wanted if not isinstance(w, (str, type))]
-    if bad:
-        raise ValueError(f"auto_wrap_policy entries must be module classes or class names; got {bad!r}.")
-    present = {type(sub).__name__ for sub in module.modules()}
-    missing = sorted(names - present) + [c.__name__ for c in classes if not any(isinstance(s, c) for s in module.modules())]
-    if missing:
-        raise ValueError(
-            f"auto_wrap_policy names {missing}, which this model ({type(module).__name__}) does not contain. Its "
-            f"block classes are: {block_classes(module) or 'none (it has no nested blocks)'}. Name one of those, or "
-            f"leave auto_wrap_policy=None to shard the model as one group."
-        )
-    return lambda sub: type(sub).__name__ in names or isinstance(sub, classes)
-
-
-def parameter_owners(module: nn.Module) -> Dict[int, List[str]]:
-    """For each parameter (by id), the paths of the modules that hold it directly (several when tied)."""
-    owners: Dict[int, List[str]] = {}
-    for path, sub in module.named_modules(remove_duplicate=False):
-        for p in sub.parameters(recurse=False):
-            owners.setdefault(id(p), []).append(path)
-    return owners
-
-
-def shares_outside(path: str, sub: nn.Module, owners: Dict[int, List[str]]) -> bool:
-    """Whether a parameter of the block at `path` is also held by a module outside it (a tied weight)."""
-    return any(not (o == path or o.startswith(path + ".")) for p in sub.parameters() for o in owners[id(p)])
 
 
 class FSDPStrategy(DDPStrategy):
@@ -241,7 +172,7 @@ class FSDPStrategy(DDPStrategy):
         wrapped = [path for path, _ in blocks]
         fsdp.fully_shard(module, **kwargs)
         if on_meta:
-            self._materialize(module)
+            materialize(module, self.root_device)
         new = dict(module.named_parameters())
         for name, p in old.items():
             if name in new and new[name] is not p:
@@ -260,45 +191,6 @@ class FSDPStrategy(DDPStrategy):
                                  "names none. Name the blocks: activation_checkpointing={'Block'} or auto_wrap_policy.")
             return wrap
         return resolve_wrap_policy(ac, module)
-
-    def _materialize(self, module: nn.Module) -> None:
-        """Give a model built on the meta device real storage (each process its shards only) and initial values.
-
-        Each module's `reset_parameters` runs on whole-size stand-ins of its own parameters, with the same random
-        stream on every process, and each process keeps its slices: the values are those the model would have
-        had if built whole (random ops on sharded tensors would draw the same numbers for every shard on CPU).
-        Memory: one module's own parameters at a time, whole."""
-        from torch.distributed.tensor import distribute_tensor
-
-        module.to_empty(device=self.root_device)
-        uninitialized = []
-        with torch.no_grad():
-            for path, sub in module.named_modules():
-                own = dict(sub.named_parameters(recurse=False))
-                if not own and not list(sub.buffers(recurse=False)):
-                    continue
-                if not hasattr(sub, "reset_parameters"):
-                    uninitialized.append(f"{path or '<root>'} ({type(sub).__name__})")
-                    continue
-                sharded = {n: p for n, p in own.items() if is_dtensor(p)}
-                stand_ins = {n: nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=self.root_device),
-                                             requires_grad=p.requires_grad) for n, p in sharded.items()}
-                for name, whole in stand_ins.items():
-                    setattr(sub, name, whole)
-                try:
-                    sub.reset_parameters()
-                finally:
-                    for name, p in sharded.items():
-                        setattr(sub, name, p)
-                for name, p in sharded.items():
-                    piece = distribute_tensor(stand_ins[name].detach(), p.device_mesh, p.placements, src_data_rank=None)
-                    p.to_local().copy_(piece.to_local())
-        if uninitialized:
-            raise ValueError(
-                f"The model was built on the meta device, but these modules hold parameters or buffers and have no "
-                f"reset_parameters() to give them values: {uninitialized[:8]}. Add reset_parameters() to them, or build "
-                f"the model normally (empty_init=False), or load full weights after prepare (load_model_weights)."
-            )
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Point an optimizer built on the unsharded model at the sharded parameters (by name)."""
@@ -355,10 +247,16 @@ class FSDPStrategy(DDPStrategy):
         out: Dict[str, Any] = {}
         for name, value in module.state_dict().items():
             if is_dtensor(value):
-                value = value.full_tensor()
+                value = self._gathered(value)
             if self.is_global_zero:
                 out[name] = value.detach().cpu()
         return out
+
+    def _gathered(self, value: Any) -> torch.Tensor:
+        """The whole tensor of a sharded one (a collective); offloaded shards travel through the GPU, as NCCL needs."""
+        if value.device != self.root_device:
+            value = value.to(self.root_device)
+        return value.full_tensor()
 
     def load_module_state_dict(self, module: nn.Module, state: Dict[str, Any], strict: bool = True) -> None:
         """Load a full state dict (needed on rank 0 only; the others may pass {}): each tensor is scattered
@@ -379,9 +277,9 @@ class FSDPStrategy(DDPStrategy):
                 target = current[name]
                 if is_dtensor(target):
                     src = state[name] if self.is_global_zero else torch.empty(target.shape, dtype=target.dtype)
-                    shard = distribute_tensor(src.to(device=target.device, dtype=target.dtype), target.device_mesh,
+                    shard = distribute_tensor(src.to(device=self.root_device, dtype=target.dtype), target.device_mesh,
                                               target.placements, src_data_rank=0)
-                    target.copy_(shard)
+                    target.to_local().copy_(shard.to_local())
                 else:
                     src = state[name] if self.is_global_zero else torch.empty_like(target)
                     target.copy_(self.broadcast(src.to(device=target.device, dtype=target.dtype).contiguous()))
@@ -394,7 +292,7 @@ class FSDPStrategy(DDPStrategy):
             entry = {}
             for key, value in state["state"][index].items():
                 if is_dtensor(value):
-                    value = value.full_tensor()
+                    value = self._gathered(value)
                 entry[key] = value.detach().cpu() if isinstance(value, torch.Tensor) else value
             full[index] = entry
         return {"state": full, "param_groups": state["param_groups"]}
@@ -416,7 +314,8 @@ class FSDPStrategy(DDPStrategy):
             out = {}
             for key, value in entry.items():
                 if p is not None and is_dtensor(p) and isinstance(value, torch.Tensor) and value.shape == p.shape:
-                    value = distribute_tensor(value.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+                    value = distribute_tensor(value.to(self.root_device), p.device_mesh, p.placements,
+                                              src_data_rank=None).to(p.device)
                 out[key] = value
             sharded[index] = out
         optimizer.load_state_dict({"state": sharded, "param_groups": state["param_groups"]})

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from conftest import WORKERS
-from test_resume import Run
+from test_resume import Run, assert_bit_equal
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -198,10 +198,49 @@ def test_consolidated_weights_load_into_a_plain_module(matrix, tmp_path, suffix)
     assert_equal_state(got, saved["fsdp_sharded"]["weights"], "consolidated weights")
 
 
+# -- on S3: every rank writes its shards to the bucket; killed, load_state(), bit for bit -----------------
+
+def test_raw_door_sharded_checkpoints_on_s3_sigkill_then_load_state_is_bit_exact(tmp_path, s3_bucket):
+    import fsspec
+
+    root = f"{s3_bucket}/project"
+    code, output, _ = Run("resume_raw.py", tmp_path / "killed", "--root", root, "--kill-step", 5, "--kill-rank", 1,
+                          "--strategy", "fsdp", nproc=2, launcher="torchrun", timeout=240).wait()
+    assert code != 0 and "SIGKILLs itself" in output, output[-4000:]
+    fs, path = fsspec.core.url_to_fs(f"{root}/checkpoints/checkpoint_0")
+    names = {p.rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)}
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json"} <= names and "model_0.pt" not in names
+
+    resumed = Run("resume_raw.py", tmp_path / "resumed", "--root", root, "--resume", "--strategy", "fsdp", nproc=2,
+                  launcher="torchrun", timeout=240).ok()
+    for rank, r in enumerate(resumed):
+        assert r["loaded"] == f"{root}/checkpoints/checkpoint_0"
+        assert r["checkpoints"] == ["checkpoint_0", "checkpoint_1", "latest"]   # total_limit=2 on the bucket
+        assert_bit_equal(r["resumed"], r["uninterrupted"], f"rank {rank}")
+
+
+# -- explain -------------------------------------------------------------------------------------------
+
+def test_explain_shows_the_sharding_dtypes_and_bytes_per_process(tmp_path):
+    import sys
+
+    from conftest import run_command
+
+    proc = run_command([sys.executable, "-m", "fabric_lite.cli", "explain", "--nproc-per-node", "4", "--strategy",
+                        "fsdp", "examples/trainer_digits.py", "--precision", "bf16-mixed", "--root", str(tmp_path)],
+                       timeout=180, env={"FABRIC_LITE_CONFIG_DIR": str(tmp_path / "no-config")})
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    assert "FSDPStrategy" in out and "world size                     4" in out
+    assert "the whole model as one group" in out  # the example names no blocks
+    assert "parameters float32 (sharded master copy), compute bfloat16, gradient reduce-scatter float32" in out
+    assert "(1/4 of" in out and "bytes per process" in out
+
+
 # -- bad input, in this process (no process group needed) ----------------------------------------------
 
 def test_unknown_block_class_names_the_model_blocks():
-    from fabric_lite.strategies.fsdp import resolve_wrap_policy
+    from fabric_lite.strategies.fsdp_blocks import resolve_wrap_policy
 
     with pytest.raises(ValueError, match=r"\['Nope'\].*block classes are: \['Block'\]"):
         resolve_wrap_policy({"Nope"}, make())
