@@ -425,12 +425,20 @@ class Accelerator(StepEngine, ProcessControl):
     def load_model_weights(self, model: nn.Module, source: Any, strict: bool = True) -> None:
         """Load full weights (a state dict, a .safetensors/.pt/.bin file, or a `save_model` directory) into a
         prepared model. Under FSDP only the main process reads them, and each tensor is scattered to the shards."""
+        one_reader = self.strategy.reads_weights_on_rank_zero
+        state: Dict[str, Any] = {}
+        error = None
         if isinstance(source, dict):
             state = source
-        elif self.is_main_process or not self.strategy.reads_weights_on_rank_zero:
-            state = state_io.read_weights(os.fspath(source))
-        else:
-            state = {}
+        elif self.is_main_process or not one_reader:
+            try:
+                state = state_io.read_weights(os.fspath(source))
+            except Exception as err:  # the other processes must hear of it, not wait for a scatter
+                error = f"{type(err).__name__}: {err}"
+        if one_reader and not isinstance(source, dict):
+            error = self.strategy.broadcast_object(error)
+        if error is not None:
+            raise ValueError(f"load_model_weights could not read {source}: {error}")
         self.strategy.load_module_state_dict(model, state, strict=strict)
 
     def check_preemption(self) -> bool:

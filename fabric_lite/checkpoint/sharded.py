@@ -83,29 +83,47 @@ def _by_position(optimizer: torch.optim.Optimizer, state: Dict[str, Any], keys: 
     return {"state": {positions[k]: s for k, s in state["state"].items()}, "param_groups": groups}
 
 
-def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state tensors (a step with zero gradients at learning rate 0, which changes
-    no weight) so that DCP has tensors, of the right shards, to read into."""
-    if optimizer.state:
+def _initialize_state(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> None:
+    """Create the state tensors of `params` that have none (one step with zero gradients for them alone, at
+    learning rate 0, which changes no weight and no other parameter's state) so that DCP has tensors, of
+    the right shards, to read into."""
+    needing = {id(p) for p in params if p not in optimizer.state}
+    if not needing:
         return
     saved_grads = []
     for group in optimizer.param_groups:
         for p in group["params"]:
             saved_grads.append((p, p.grad))
-            if p.requires_grad:
-                p.grad = torch.zeros_like(p)
-    saved_lrs = [group.get("lr") for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        if "lr" in group:
-            group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
+            p.grad = torch.zeros_like(p) if id(p) in needing else None  # (frozen parameters too)
+    saved_lrs = [(group, group["lr"]) for group in optimizer.param_groups if "lr" in group]
+    for group, lr in saved_lrs:
+        group["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
     try:
         optimizer.step()
+    except Exception as err:
+        raise CheckpointError(
+            f"{type(optimizer).__name__}'s state cannot be restored from a sharded checkpoint: creating its state "
+            f"tensors (one step at learning rate 0) failed: {err}. Save its checkpoints with "
+            f"state_dict_type='full' instead.") from err
     finally:
-        for group, lr in zip(optimizer.param_groups, saved_lrs):
-            if lr is not None:
-                group["lr"] = lr
+        for group, lr in saved_lrs:
+            group["lr"] = lr
         for p, grad in saved_grads:
             p.grad = grad
+
+
+def _summary(err: BaseException) -> str:
+    """DCP's exception carries every rank's traceback: keep the distinct error lines."""
+    lines = [line.strip() for line in str(err).splitlines() if "Error:" in line]
+    distinct = list(dict.fromkeys(lines))
+    return "; ".join(distinct[:3]) if distinct else str(err)
+
+
+def _dcp_errors() -> Tuple[type, ...]:
+    """What DCP raises: its CheckpointException derives from BaseException, not Exception."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
 
 
 @contextlib.contextmanager
@@ -129,8 +147,12 @@ def save(writer: CheckpointWriter, strategy: Any, models: Sequence[torch.nn.Modu
     for j, (module, optimizer) in enumerate(optimizers):
         state[f"optimizer_{j}"] = optimizer_state_by_name(
             strategy.unwrap_module(module) if module is not None else None, optimizer)
-    with _quiet_lone_process():
-        dcp.save(state, storage_writer=_storage(writer.fs, writer.staging, write=True), no_dist=strategy.world_size == 1)
+    try:
+        with _quiet_lone_process():
+            dcp.save(state, storage_writer=_storage(writer.fs, writer.staging, write=True),
+                     no_dist=strategy.world_size == 1)
+    except _dcp_errors() as err:  # an Exception, so that save_state reports it from every rank and aborts
+        raise CheckpointError(f"writing the shards failed: {_summary(err)}") from err
     rank = strategy.global_rank
     for entry in writer.fs.ls(writer.staging, detail=False):
         name = entry.rstrip("/").rsplit("/", 1)[-1]
@@ -197,23 +219,35 @@ def read(url: str, manifest: Dict[str, Any], strategy: Any, models: Sequence[tor
         for i, current in enumerate(states):
             target[f"model_{i}"] = {k: v for k, v in current.items() if f"model_{i}.{k}" in saved}
         layouts = []
-        for j, (module, optimizer) in enumerate(optimizers):
-            _initialize_state(optimizer)
-            owner = strategy.unwrap_module(module) if module is not None else None
-            by_name = optimizer_state_by_name(owner, optimizer)
-            keys = [k for g in by_name["param_groups"] for k in g["params"]]
-            stored = {k for k in by_name["state"] if any(s.startswith(f"optimizer_{j}.state.{k}.") for s in saved)}
-            by_name["state"] = {k: v for k, v in by_name["state"].items() if k in stored}
-            target[f"optimizer_{j}"] = by_name
-            layouts.append(keys)
+        before = [{p: dict(s) for p, s in optimizer.state.items()} for _, optimizer in optimizers]
         try:
+            for j, (module, optimizer) in enumerate(optimizers):
+                owner = strategy.unwrap_module(module) if module is not None else None
+                prefix = f"optimizer_{j}.state."
+                # the parameters with saved state (a key is <prefix><parameter name>.<state name>)
+                stored = {k[len(prefix):].rsplit(".", 1)[0] for k in saved if k.startswith(prefix)}
+                params = [p for group in optimizer.param_groups for p in group["params"]]
+                keys = [k for g in optimizer_state_by_name(owner, optimizer)["param_groups"] for k in g["params"]]
+                _initialize_state(optimizer, [p for p, k in zip(params, keys) if k in stored])
+                by_name = optimizer_state_by_name(owner, optimizer)
+                by_name["state"] = {k: v for k, v in by_name["state"].items() if k in stored}
+                target[f"optimizer_{j}"] = by_name
+                layouts.append(keys)
             with _quiet_lone_process():
                 dcp.load(target, storage_reader=_storage(fs, path, write=False), no_dist=strategy.world_size == 1)
-        except Exception as err:
-            raise CheckpointError(f"{url} could not be read into this run: {err}") from err
+        except _dcp_errors() as err:
+            for (_, optimizer), state in zip(optimizers, before):  # nothing made up for the load stays behind
+                optimizer.state.clear()
+                optimizer.state.update(state)
+            if isinstance(err, CheckpointError):
+                raise
+            raise CheckpointError(f"{url} could not be read into this run: {_summary(err)}. Nothing was kept of "
+                                  f"it in the optimizers. Build the model and optimizers as the run that saved it "
+                                  f"did (an optimizer with other settings keeps other state).") from err
         for i, m in enumerate(models):
             strategy.unwrap_module(m).load_state_dict(target[f"model_{i}"], strict=strict)
-        for j, (module, optimizer) in enumerate(optimizers):
+        for j, (_, optimizer) in enumerate(optimizers):
+            # state only for the parameters that had it when saved, as a full checkpoint's load_state_dict gives
             optimizer.load_state_dict(_by_position(optimizer, target[f"optimizer_{j}"], layouts[j]))
 
     return apply

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import copy
 import itertools
-import math
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader, IterableDataset
 
 from fabric_lite.data.sharding import IterableDatasetShard, ShardedBatchSampler
 from fabric_lite.data.transfer import CudaFeed, move_to_device
@@ -35,6 +35,9 @@ class _Position:
     epoch: int = 0
     batches_seen: int = 0  # batches of this rank yielded in the current epoch
     samples_skipped: int = 0  # global samples of this epoch seen before a resume with another global batch
+    # after a resume with another global batch: the saved run's batches_seen, which a `skip_first_batches`
+    # asked for in the saved run's units (the usual resume code) means; the position already accounts for it
+    converted_from: Optional[int] = None
     restored: bool = False  # set by load_state: the next iteration continues at batches_seen
 
 
@@ -63,7 +66,6 @@ class DataLoaderShard(DataLoader):
         self._generator = sampler_generator
         self._batch_sampler = batch_sampler
         self._position = position
-        self.remainder = remainder
         self._epoch_remainder = remainder  # of a whole epoch (a resumed one may end with another)
         self.total_batch_size = total_batch_size
         self._convert = convert_batch
@@ -78,6 +80,12 @@ class DataLoaderShard(DataLoader):
 
     def __len__(self) -> int:
         return max(0, super().__len__() - self._skip_request)
+
+    @property
+    def remainder(self) -> int:
+        """Real samples in the last global step of this epoch when it is padded (-1: unknown)."""
+        whole, skipped = self._epoch_remainder, self._position.samples_skipped
+        return whole if whole < 0 or not skipped else (whole - skipped) % self.total_batch_size
 
     @property
     def end_of_dataloader(self) -> bool:
@@ -110,7 +118,15 @@ class DataLoaderShard(DataLoader):
         self._loader_generator.manual_seed(pos.base_seed + pos.epoch + (1 << 40))
         for obj in self._epoch_listeners:
             obj.set_epoch(pos.epoch)
-        skip = max(self._skip_request, pos.batches_seen)
+        request = self._skip_request
+        if pos.converted_from is not None and request:
+            if request != pos.converted_from:
+                warnings.warn(
+                    f"skip_first_batches({request}) after resuming from a run with another global batch: the loader "
+                    f"already goes on after the {pos.converted_from} batch(es) of that run, in samples; the request "
+                    f"is ignored.", stacklevel=3)
+            request = 0
+        skip = max(request, pos.batches_seen)
         if self._batch_sampler is not None:
             self._batch_sampler.skip = skip
             return 0
@@ -119,7 +135,9 @@ class DataLoaderShard(DataLoader):
     def __iter__(self) -> Iterator[Any]:
         skip_loaded = self._start_epoch()
         pos = self._position
-        pos.batches_seen = max(self._skip_request, pos.batches_seen)
+        if pos.converted_from is None:
+            pos.batches_seen = max(self._skip_request, pos.batches_seen)
+        pos.converted_from = None
         state = self.gradient_state
         self._at_last = False
         state.enter(self)
@@ -210,18 +228,26 @@ class DataLoaderShard(DataLoader):
         except TypeError:
             return None
 
+    def _epoch_samples(self) -> Optional[int]:
+        sampler = getattr(getattr(self._batch_sampler, "batch_sampler", None), "sampler", None)
+        try:
+            return len(sampler) if sampler is not None else None
+        except TypeError:
+            return None
+
     def _skip_samples(self, samples: int) -> None:
         """Start (or, with 0, stop) an epoch part-way, after `samples` global samples of its order."""
         self._position.samples_skipped = samples
         if self._batch_sampler is not None:
             self._batch_sampler.skip_samples = samples
-        whole = self._epoch_remainder
-        self.remainder = whole if whole < 0 or not samples else (whole - samples) % self.total_batch_size
 
     def state_dict(self) -> Dict[str, Any]:
         pos = self._position
         # The position also in global samples: a run with another number of processes resumes from it.
         seen = pos.samples_skipped + pos.batches_seen * self.total_batch_size if self.total_batch_size else None
+        epoch_samples = self._epoch_samples()
+        if seen is not None and epoch_samples is not None:
+            seen = min(seen, epoch_samples)  # the last step's padding is not samples seen
         return {"base_seed": pos.base_seed, "epoch": pos.epoch, "batches_seen": pos.batches_seen,
                 "draws_before_sampler": self._draws_before_sampler, "samples_seen": seen,
                 "total_batch_size": self.total_batch_size, "num_replicas": self._replicas()}
@@ -240,7 +266,8 @@ class DataLoaderShard(DataLoader):
                 f"this run has {self._replicas()}, and its batches have no fixed size (a custom batch sampler), so "
                 f"the position cannot be carried over. Resume with {saved_replicas} processes, or from a checkpoint "
                 f"saved at an epoch's end.")
-        if seen and saved_total and total and saved_total != total:
+        cut = bool(seen) and saved_total and seen != min(batches * saved_total, self._epoch_samples() or seen)
+        if seen and saved_total and total and (saved_total != total or cut):
             # Saved by a run with another global batch (another number of processes): go on after the samples
             # it saw, at a step boundary of this run when there is one, else part-way into its order.
             batches, rest = divmod(int(seen), total)
@@ -253,6 +280,7 @@ class DataLoaderShard(DataLoader):
                         f"(a custom sampler or batch sampler). Resume with the same number of processes and batch "
                         f"size, or from a checkpoint saved at an epoch's end.")
                 batches, skipped = 0, int(seen)
+            self._position.converted_from = int(state["batches_seen"])
         self._position.base_seed = int(state["base_seed"])
         self._position.epoch = int(state["epoch"])
         self._position.batches_seen = batches

@@ -182,7 +182,7 @@ class ShardedBatchSampler:
         if self.split_batches and W > 1 and not self.even_batches and not self.drop_last and n:
             # the short last batch is cut in ceil(L/W) pieces: the last ranks may get none
             sampler = getattr(self.batch_sampler, "sampler", None)
-            last = len(sampler) % self.batch_size if self.batch_size and hasattr(sampler, "__len__") else 0
+            last = (len(sampler) - self.skip_samples) % self.batch_size if self.batch_size and hasattr(sampler, "__len__") else 0
             if last:
                 return n - 1 + (1 if self.rank * math.ceil(last / W) < last else 0)
         if self.split_batches or W == 1:

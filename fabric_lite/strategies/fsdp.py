@@ -92,6 +92,7 @@ class FSDPStrategy(DDPStrategy):
         self.plans: List[Dict[str, Any]] = []
         # old parameter id -> (weakref to it, its sharded replacement): re-points optimizers built before prepare
         self._replaced: Dict[int, Tuple[Any, nn.Parameter]] = {}
+        self._syncing: Dict[int, bool] = {}  # id(model) -> whether its backward reduce-scatters now
 
     # -- set-up ------------------------------------------------------------------------------------
     def adapt_precision(self, precision: Precision) -> Precision:
@@ -146,9 +147,15 @@ class FSDPStrategy(DDPStrategy):
             raise ValueError(f"{type(module).__name__} is already sharded; prepare each model once.")
         model_name = type(module).__name__
         module = self.precision.convert_module(module)
-        on_meta = any(t.is_meta for t in (*module.parameters(), *module.buffers()))
-        if not on_meta:
-            module = module.to(self.root_device)
+        tensors = [*module.parameters(), *module.buffers()]
+        on_meta = any(t.is_meta for t in tensors)
+        with torch.no_grad():
+            for t in tensors:  # (a model built partly on the meta device keeps its real tensors, moved here)
+                if not t.is_meta and t.device != self.root_device:
+                    t.data = t.data.to(self.root_device)
+                if not t.is_meta and self.world_size > 1:
+                    # every process starts from rank 0's values, as under DDP (each keeps its slice of them)
+                    t.data = self.broadcast(t.data.contiguous())
         old = {n: p for n, p in module.named_parameters()}
         wrap = resolve_wrap_policy(self.auto_wrap_policy, module)
         checkpointed = self._checkpoint_policy(module, wrap)
@@ -194,10 +201,9 @@ class FSDPStrategy(DDPStrategy):
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Point an optimizer built on the unsharded model at the sharded parameters (by name)."""
-        stale = []
+        moves, stale = [], []
         for group in optimizer.param_groups:
-            params = group["params"]
-            for i, p in enumerate(params):
+            for i, p in enumerate(group["params"]):
                 entry = self._replaced.get(id(p))
                 if entry is not None and entry[0]() is p:
                     if p in optimizer.state:
@@ -205,13 +211,15 @@ class FSDPStrategy(DDPStrategy):
                             "This optimizer has already stepped on the unsharded model, so its state does not fit the "
                             "shards. Create it before the first step and prepare it with the model (or load its "
                             "state after prepare with load_state).")
-                    params[i] = entry[1]
+                    moves.append((group["params"], i, entry[1]))
                 elif not is_dtensor(p) and p.requires_grad:
                     stale.append(tuple(p.shape))
-        if stale:
+        if stale:  # (checked before anything moves: a refused optimizer is left as it was)
             raise ValueError(
                 f"The optimizer holds {len(stale)} parameter(s) (shapes {stale[:4]}) of no model prepared with "
                 f"strategy='fsdp'. Prepare the model first (or in the same prepare() call), then the optimizer.")
+        for params, i, sharded in moves:
+            params[i] = sharded
         return optimizer
 
     def unwrap_module(self, module: nn.Module) -> nn.Module:
@@ -224,11 +232,14 @@ class FSDPStrategy(DDPStrategy):
 
     @contextlib.contextmanager
     def _gradient_sync(self, module: nn.Module, sync: bool) -> Any:
+        previous = self._syncing.get(id(module), True)  # (nested contexts restore what they found)
+        self._syncing[id(module)] = sync
         module.set_requires_gradient_sync(sync)
         try:
             yield
         finally:
-            module.set_requires_gradient_sync(not sync)
+            self._syncing[id(module)] = previous
+            module.set_requires_gradient_sync(previous)
 
     def force_backward_sync(self, module: nn.Module) -> ContextManager:
         if not hasattr(module, "set_requires_gradient_sync"):
@@ -262,6 +273,9 @@ class FSDPStrategy(DDPStrategy):
         """Load a full state dict (needed on rank 0 only; the others may pass {}): each tensor is scattered
         from rank 0 to the shards, so no process holds more than one whole tensor at a time."""
         current = module.state_dict()
+        if any(getattr(v, "is_meta", False) for v in current.values()):
+            raise ValueError("This model is still on the meta device: prepare it first (prepare() gives each process "
+                             "its shards), then load the weights.")
         problem = None
         if self.is_global_zero:
             problem = _state_mismatch(current, state, strict)
@@ -294,7 +308,9 @@ class FSDPStrategy(DDPStrategy):
                 if is_dtensor(value):
                     value = self._gathered(value)
                 entry[key] = value.detach().cpu() if isinstance(value, torch.Tensor) else value
-            full[index] = entry
+            if self.is_global_zero:
+                full[index] = entry
+        # a collective (every rank calls it); the whole state is kept on rank 0 only
         return {"state": full, "param_groups": state["param_groups"]}
 
     def load_optimizer_state_dict(self, module: Optional[nn.Module], optimizer: torch.optim.Optimizer,
@@ -329,7 +345,7 @@ class FSDPStrategy(DDPStrategy):
             shown = ", ".join(wrapped[:8]) + (f" and {len(wrapped) - 8} more" if len(wrapped) > 8 else "")
             groups = f"{len(wrapped)} block(s) with their own fully_shard ({shown}) + the root" if wrapped else \
                 "the whole model as one group (auto_wrap_policy names no blocks: all of it is gathered for each forward)"
-            lines.append(("hardware", f"sharding ({plan['model']})", groups))
+            lines.append(("hardware", f"sharding ({plan['model']})" if len(self.plans) > 1 else "sharding", groups))
             if plan["kept_whole"]:
                 lines.append(("hardware", "kept in the root's group",
                               f"{', '.join(plan['kept_whole'][:8])}: they share (tie) a weight with a module outside"))

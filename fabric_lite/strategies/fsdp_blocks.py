@@ -91,26 +91,41 @@ def shares_outside(path: str, sub: nn.Module, owners: Dict[int, List[str]]) -> b
     return any(not (o == path or o.startswith(path + ".")) for p in sub.parameters() for o in owners[id(p)])
 
 
-def materialize(module: nn.Module, device: torch.device) -> None:
-    """Give a model built on the meta device real storage (each process its shards only) and initial values.
+def _meta_tensors(sub: nn.Module) -> List[torch.Tensor]:
+    own = [*sub.parameters(recurse=False), *sub.buffers(recurse=False)]
+    return [t for t in own if (t.to_local() if is_dtensor(t) else t).is_meta]
 
-    Each module's `reset_parameters` runs on whole-size stand-ins of its own parameters, with the same random
-    stream on every process, and each process keeps its slices: the values are those the model would have
-    had if built whole (random ops on sharded tensors would draw the same numbers for every shard on CPU).
-    Memory: one module's own parameters at a time, whole."""
+
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """Give the parts of a model built on the meta device real storage (each process its shards only) and
+    initial values; tensors that are already real are left as they are.
+
+    Each such module's `reset_parameters` runs on whole-size stand-ins of its own parameters, with the same
+    random stream on every process, and each process keeps its slices: the values are those the model
+    would have had if built whole (random ops on sharded tensors would draw the same numbers for every
+    shard on CPU). A weight shared by several modules is initialized by the first of them. Memory: one
+    module's own parameters at a time, whole."""
     from torch.distributed.tensor import distribute_tensor
 
-    module.to_empty(device=device)
-    uninitialized = []
+    uninitialized = [f"{path or '<root>'} ({type(sub).__name__})" for path, sub in module.named_modules()
+                     if _meta_tensors(sub) and not hasattr(sub, "reset_parameters")]
+    if uninitialized:  # (refused before anything is allocated)
+        raise ValueError(
+            f"The model was built on the meta device, but these modules hold parameters or buffers and have no "
+            f"reset_parameters() to give them values: {uninitialized[:8]}. Add reset_parameters() to them, or build "
+            f"the model normally (empty_init=False), or load full weights after prepare (load_model_weights)."
+        )
+    mixed = [type(sub).__name__ for _, sub in module.named_modules()
+             if 0 < len(_meta_tensors(sub)) < len([*sub.parameters(recurse=False), *sub.buffers(recurse=False)])]
+    if mixed:
+        raise ValueError(f"{mixed[:8]} hold tensors both on the meta device and real ones; build each module wholly "
+                         f"on one or the other.")
     with torch.no_grad():
-        for path, sub in module.named_modules():
-            own = dict(sub.named_parameters(recurse=False))
-            if not own and not list(sub.buffers(recurse=False)):
+        for _, sub in module.named_modules():
+            if not _meta_tensors(sub):  # real from the start, or a tied weight its first owner initialized
                 continue
-            if not hasattr(sub, "reset_parameters"):
-                uninitialized.append(f"{path or '<root>'} ({type(sub).__name__})")
-                continue
-            sharded = {n: p for n, p in own.items() if is_dtensor(p)}
+            sub.to_empty(device=device, recurse=False)
+            sharded = {n: p for n, p in sub.named_parameters(recurse=False) if is_dtensor(p)}
             stand_ins = {n: nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
                                          requires_grad=p.requires_grad) for n, p in sharded.items()}
             for name, whole in stand_ins.items():
@@ -123,9 +138,3 @@ def materialize(module: nn.Module, device: torch.device) -> None:
             for name, p in sharded.items():
                 piece = distribute_tensor(stand_ins[name].detach(), p.device_mesh, p.placements, src_data_rank=None)
                 p.to_local().copy_(piece.to_local())
-    if uninitialized:
-        raise ValueError(
-            f"The model was built on the meta device, but these modules hold parameters or buffers and have no "
-            f"reset_parameters() to give them values: {uninitialized[:8]}. Add reset_parameters() to them, or build "
-            f"the model normally (empty_init=False), or load full weights after prepare (load_model_weights)."
-        )

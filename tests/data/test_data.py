@@ -621,3 +621,85 @@ def test_position_that_cannot_be_cut_is_refused():
     with pytest.raises(ValueError, match="saved 24 samples into epoch 0.*global batch of 8.*cannot be cut"):
         _ranks(5, shuffled)[0].load_state_dict(state)
     _ranks(3, shuffled)[0].load_state_dict(state)  # 24 samples are 2 whole steps of 12: no cut needed
+
+
+def _shuffled48():
+    return DataLoader(TensorDataset(torch.arange(48)), batch_size=4, shuffle=True,
+                      generator=torch.Generator().manual_seed(3))
+
+
+def _epoch_order():
+    reference = _ranks(1, _shuffled48)[0]
+    reference.load_state_dict({**reference.state_dict(), "base_seed": 0})
+    return [i for batch in reference for i in batch[0].tolist()]
+
+
+def _steps(loaders, n=None):
+    """`n` global steps (all, by default) of these ranks' loaders, as one flat list of real samples."""
+    remainder = loaders[0].remainder
+    its = [iter(loader) for loader in loaders]
+    out, k, total = [], 0, loaders[0].batches_left()
+    while (n is None or k < n) and k < total:
+        flat = [i for it in its for i in next(it)[0].tolist()]
+        k += 1
+        out.extend(flat[:remainder] if k == total and remainder > 0 else flat)
+    return out
+
+
+def _saved_at(world, steps):
+    loaders = _ranks(world, _shuffled48)
+    for loader in loaders:
+        loader.load_state_dict({**loader.state_dict(), "base_seed": 0})
+    seen = _steps(loaders, steps)
+    return seen, loaders[0].state_dict()
+
+
+def test_a_cut_position_survives_a_second_resume_at_the_same_world_size():
+    seen, state = _saved_at(2, 3)                      # 24 of 48 samples
+    middle_loaders = _ranks(5, _shuffled48)            # cut part-way: 24 is not a multiple of 20
+    for loader in middle_loaders:
+        loader.load_state_dict(state)
+    middle = _steps(middle_loaders, 1)
+    state = middle_loaders[0].state_dict()
+    assert state["samples_seen"] == 44
+    last = _ranks(5, _shuffled48)                      # the same world size again: the cut must be kept
+    for loader in last:
+        loader.load_state_dict(state)
+    assert seen + middle + _steps(last) == _epoch_order()
+
+
+def test_skip_first_batches_after_resuming_on_another_world_size_is_not_applied_twice():
+    seen, state = _saved_at(2, 3)
+    loaders = _ranks(3, _shuffled48)
+    for loader in loaders:
+        loader.load_state_dict(state)
+    views = [skip_first_batches(loader, 3) for loader in loaders]  # Accelerate's resume code, in the saved run's batches
+    assert seen + _steps(views) == _epoch_order()
+    loaders = _ranks(3, _shuffled48)
+    for loader in loaders:
+        loader.load_state_dict(state)
+    with pytest.warns(UserWarning, match=r"skip_first_batches\(5\) after resuming .* the request is ignored"):
+        views = [skip_first_batches(loader, 5) for loader in loaders]
+        rest = _steps(views)
+    assert seen + rest == _epoch_order()
+
+
+def test_a_checkpoint_from_the_padded_last_step_resumes_into_the_next_epoch():
+    def fifty():
+        return DataLoader(TensorDataset(torch.arange(50)), batch_size=4, shuffle=True,
+                          generator=torch.Generator().manual_seed(3))
+
+    loaders = _ranks(5, fifty)
+    for loader in loaders:
+        loader.load_state_dict({**loader.state_dict(), "base_seed": 0})
+    its = [iter(loader) for loader in loaders]
+    for _ in range(3):  # 3 steps of 20: the last one padded (60 > 50)
+        for it in its:
+            next(it)
+    state = loaders[0].state_dict()
+    assert state["samples_seen"] == 50
+    resumed = _ranks(2, fifty)
+    for loader in resumed:
+        loader.load_state_dict(state)
+    assert resumed[0].batches_left() == 0 and list(resumed[0]) == []
+    assert len(list(resumed[0])) == len(resumed[0]) == 7  # the next epoch, whole

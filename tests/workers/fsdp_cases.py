@@ -154,7 +154,102 @@ def phase_train():
         out["stepped_optimizer"] = None
     except ValueError as err:
         out["stepped_optimizer"] = str(err)
+    out.update(review_cases())
     return out
+
+
+def review_cases():
+    """Edge cases: per-rank initial weights, a partly-meta model, nested no_sync, load errors that must
+    reach every rank, partially populated and frozen optimizer state through a sharded checkpoint."""
+    import os
+    import tempfile
+
+    out = {}
+    rank = int(os.environ.get("RANK", 0))
+    # every process starts from rank 0's weights, whatever each built (as DDP broadcasts them)
+    acc = Accelerator(strategy=strategy("fsdp"))
+    model = acc.prepare(make(seed=rank))
+    weights = full(acc, model)  # (a collective: every rank)
+    out["rank0_weights"] = max_abs(weights, make(seed=0)) if acc.is_main_process else None
+
+    # a pretrained part built for real and a new head on the meta device: only the head is initialized
+    acc = Accelerator(strategy=strategy("fsdp"))
+    pretrained = make(seed=9)
+    with acc.init_module(empty_init=True):
+        head = nn.Linear(3, 2)
+    model = acc.prepare(nn.Sequential(pretrained, head))
+    weights = full(acc, model)
+    if acc.is_main_process:
+        out["pretrained_kept"] = max_abs({k[2:]: v for k, v in weights.items() if k.startswith("0.")}, make(seed=9))
+        out["head_initialized"] = not any(v != v for v in weights["1.weight"]) and any(weights["1.weight"])
+
+    # nested no_sync: the inner one must not switch synchronization back on for the rest of the outer one
+    acc = Accelerator(strategy=strategy("fsdp"))
+    model = acc.prepare(make())
+    x = torch.randn(4, 4)
+    with acc.no_sync(model):
+        with acc.no_sync(model):
+            pass
+        acc.backward(loss_of(model, x))
+        inside = [p.grad is None for p in model.parameters()]
+    acc.backward(loss_of(model, x))
+    out["nested_no_sync"] = {"no_grad_inside": all(inside), "grad_after": all(p.grad is not None for p in model.parameters())}
+
+    # errors that only rank 0 meets reach every rank (no hang), and nothing meta is loaded into
+    try:
+        acc.load_model_weights(model, "/nonexistent/weights.safetensors")
+        out["missing_weights"] = None
+    except ValueError as err:
+        out["missing_weights"] = str(err)
+    with acc.init_module():
+        on_meta = make()
+    try:
+        Accelerator(strategy=strategy("fsdp")).strategy.load_module_state_dict(on_meta, make().state_dict())
+        out["meta_target"] = None
+    except ValueError as err:
+        out["meta_target"] = str(err)
+
+    # optimizer state through a sharded checkpoint when the loading run has frozen parameters, or already
+    # has state for some parameters only, or another optimizer configuration (nothing made up stays)
+    folder = acc.strategy.broadcast_object(tempfile.mkdtemp(prefix="fsdp-optim-") if acc.is_main_process else None)
+    acc = Accelerator(strategy=strategy("fsdp"))
+    model = make()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = acc.prepare(model, opt)
+    for _ in range(2):
+        acc.backward(loss_of(model, x))
+        opt.step()
+        opt.zero_grad()
+    acc.save_state(f"{folder}/ckpt")
+    saved = full_optimizer(opt)
+    results = {}
+    for case in ("frozen", "partial", "amsgrad"):
+        acc = Accelerator(strategy=strategy("fsdp"))
+        model = make(seed=4)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2, amsgrad=case == "amsgrad")
+        model, opt = acc.prepare(model, opt)
+        if case == "partial":  # a step that gives only the first layer state
+            for p in list(model.parameters())[2:]:
+                p.requires_grad_(False)
+            acc.backward(loss_of(model, x))
+            opt.step()
+            opt.zero_grad()
+        if case in ("frozen", "partial"):
+            for p in list(model.parameters())[2:]:
+                p.requires_grad_(case == "partial")
+        before = full_optimizer(opt)
+        try:
+            acc.load_state(f"{folder}/ckpt")
+            now = full_optimizer(opt)  # (a collective: every rank)
+            results[case] = {"equal": now == saved if acc.is_main_process else None}
+        except Exception as err:  # noqa: BLE001 (reported)
+            results[case] = {"error": f"{type(err).__name__}: {err}", "unchanged": full_optimizer(opt) == before}
+    out["optimizer_cases"] = results
+    return out
+
+
+def max_abs(weights, model):
+    return max((torch.tensor(weights[k]) - v.reshape(-1)).abs().max().item() for k, v in model.state_dict().items())
 
 
 def phase_save():

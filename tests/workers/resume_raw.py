@@ -87,8 +87,9 @@ def weights(acc, model):
         import deepspeed
 
         gathered = deepspeed.zero.GatheredParameters(params)
-    with gathered:
-        return torch.cat([p.detach().reshape(-1).float() for p in params]).tolist()
+    with gathered:  # FSDP: each parameter is a sharded tensor, gathered whole on every rank
+        whole = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in params]
+        return torch.cat([p.detach().reshape(-1).float() for p in whole]).tolist()
 
 
 def checkpoints(root):
