@@ -18,7 +18,7 @@ killed (case 6's crash); the second resumes. A module-scoped fixture starts them
 first use, and every test reads the cached results. Each launch has a timeout (the launcher's whole
 process group is killed when it runs out), so a hang fails instead of blocking. The plain-torch
 references are computed here, in the pytest process. The whole file: about 2 minutes on 2 CPU cores with
-DeepSpeed's ops already built (14 launches, 7 strategies).
+DeepSpeed's ops already built (16 launches, 8 strategies).
 
 """
 
