@@ -8,7 +8,7 @@ A small YAML mapping; every key is optional and an absent key keeps its default:
     master_addr: 127.0.0.1              # address of machine 0 (multi-node)
     master_port: null                   # port on machine 0; null: any free port (one machine)
     nproc_per_node: 2                   # processes on each machine (an integer, or auto/cpu/gpu)
-    strategy: auto                      # auto | ddp | deepspeed_stage_1/2/3[_offload]
+    strategy: auto                      # auto | ddp | fsdp | deepspeed_stage_1/2/3[_offload]
     mixed_precision: 'no'               # no | fp16 | bf16
     gradient_accumulation_steps: 1
     use_cpu: false
