@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/memory.py
 	$(PEERS_PYTHON) benchmarks/peers.py
 	$(BIN)/python benchmarks/deepspeed_memory.py
+	$(BIN)/python benchmarks/fsdp_memory.py
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

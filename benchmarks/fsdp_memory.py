@@ -128,9 +128,10 @@ def child(config: str, args: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(1000 + acc.process_index)
     x, y = torch.randn(args.batch, width, generator=g), torch.randn(args.batch, width, generator=g)
 
-    def forward_backward() -> None:
+    def forward_backward() -> torch.Tensor:
         loss = F.mse_loss(model(x), y)
         acc.backward(loss)
+        return loss
 
     def update() -> None:
         optimizer.step()
@@ -141,8 +142,9 @@ def child(config: str, args: argparse.Namespace) -> None:
             forward_backward()
             update()
 
-    run(WARMUP)
-    last_loss = F.mse_loss(model(x), y).item()
+    run(WARMUP - 1)
+    last_loss = forward_backward().item()  # kept in the JSON: a meta-initialized model trains as well
+    update()
     param_bytes = local_bytes(model.parameters())
     moments = [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t) and t.dim() > 0]
     optimizer_bytes = local_bytes(moments)

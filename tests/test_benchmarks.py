@@ -75,3 +75,11 @@ def test_deepspeed_memory_quick_shows_the_zero3_saving():
     assert len(rows) == 4, out
     # exact byte counts: ZeRO-3 holds half the parameters and half the optimizer state of DDP per process
     assert all(r[-2] == "1.00" for r in rows[:2]) and all(r[-2] == "0.50" for r in rows[2:]), out
+
+
+def test_fsdp_memory_quick_shows_the_sharding():
+    out = run_quick([sys.executable, str(BENCH / "fsdp_memory.py"), "--quick"], timeout=170)
+    for row in ("params MB", "ddp ", "fsdp ", "fsdp meta ", "calls/step", "start-up under FSDP"):
+        assert row in out, out
+    # exact byte counts: on 2 processes FSDP holds half the parameters and optimizer state of DDP per process
+    assert "parameters + optimizer state 0.500 (1/N = 0.500)" in out, out
