@@ -1,8 +1,8 @@
 """The benchmark scripts keep working: each runs in its quick mode, exits 0 and prints its table.
 
 Timings are not checked here (they depend on the machine and its load); benchmarks/README.md records
-them. The file takes ~40 s on 2 quiet cores. Left out or cut short to stay near that: import_time.py
-(no quick mode: a run starts 45 fresh interpreters), checkpoint.py runs --quick without its
+them. The file takes ~60 s on 2 quiet cores (fsdp_memory.py --quick ~17 s of it). Left out or cut short:
+import_time.py (no quick mode: a run starts 45 fresh interpreters), checkpoint.py runs --quick without its
 peak-memory children (--no-memory, 6 s instead of 13 s), and of the two DDP benchmarks only
 trainer_overhead.py --ddp runs (it uses the same launch path as overhead.py --ddp).
 peers.py runs with whatever is installed: in the project's environment it names the missing peers

@@ -154,6 +154,7 @@ def save(writer: CheckpointWriter, strategy: Any, models: Sequence[torch.nn.Modu
     except _dcp_errors() as err:  # an Exception, so that save_state reports it from every rank and aborts
         raise CheckpointError(f"writing the shards failed: {_summary(err)}") from err
     rank = strategy.global_rank
+    writer.fs.invalidate_cache(writer.staging)  # (an object store's listing may predate the writes)
     for entry in writer.fs.ls(writer.staging, detail=False):
         name = entry.rstrip("/").rsplit("/", 1)[-1]
         if name.startswith(f"__{rank}_") or (name == METADATA and rank == 0):

@@ -1,0 +1,113 @@
+"""Saving and loading of the raw door: weights, whole-run checkpoints, big-model set-up.
+
+A mixin of `Accelerator`: it needs `self.strategy`, `self.device`, `self.is_main_process` and the
+checkpoint lists (`save_state_pre_hooks`, `load_state_pre_hooks`, `registered_objects`,
+`per_process_objects`); the files are written and read by `checkpoint/state.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Callable, Dict, Iterator, Optional, Union
+
+import torch
+from torch import nn
+
+from fabric_lite.accelerator.wrappers import HookHandle
+from fabric_lite.checkpoint import state as state_io
+
+__all__ = ["ModelState"]
+
+
+class ModelState:
+    """Accelerate's save/load names (`save_model`, `save_state`, `load_state`, ...) plus `init_module` and
+    `load_model_weights` for models too big for one process."""
+
+    # -- checkpoint hooks ---------------------------------------------------------------------------
+    def register_save_state_pre_hook(self, hook: Callable) -> Any:
+        """`hook(models, weights, output_dir)` runs before `save_state` writes; weights may be edited."""
+        return HookHandle(self.save_state_pre_hooks, hook)
+
+    def register_load_state_pre_hook(self, hook: Callable) -> Any:
+        """`hook(models, input_dir)` runs before `load_state` reads."""
+        return HookHandle(self.load_state_pre_hooks, hook)
+
+    # -- weights -----------------------------------------------------------------------------------
+    def save(self, obj: Any, f: Union[str, os.PathLike], safe_serialization: bool = False) -> None:
+        """Save `obj` from the main process only, atomically (any fsspec URL). No collective inside,
+        so ``if accelerator.is_main_process: accelerator.save(...)`` is fine."""
+        if self.is_main_process:
+            state_io.save_object(obj, os.fspath(f), safe_serialization)
+
+    def save_model(
+        self, model: nn.Module, save_directory: Union[str, os.PathLike], max_shard_size: Union[int, str] = "10GB",
+        safe_serialization: bool = True,
+    ) -> None:
+        """Write the unwrapped model's weights (safetensors by default), sharded above `max_shard_size`.
+
+        The main process writes; no collective is involved for unsharded strategies.
+        """
+        state = self.get_state_dict(model)
+        if self.is_main_process:
+            state_io.save_model_weights(state, os.fspath(save_directory), max_shard_size, safe_serialization)
+
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> Dict[str, torch.Tensor]:
+        return self.strategy.module_state_dict(model)
+
+    @contextlib.contextmanager
+    def init_module(self, empty_init: Optional[bool] = None) -> Iterator[None]:
+        """Build a model inside this context: on the meta device (no memory; `prepare` materializes each
+        process's shards and runs every submodule's `reset_parameters`) when `empty_init` is True, or by
+        default under a strategy that shards parameters (FSDP); else on this process's device.
+
+        >>> with accelerator.init_module():                     # doctest: +SKIP
+        ...     model = GPT(config)        # on FSDP: nothing allocated until prepare()
+        """
+        meta = self.strategy.initializes_on_meta if empty_init is None else bool(empty_init)
+        if meta and not self.strategy.initializes_on_meta:
+            raise ValueError(f"init_module(empty_init=True) builds the model on the meta device, which "
+                             f"{type(self.strategy).__name__} cannot materialize. Use strategy='fsdp', or "
+                             f"empty_init=False.")
+        with torch.device("meta" if meta else self.device):
+            yield
+
+    def load_model_weights(self, model: nn.Module, source: Any, strict: bool = True) -> None:
+        """Load full weights (a state dict, a .safetensors/.pt/.bin file, or a `save_model` directory) into a
+        prepared model. Under FSDP only the main process reads them, and each tensor is scattered to the shards."""
+        one_reader = self.strategy.reads_weights_on_rank_zero
+        state: Dict[str, Any] = {}
+        error = None
+        if isinstance(source, dict):
+            state = source
+        elif self.is_main_process or not one_reader:
+            try:
+                state = state_io.read_weights(os.fspath(source))
+            except Exception as err:  # the other processes must hear of it, not wait for a scatter
+                error = f"{type(err).__name__}: {err}"
+        if one_reader and not isinstance(source, dict):
+            error = self.strategy.broadcast_object(error)
+        if error is not None:
+            raise ValueError(f"load_model_weights could not read {source}: {error}")
+        self.strategy.load_module_state_dict(model, state, strict=strict)
+
+    # -- whole-run checkpoints ---------------------------------------------------------------------
+    def register_for_checkpointing(self, *objects: Any, per_process: bool = False) -> None:
+        """Objects with `state_dict`/`load_state_dict` that `save_state`/`load_state` should include.
+
+        By default the main process's state is saved and every process loads it. `per_process=True`
+        saves each process's own state (running totals, per-rank accumulators) and gives it back to
+        the same rank.
+        """
+        bad = [o for o in objects if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))]
+        if bad:
+            raise ValueError(f"register_for_checkpointing needs state_dict/load_state_dict; these lack them: {bad}.")
+        (self.per_process_objects if per_process else self.registered_objects).extend(objects)
+
+    def save_state(self, output_dir: Optional[Union[str, os.PathLike]] = None, **kwargs: Any) -> str:
+        """Save everything needed to continue exactly; returns the checkpoint's location."""
+        return state_io.save_state(self, output_dir)
+
+    def load_state(self, input_dir: Optional[Union[str, os.PathLike]] = None, **kwargs: Any) -> str:
+        """Restore what `save_state` wrote: weights, optimizers, schedulers, scaler, RNGs, loader positions."""
+        return state_io.load_state(self, input_dir, **kwargs)
