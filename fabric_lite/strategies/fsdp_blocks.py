@@ -55,7 +55,9 @@ def block_classes(module: nn.Module) -> List[str]:
 def resolve_wrap_policy(policy: WrapPolicy, module: nn.Module) -> Callable[[nn.Module], bool]:
     """The wrap policy as a predicate; class names that match nothing in `module` are an error."""
     if policy is None:
-        policy = list(getattr(module, "_no_split_modules", None) or [])  # a Hugging Face model's blocks
+        # a Hugging Face model's blocks (its list may name classes of other variants: only those present count)
+        present = {type(sub).__name__ for sub in module.modules()}
+        policy = [name for name in getattr(module, "_no_split_modules", None) or [] if name in present]
         if not policy:
             return lambda sub: False
     if callable(policy) and not isinstance(policy, type):

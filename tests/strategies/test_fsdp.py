@@ -274,7 +274,7 @@ def test_unknown_block_class_names_the_model_blocks():
         resolve_wrap_policy({"Nope"}, make())
     assert resolve_wrap_policy({"Block"}, make())(make()[1])
     hf_style = make()
-    hf_style._no_split_modules = ["Block"]  # a Hugging Face model names its blocks: used when none are given
+    hf_style._no_split_modules = ["Block", "OtherVariantBlock"]  # a Hugging Face model's blocks: the default
     assert resolve_wrap_policy(None, hf_style)(hf_style[1]) and not resolve_wrap_policy(None, make())(make()[1])
 
 
