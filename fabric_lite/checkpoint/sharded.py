@@ -189,17 +189,10 @@ def _tensor_shapes(metadata: Any) -> Dict[str, Tuple[int, ...]]:
 def _check_model(url: str, index: int, current: Dict[str, Any], saved: Dict[str, Tuple[int, ...]], strict: bool) -> None:
     prefix = f"model_{index}."
     mine = {k[len(prefix):]: shape for k, shape in saved.items() if k.startswith(prefix)}
-    shapes = [f"{n}: saved {mine[n]}, model {tuple(v.shape)}" for n, v in current.items()
-              if n in mine and isinstance(v, torch.Tensor) and mine[n] != tuple(v.shape)]
-    missing = sorted(set(current) - set(mine))
-    unexpected = sorted(set(mine) - set(current))
-    if shapes:
-        raise CheckpointError(f"{url} does not fit model {index}: {len(shapes)} tensor(s) differ in shape, first: "
-                              f"{shapes[:5]}. Nothing was loaded. Load a checkpoint of this model (same configuration).")
-    if strict and (missing or unexpected):
-        raise CheckpointError(
-            f"{url} does not fit model {index}: missing keys: {missing[:10] or 'none'}; unexpected keys: "
-            f"{unexpected[:10] or 'none'}. Nothing was loaded. Load a checkpoint of this model, or pass strict=False.")
+    problem = checkpoint_io.fit_problem(checkpoint_io.shapes_of(current), mine, strict)
+    if problem:
+        raise CheckpointError(f"{url} does not fit model {index}: {problem}. Nothing was loaded. Load a checkpoint "
+                              f"of this model (strict=False allows missing or unexpected keys).")
 
 
 def read(url: str, manifest: Dict[str, Any], strategy: Any, models: Sequence[torch.nn.Module],

@@ -302,21 +302,10 @@ def _restore_process_local_state(acc: "Accelerator", state: Dict[str, Any]) -> N
 
 
 def _check_keys(url: str, index: int, current: Dict[str, Any], saved: Dict[str, Any], strict: bool) -> None:
-    shapes = [f"{k}: saved {tuple(saved[k].shape)}, model {tuple(v.shape)}" for k, v in current.items()
-              if isinstance(v, torch.Tensor) and isinstance(saved.get(k), torch.Tensor) and saved[k].shape != v.shape]
-    if shapes:
-        raise CheckpointError(f"{url}/model_{index}.pt does not fit model {index}: {len(shapes)} tensor(s) differ in "
-                              f"shape, first: {shapes[:5]}. Nothing was loaded. Load a checkpoint of this model.")
-    missing = sorted(set(current) - set(saved))
-    unexpected = sorted(set(saved) - set(current))
-    if strict and (missing or unexpected):
-        def show(keys: List[str]) -> str:
-            return ", ".join(keys[:10]) + (f" and {len(keys) - 10} more" if len(keys) > 10 else "") if keys else "none"
-
-        raise CheckpointError(
-            f"{url}/model_{index}.pt does not fit model {index}: missing keys: {show(missing)}; unexpected keys: "
-            f"{show(unexpected)}. Nothing was loaded. Load a checkpoint of this model, or pass strict=False."
-        )
+    problem = checkpoint_io.fit_problem(checkpoint_io.shapes_of(current), checkpoint_io.shapes_of(saved), strict)
+    if problem:
+        raise CheckpointError(f"{url}/model_{index}.pt does not fit model {index}: {problem}. Nothing was loaded. "
+                              f"Load a checkpoint of this model (strict=False allows missing or unexpected keys).")
 
 
 def _load(url: str, name: str, manifest: Dict[str, Any], weights_only: bool) -> Any:

@@ -17,6 +17,7 @@ from typing import Any, Callable, ClassVar, ContextManager, Dict, Iterable, List
 import torch
 from torch import nn
 
+from fabric_lite.checkpoint.files import fit_problem, shapes_of
 from fabric_lite.strategies.ddp import DDPStrategy
 from fabric_lite.strategies.fsdp_blocks import (
     CheckpointedForward, WrapPolicy, is_dtensor, materialize, parameter_owners, resolve_wrap_policy, shares_outside,
@@ -285,7 +286,10 @@ class FSDPStrategy(DDPStrategy):
                              "its shards), then load the weights.")
         problem = None
         if self.is_global_zero:
-            problem = _state_mismatch(current, state, strict)
+            problem = fit_problem(shapes_of(current), shapes_of(state), strict)
+            if problem:
+                problem = (f"The weights do not fit this model: {problem}. Nothing was loaded. Load weights of this "
+                           f"model (strict=False allows missing or unexpected keys).")
         problem = self.broadcast_object(problem)
         if problem:
             raise ValueError(problem)
@@ -399,19 +403,3 @@ def _size(nbytes: float) -> str:
 def _local_bytes(tensor: torch.Tensor) -> int:
     local = tensor.to_local() if is_dtensor(tensor) else tensor
     return local.numel() * local.element_size()
-
-
-def _state_mismatch(current: Dict[str, Any], state: Dict[str, Any], strict: bool) -> Optional[str]:
-    """Why `state` cannot load into a model whose state dict is `current`, or None."""
-    missing = sorted(set(current) - set(state))
-    unexpected = sorted(set(state) - set(current))
-    shapes = [f"{n}: saved {tuple(state[n].shape)}, model {tuple(current[n].shape)}"
-              for n in current if n in state and isinstance(state[n], torch.Tensor)
-              and tuple(state[n].shape) != tuple(current[n].shape)]
-    if shapes:
-        return (f"The weights do not fit this model: {len(shapes)} tensor(s) differ in shape, first: "
-                f"{shapes[:5]}. Nothing was loaded. Load weights of this model (same configuration).")
-    if strict and (missing or unexpected):
-        return (f"The weights do not fit this model: missing keys: {missing[:10] or 'none'}; unexpected keys: "
-                f"{unexpected[:10] or 'none'}. Nothing was loaded. Load weights of this model, or pass strict=False.")
-    return None
