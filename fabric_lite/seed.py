@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import random
+import sys
 from typing import Any, Dict, Optional
 
 import numpy as np
 import torch
 
-__all__ = ["set_seed", "seed_everything", "capture_rng_state", "restore_rng_state"]
+__all__ = ["set_seed", "seed_everything", "capture_rng_state", "restore_rng_state", "seed_xla_as_asked"]
+
+# A seed set before torch_xla was imported (set_seed, then Accelerator(accelerator="tpu")): the XLA strategy
+# applies it when it starts the device, so that set_seed's place in a script does not change the numbers.
+_xla_seed_pending: Optional[int] = None
 
 
 def set_seed(seed: int, deterministic: bool = False, device_specific: bool = False, process_index: int = 0) -> int:
@@ -24,6 +29,11 @@ def set_seed(seed: int, deterministic: bool = False, device_specific: bool = Fal
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+    global _xla_seed_pending
+    xm = _xla_model()
+    if xm is not None:
+        xm.set_rng_state(seed)
+    _xla_seed_pending = None if xm is not None else seed
     if deterministic:
         torch.use_deterministic_algorithms(True)
     return seed
@@ -43,7 +53,28 @@ def capture_rng_state() -> Dict[str, Any]:
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
+    xm = _xla_model()
+    if xm is not None:
+        state["xla"] = int(xm.get_rng_state())
     return state
+
+
+def seed_xla_as_asked() -> None:
+    """Seed the XLA device with the seed `set_seed` was given before torch_xla was imported, if any."""
+    global _xla_seed_pending
+    xm = _xla_model()
+    if xm is not None and _xla_seed_pending is not None:
+        xm.set_rng_state(_xla_seed_pending)
+        _xla_seed_pending = None
+
+
+def _xla_model() -> Any:
+    """torch_xla's xla_model where this process already imported torch_xla (it trains on XLA), else None."""
+    if "torch_xla" not in sys.modules:
+        return None
+    import torch_xla.core.xla_model as xm
+
+    return xm
 
 
 def _python_state_to_tensor(state: tuple) -> Dict[str, Any]:
@@ -64,3 +95,7 @@ def restore_rng_state(state: Dict[str, Any]) -> None:
     cuda: Optional[list] = state.get("cuda")
     if cuda is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda)
+    xla = state.get("xla")
+    xm = _xla_model() if xla is not None else None
+    if xm is not None:
+        xm.set_rng_state(int(xla))

@@ -128,7 +128,8 @@ class Accelerator(StepEngine, ProcessControl, ModelState):
         scaler = handlers.get(GradScalerKwargs)
         strategy = connect(
             strategy,
-            accelerator="cpu" if (cpu or launch.use_cpu) else accelerator,
+            accelerator="cpu" if (cpu or launch.use_cpu) else (
+                launch.accelerator if accelerator == "auto" and launch.accelerator else accelerator),
             devices=devices,
             precision=mixed_precision or launch.mixed_precision or "no",
             process=process,

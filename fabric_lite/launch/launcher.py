@@ -19,7 +19,9 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 
 from fabric_lite.strategies.registry import runs_one_process
 from fabric_lite.launch.config_file import STRATEGIES, ConfigError, LaunchConfigFile, find_config, load_config
-from fabric_lite.strategies.environments import ENV_GRAD_ACCUM, ENV_LAUNCHED, ENV_MIXED_PRECISION, ENV_STRATEGY, ENV_USE_CPU
+from fabric_lite.strategies.environments import (
+    ENV_GRAD_ACCUM, ENV_LAUNCHED, ENV_MIXED_PRECISION, ENV_STRATEGY, ENV_USE_CPU, read_xla_settings,
+)
 from fabric_lite.strategies.precision import resolve_precision
 
 __all__ = ["notebook_launcher", "launch_command_parser", "launch_command", "free_port"]
@@ -89,6 +91,14 @@ def launch_command_parser() -> argparse.ArgumentParser:
     group.add_argument("--gradient-accumulation-steps", "--gradient_accumulation_steps", type=int, default=None)
     group.add_argument("--strategy", default=None, choices=STRATEGIES,
                        help="What Accelerator(strategy='auto') / Trainer(strategy='auto') become in the workers.")
+    xla = parser.add_argument_group("XLA / TPU (torch_xla's launcher instead of torchrun)")
+    xla.add_argument("--tpu", action="store_true", default=False,
+                     help="Start XLA replicas with torch_xla's launcher (implied by --strategy xla / xla_spmd). "
+                          "With PJRT_DEVICE=CPU, --nproc-per-node (or --num-processes) sets how many.")
+    xla.add_argument("--num-processes", "--num_processes", type=int, default=None,
+                     help="XLA replicas to start (default: every device the runtime has).")
+    xla.add_argument("--main-training-function", "--main_training_function", default=None, metavar="NAME",
+                     help="Call this function of the script in each replica instead of running it as __main__.")
     return parser
 
 
@@ -223,7 +233,10 @@ def launch_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None)
         settings[ENV_STRATEGY] = args.strategy
     if config_path is not None:
         print(f"fabric-lite launch: using config file {config_path}", file=sys.stderr)
-    for name in ("cpu", "mixed_precision", "gradient_accumulation_steps", "config_file", "strategy"):
+    if args.tpu or args.strategy in ("xla", "xla_spmd"):
+        return _launch_xla(args, settings)
+    for name in ("cpu", "mixed_precision", "gradient_accumulation_steps", "config_file", "strategy", "tpu",
+                 "num_processes", "main_training_function"):
         delattr(args, name)
     with patched_environ(settings):
         try:
@@ -233,6 +246,23 @@ def launch_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None)
             print(err.format_msg(), file=sys.stderr)
             return 1
     return 0
+
+
+def _launch_xla(args: argparse.Namespace, settings: Dict[str, str]) -> int:
+    from fabric_lite.launch.xla_launch import launch_xla_script
+
+    if args.cpu:
+        return _error("--cpu and --tpu ask for two different devices; pass one of them.")
+    if str(args.nnodes).split(":")[-1] != "1":
+        return _error(f"--nnodes={args.nnodes} with --tpu: run the same command on every TPU host; torch_xla's runtime "
+                      f"joins the hosts itself.")
+    nproc = str(args.nproc_per_node)
+    replicas = args.num_processes or (int(nproc) if nproc.isdigit() and int(nproc) > 1 else None)
+    if args.strategy == "xla_spmd" and replicas not in (None, 1):
+        return _error(f"--strategy xla_spmd drives every XLA device from one process; leave out --nproc-per-node "
+                      f"{replicas} (on XLA's CPU device set CPU_NUM_DEVICES for the number of devices).")
+    return launch_xla_script(args.training_script, args.training_script_args, replicas, settings,
+                             args.main_training_function, spmd=args.strategy == "xla_spmd")
 
 
 class _Entrypoint:
@@ -265,13 +295,18 @@ def notebook_launcher(
     """Run `function(*args)` on `num_processes` processes (forked, so notebook-defined functions work).
 
     Returns the list of each rank's return value. With one process (or None on a CPU-only machine)
-    the function runs right here.
+    the function runs right here. Where PJRT_DEVICE is set, XLA replicas run it, started by torch_xla's
+    launcher (on XLA's CPU device `num_processes` of them; on a TPU one per device).
     """
     import torch
 
+    env = settings_env(mixed_precision, None, False)
+    if read_xla_settings().wants_xla:  # PJRT_DEVICE is set: XLA replicas, started by torch_xla's launcher
+        from fabric_lite.launch.xla_launch import launch_xla_function
+
+        return launch_xla_function(function, args, num_processes, env, start_method=start_method)
     if num_processes is None:
         num_processes = torch.cuda.device_count() or 1
-    env = settings_env(mixed_precision, None, False)
     if num_processes == 1 and num_nodes == 1:
         with patched_environ(env):
             return [function(*args)]

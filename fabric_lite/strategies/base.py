@@ -15,6 +15,8 @@ May override (the defaults suit one device or plain data parallel):
 `adapt_precision`              the Precision to train with (an engine may take loss scaling over)
 `setup`                        wrap models and optimizers in one call (when `setup_takes_optimizers`)
 `setup_optimizer`              an optimizer prepared on its own
+`start_runtime`                for a strategy whose runtime owns the world (`runtime_device_type`, XLA's PJRT):
+                               start it, and say where this replica is and which device it has
 `set_run_hints`                what the door knows before `setup` (micro-batch size, accumulation, clip)
 `distributed_sampler_kwargs`   how the data is sharded
 `device_feed`                  the per-batch device transfer the prepared loader calls (XLA's loader)
@@ -79,6 +81,9 @@ class Strategy(abc.ABC):
     reads_weights_on_rank_zero: ClassVar[bool] = False
     #: Hugging Face Accelerate's `DistributedType` name for this strategy, where it has its own one.
     accelerate_type: ClassVar[Optional[str]] = None
+    #: The device type this strategy trains on whatever else is asked ("xla"), or None (cpu, cuda or mps, as the
+    #: accelerator says). Such a strategy's runtime places the replicas: the connector calls `start_runtime`.
+    runtime_device_type: ClassVar[Optional[str]] = None
     #: Every forward is a collective (ZeRO-3 gathers parameters): evaluation must give every process
     #: the same number of batches, padding included.
     forward_is_collective: bool = False
@@ -95,6 +100,12 @@ class Strategy(abc.ABC):
         self.process = process
         self.root_device = root_device
         self.precision = self.adapt_precision(precision)
+
+    def start_runtime(self, launched: ProcessInfo, devices: Any) -> Tuple[ProcessInfo, torch.device]:
+        """Start the runtime that owns the world (only where `runtime_device_type` is set); return this
+        replica's place in it and its device. `launched`: what the launch environment said; `devices`: what
+        the user asked for (checked against what the runtime has)."""
+        raise NotImplementedError(f"{type(self).__name__} trains where the accelerator says; it has no runtime.")
 
     def adapt_precision(self, precision: Precision) -> Precision:
         """The precision plugin this strategy trains with, given the one the user asked for."""

@@ -10,13 +10,13 @@ from typing import Optional, Union
 
 import torch
 
-from fabric_lite.strategies.environments import ProcessInfo
+from fabric_lite.strategies.environments import ProcessInfo, read_xla_settings
 from fabric_lite.strategies.precision import Precision, resolve_precision
 from fabric_lite.strategies import Strategy, create_strategy
 
 __all__ = ["connect", "resolve_accelerator", "check_devices"]
 
-_ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
+_ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps", "tpu", "xla")
 
 
 def _mps_available() -> bool:
@@ -24,12 +24,18 @@ def _mps_available() -> bool:
 
 
 def resolve_accelerator(accelerator: str) -> str:
-    """'auto' -> the best device type here; 'gpu' -> 'cuda' (or 'mps' on Apple silicon)."""
+    """'auto' -> the best device type here; 'gpu' -> 'cuda' (or 'mps' on Apple silicon); 'tpu' -> 'xla'.
+
+    'auto' picks XLA only where PJRT_DEVICE says so (a TPU VM, or `fabric-lite launch --tpu`)."""
     name = str(accelerator).lower()
     if name not in _ACCELERATORS:
         raise ValueError(
             f"Unknown accelerator {accelerator!r}. Allowed values: {', '.join(map(repr, _ACCELERATORS))}."
         )
+    if name in ("tpu", "xla"):
+        return "xla"
+    if name == "auto" and read_xla_settings().wants_xla:
+        return "xla"
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else ("mps" if _mps_available() else "cpu")
     if name == "gpu":
@@ -82,13 +88,28 @@ def connect(
     process = process if process is not None else ProcessInfo()
     precision_name = resolve_precision(precision)
     device_type = resolve_accelerator(accelerator)
-    check_devices(devices, device_type, process)
     if isinstance(strategy, Strategy):
         instance = strategy
     elif isinstance(strategy, str):
+        if device_type == "xla" and strategy.lower() == "auto":
+            strategy = "xla"
         instance = create_strategy(strategy, process.world_size)
     else:
         raise TypeError(f"strategy must be a name or a Strategy instance, got {type(strategy).__name__}.")
+    needs = instance.runtime_device_type
+    if needs is not None and accelerator == "auto":
+        device_type = needs  # strategy="xla" alone says where it trains
+    if needs != (device_type if device_type == "xla" else None):
+        raise ValueError(
+            f"strategy {type(instance).__name__} trains on {needs or 'cpu, cuda or mps'}, but accelerator="
+            f"{accelerator!r} was asked for. On a TPU (or XLA device) pass strategy='xla' or 'xla_spmd' (or leave it "
+            f"'auto'); elsewhere pick another strategy or accelerator."
+        )
+    if needs is not None:  # the runtime owns the world (XLA's PJRT): it says where this replica is
+        process, root = instance.start_runtime(process, devices)
+        instance.configure(process, root, Precision(precision_name, device_type, scaler_kwargs))
+        return instance
+    check_devices(devices, device_type, process)
     if device_type == "cuda":
         root = torch.device("cuda", process.local_rank % max(1, torch.cuda.device_count()))
     else:

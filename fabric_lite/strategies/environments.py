@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
-__all__ = ["ProcessInfo", "LaunchSettings", "detect_process", "read_launch_settings", "first_host"]
+__all__ = ["ProcessInfo", "LaunchSettings", "XLASettings", "detect_process", "detect_xla_process",
+           "read_launch_settings", "read_xla_settings", "first_host"]
 
 # Variables the `fabric-lite launch` command and `notebook_launcher` use to hand settings to the
 # Accelerator running inside each worker.
@@ -20,6 +21,7 @@ ENV_GRAD_ACCUM = "FABRIC_LITE_GRADIENT_ACCUMULATION_STEPS"
 ENV_USE_CPU = "FABRIC_LITE_USE_CPU"
 ENV_STRATEGY = "FABRIC_LITE_STRATEGY"
 ENV_LAUNCHED = "FABRIC_LITE_LAUNCHED"  # set by `fabric-lite launch` / notebook_launcher in every worker
+ENV_ACCELERATOR = "FABRIC_LITE_ACCELERATOR"  # what accelerator="auto" becomes in the workers ("xla")
 # `fabric-lite explain`: print the plan at the first prepare(dataloader) / Trainer.fit and exit (explain.py).
 ENV_EXPLAIN = "FABRIC_LITE_EXPLAIN"
 
@@ -56,6 +58,7 @@ class LaunchSettings:
     gradient_accumulation_steps: Optional[int] = None
     use_cpu: bool = False
     strategy: Optional[str] = None
+    accelerator: Optional[str] = None
     launched_by_fabric_lite: bool = False
     explain: Optional[str] = None  # FABRIC_LITE_EXPLAIN: None (off), "1", or the planned launch as JSON
 
@@ -236,6 +239,43 @@ def read_launch_settings(env: Optional[Mapping[str, str]] = None) -> LaunchSetti
         gradient_accumulation_steps=_int(env, ENV_GRAD_ACCUM),
         use_cpu=env.get(ENV_USE_CPU, "").lower() in {"1", "true", "yes"},
         strategy=env.get(ENV_STRATEGY) or None,
+        accelerator=env.get(ENV_ACCELERATOR) or None,
         launched_by_fabric_lite=env.get(ENV_LAUNCHED) == "1",
         explain=None if env.get(ENV_EXPLAIN, "").strip().lower() in {"", "0", "false", "no"} else env[ENV_EXPLAIN],
+    )
+
+
+@dataclass(frozen=True)
+class XLASettings:
+    """What the environment tells torch_xla's PJRT runtime: the device kind and, on the CPU, how many."""
+
+    pjrt_device: Optional[str] = None  # PJRT_DEVICE: "TPU", "CPU", "CUDA", ... (None: not set)
+    cpu_num_devices: Optional[int] = None  # CPU_NUM_DEVICES: XLA CPU devices (replicas) in this process
+
+    @property
+    def wants_xla(self) -> bool:
+        """PJRT_DEVICE names an XLA device: accelerator="auto" and notebook_launcher pick XLA."""
+        return bool(self.pjrt_device)
+
+
+def read_xla_settings(env: Optional[Mapping[str, str]] = None) -> XLASettings:
+    env = os.environ if env is None else env
+    return XLASettings(pjrt_device=(env.get("PJRT_DEVICE") or "").strip().upper() or None,
+                       cpu_num_devices=_int(env, "CPU_NUM_DEVICES"))
+
+
+def detect_xla_process(runtime: Any, spmd: bool = False) -> ProcessInfo:
+    """This replica's place in an XLA job, asked of torch_xla's runtime (`torch_xla.runtime`), which owns
+    it: replicas may be threads of one process (XLA's CPU device, TPU v2/v3), so environment variables,
+    shared by the threads, cannot tell them apart. Under SPMD one process drives every device: world 1."""
+    if spmd:
+        return ProcessInfo(source=f"torch_xla SPMD over {runtime.global_runtime_device_count()} device(s)")
+    world = runtime.world_size()
+    if world == 1:
+        return ProcessInfo(source="torch_xla (one replica)")
+    local_world = runtime.local_device_count()
+    return ProcessInfo(
+        world_size=world, global_rank=runtime.global_ordinal(), local_rank=runtime.local_ordinal(),
+        local_world_size=local_world, node_rank=runtime.host_index(),
+        source=f"torch_xla ({world} replicas, {runtime.addressable_device_count()} per process)",
     )

@@ -11,7 +11,6 @@ default, or gathered whole), and an optimizer built before `prepare` is pointed 
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import Any, Callable, ClassVar, ContextManager, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -19,6 +18,7 @@ from torch import nn
 
 from fabric_lite.checkpoint.files import fit_problem, shapes_of
 from fabric_lite.strategies.ddp import DDPStrategy
+from fabric_lite.strategies.moved_params import MovedParameters
 from fabric_lite.strategies.fsdp_blocks import (
     CheckpointedForward, WrapPolicy, is_dtensor, materialize, parameter_owners, resolve_wrap_policy, shares_outside,
 )
@@ -92,7 +92,7 @@ class FSDPStrategy(DDPStrategy):
         #: What `setup_module` did, per prepared model (for `explain`): wrapped block paths, skipped ones.
         self.plans: List[Dict[str, Any]] = []
         # old parameter id -> (weakref to it, its sharded replacement): re-points optimizers built before prepare
-        self._replaced: Dict[int, Tuple[Any, nn.Parameter]] = {}
+        self._replaced = MovedParameters()
         self._syncing: Dict[int, bool] = {}  # id(model) -> whether its backward reduce-scatters now
 
     # -- set-up ------------------------------------------------------------------------------------
@@ -182,9 +182,7 @@ class FSDPStrategy(DDPStrategy):
         if on_meta:
             materialize(module, self.root_device)
         new = dict(module.named_parameters())
-        for name, p in old.items():
-            if name in new and new[name] is not p:
-                self._replaced[id(p)] = (weakref.ref(p), new[name])
+        self._replaced.record(old, new)
         self.plans.append({"model": model_name, "wrapped": wrapped,
                            "kept_whole": kept_whole, "recomputed": recomputed, "meta_init": on_meta})
         return module
@@ -202,25 +200,7 @@ class FSDPStrategy(DDPStrategy):
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Point an optimizer built on the unsharded model at the sharded parameters (by name)."""
-        moves, stale = [], []
-        for group in optimizer.param_groups:
-            for i, p in enumerate(group["params"]):
-                entry = self._replaced.get(id(p))
-                if entry is not None and entry[0]() is p:
-                    if p in optimizer.state:
-                        raise ValueError(
-                            "This optimizer has already stepped on the unsharded model, so its state does not fit the "
-                            "shards. Create it before the first step and prepare it with the model (or load its "
-                            "state after prepare with load_state).")
-                    moves.append((group["params"], i, entry[1]))
-                elif not is_dtensor(p) and p.requires_grad:
-                    stale.append(tuple(p.shape))
-        if stale:  # (checked before anything moves: a refused optimizer is left as it was)
-            raise ValueError(
-                f"The optimizer holds {len(stale)} parameter(s) (shapes {stale[:4]}) of no model prepared with "
-                f"strategy='fsdp'. Prepare the model first (or in the same prepare() call), then the optimizer.")
-        for params, i, sharded in moves:
-            params[i] = sharded
+        self._replaced.repoint(optimizer, "the unsharded model", is_dtensor, "fsdp")
         for group in optimizer.param_groups:
             # Left to torch's default, an optimizer steps CPU tensors one at a time, and on sharded tensors each
             # op of each parameter goes through Python dispatch: the multi-tensor path does the same arithmetic

@@ -42,6 +42,11 @@ class Precision:
         }.get(self.name)
         self.scaler: Optional[torch.amp.GradScaler] = None
         if self.name == "16-mixed":
+            if device_type == "xla":
+                raise ValueError(
+                    f"precision={name!r} (float16 with loss scaling) is not supported on XLA devices (TPU): they "
+                    f"compute in bfloat16. Use precision='bf16-mixed' (or 'bf16-true')."
+                )
             if device_type not in ("cpu", "cuda"):
                 raise ValueError(
                     f"precision='16-mixed' needs loss scaling, which torch supports on 'cpu' and 'cuda', "

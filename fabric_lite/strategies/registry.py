@@ -82,3 +82,5 @@ for _stage in (1, 2, 3):
     register_strategy(f"deepspeed_stage_{_stage}", _DEEPSPEED, stage=_stage)
 register_strategy("deepspeed_stage_2_offload", _DEEPSPEED, stage=2, offload_optimizer=True)
 register_strategy("deepspeed_stage_3_offload", _DEEPSPEED, stage=3, offload_optimizer=True, offload_parameters=True)
+register_strategy("xla", "fabric_lite.strategies.xla:XLAStrategy")
+register_strategy("xla_spmd", "fabric_lite.strategies.xla:XLASPMDStrategy", one_process=True)

@@ -38,7 +38,7 @@ _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_A
 class Run:
     """One worker command (a lone process, torchrun or fabric-lite launch), started now, read with `wait()`."""
 
-    def __init__(self, script, out_dir, *args, nproc=1, launcher=None, launcher_args=(), timeout=150):
+    def __init__(self, script, out_dir, *args, nproc=1, launcher=None, launcher_args=(), timeout=150, env=None):
         self.out_dir, self.nproc, self.timeout = Path(out_dir), nproc, timeout
         self.out_dir.mkdir(parents=True, exist_ok=True)
         if launcher is None:
@@ -49,10 +49,11 @@ class Run:
                    "--master-port", str(free_port()), *launcher_args, str(WORKERS / script)]
         cmd += ["--out", str(self.out_dir), *map(str, args)]
         self.cmd = cmd
-        env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
+        env_extra, env = env, {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
         env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "",  # gloo on CPUs
                     # `fabric-lite launch` reads a user config file: never the developer's own
                     "FABRIC_LITE_CONFIG_DIR": str(self.out_dir / "no-fabric-lite-config")})
+        env.update(env_extra or {})
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
         self._done = None

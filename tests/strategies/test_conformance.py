@@ -28,7 +28,7 @@ import importlib.util
 import signal
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -47,6 +47,7 @@ class Case:
     nproc: int                  # processes to launch (1: a plain `python worker.py`, else torchrun)
     needs: Optional[str] = None  # an optional package it needs: the cases skip without it
     timeout: int = 180          # seconds for one launch, hang included
+    env: Tuple[Tuple[str, str], ...] = ()  # environment variables the launch needs (XLA's device)
 
 
 # A new strategy (FSDP2, XLA, ...) joins the whole suite by adding a line here.
@@ -61,6 +62,10 @@ STRATEGIES = [
     Case("deepspeed_stage_3", nproc=2, needs="deepspeed", timeout=420),
     Case("deepspeed_stage_2_offload", nproc=2, needs="deepspeed", timeout=420),
     Case("deepspeed_stage_3_offload", nproc=2, needs="deepspeed", timeout=420),
+    # torch_xla needs its own torch: these run in the XLA environment (`make test-xla`), on XLA's CPU device;
+    # xla_spmd splits each batch over 2 XLA CPU devices from one process. (Two replicas: tests/xla.)
+    Case("xla", nproc=1, needs="torch_xla", timeout=300, env=(("PJRT_DEVICE", "CPU"),)),
+    Case("xla_spmd", nproc=1, needs="torch_xla", timeout=300, env=(("PJRT_DEVICE", "CPU"), ("CPU_NUM_DEVICES", "2"))),
 ]
 
 # Registered names that are not launched here, and why (test_every_registered_strategy_is_covered_or_excused).
@@ -80,6 +85,10 @@ ATOL = 1e-5
 
 def unavailable(case: Case) -> Optional[str]:
     """Why this strategy cannot run here (its package is missing, with the install hint), or None."""
+    if case.needs == "torch_xla":  # installed is not enough: it must match torch's version
+        from fabric_lite.strategies.xla import torch_xla_problem
+
+        return torch_xla_problem()
     if case.needs is None or importlib.util.find_spec(case.needs) is not None:
         return None
     from fabric_lite.strategies import create_strategy
@@ -104,7 +113,7 @@ class Launches:
         c = self.case
         return Run("conformance.py", self.root / f"out_{phase}", "--strategy", c.name, "--phase", phase,
                    "--root", self.root / "work", nproc=c.nproc, launcher="torchrun" if c.nproc > 1 else None,
-                   timeout=c.timeout).wait()
+                   timeout=c.timeout, env=dict(c.env)).wait()
 
     @property
     def first(self) -> tuple:

@@ -136,7 +136,7 @@ PROBE = torch.randn(5, 4, generator=torch.Generator().manual_seed(99))
 
 def probe(model):
     with torch.no_grad():
-        return model(PROBE).float().tolist()
+        return model(PROBE.to(next(model.parameters()).device)).float().tolist()
 
 
 raw = {}
@@ -215,7 +215,7 @@ def case_roundtrip():
     x, y = torch.randn(PER_RANK, 4, generator=g), torch.randint(0, 3, (PER_RANK,), generator=g)
     for a, m, o in ((acc, model, opt), (acc2, model2, opt2)):
         with a.accumulate(m):
-            a.backward(F.cross_entropy(m(x), y))
+            a.backward(F.cross_entropy(m(x.to(a.device)), y.to(a.device)))
             o.step()
             o.zero_grad()
     return {"before": before, "after": after, "continued": full_weights(acc, model),
@@ -305,7 +305,7 @@ def case_bad_input():
     acc = Accelerator(strategy=args.strategy)
     model = make_model(seed=0)
     model, _ = acc.prepare(model, sgd(model))
-    non_scalar = error_of(lambda: acc.backward(model(torch.randn(3, 4))))  # a (3, 3) "loss"
+    non_scalar = error_of(lambda: acc.backward(model(torch.randn(3, 4).to(acc.device))))  # a (3, 3) "loss"
     per_sample = Classifier(reduction="none")  # training_step returns a (batch,) loss
     trainer_non_scalar = error_of(lambda: make_trainer("t_bad").fit(per_sample, train_loader(PER_RANK)))
     accumulate_zero = error_of(lambda: Trainer(strategy=args.strategy, accumulate_grad_batches=0))

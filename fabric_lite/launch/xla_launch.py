@@ -1,0 +1,122 @@
+"""Starting XLA replicas with torch_xla's own launcher: `fabric-lite launch --tpu` and `notebook_launcher`.
+
+torch_xla starts one process per TPU chip and, inside it, one thread per device the process addresses
+(XLA's CPU device, TPU v2/v3 cores). Each replica runs the training script as ``__main__`` (or the
+function `--main-training-function` names, as Accelerate's TPU launcher does); the Accelerator inside
+asks torch_xla's runtime where it is. On XLA's CPU device the number of replicas is CPU_NUM_DEVICES,
+which `--nproc-per-node` sets.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import runpy
+import sys
+import tempfile
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from fabric_lite.strategies.environments import ENV_ACCELERATOR, read_xla_settings
+
+__all__ = ["launch_xla_script", "launch_xla_function", "xla_replica_env"]
+
+
+def xla_replica_env(num_processes: Optional[int], settings: Dict[str, str]) -> Dict[str, str]:
+    """The environment the replicas need: the launch's settings, XLA as the accelerator, and on XLA's CPU
+    device as many devices as replicas were asked for. Raises ValueError for a count that cannot be."""
+    env = dict(settings)
+    env[ENV_ACCELERATOR] = "xla"
+    xla = read_xla_settings()
+    if num_processes is not None:
+        if num_processes < 1:
+            raise ValueError(f"--nproc-per-node={num_processes} must be >= 1.")
+        if xla.pjrt_device == "CPU":
+            env["CPU_NUM_DEVICES"] = str(num_processes)
+        elif xla.pjrt_device is None:
+            raise ValueError(
+                f"{num_processes} XLA replicas were asked for, but PJRT_DEVICE is not set. On a TPU set PJRT_DEVICE=TPU "
+                f"(torch_xla then starts one replica per TPU device and --nproc-per-node must be left out); for XLA's "
+                f"CPU device set PJRT_DEVICE=CPU.")
+    return env
+
+
+class _ScriptReplica:
+    """One replica: the script as __main__ (or its training function), with the launch's settings."""
+
+    def __init__(self, script: str, argv: Sequence[str], env: Dict[str, str], function: Optional[str]) -> None:
+        self.script, self.argv, self.env, self.function = script, list(argv), env, function
+
+    def __call__(self, index: int) -> None:
+        os.environ.update(self.env)  # (replicas that are threads share it: the values are the same)
+        sys.argv = [self.script, *self.argv]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(self.script)))
+        try:
+            if self.function is None:
+                runpy.run_path(self.script, run_name="__main__")
+                return
+            namespace = runpy.run_path(self.script, run_name="__fabric_lite_replica__")
+            if not callable(namespace.get(self.function)):
+                raise ValueError(f"--main-training-function={self.function!r}: {self.script} defines no function of that "
+                                 f"name. Pass the name of the function that trains, or leave the flag out to run the "
+                                 f"script as __main__.")
+            namespace[self.function]()
+        except SystemExit as stop:  # a script's sys.exit(0) ends its replica, not the launch
+            if stop.code not in (None, 0):
+                raise RuntimeError(f"replica {index} exited with {stop.code!r}") from None
+
+
+def launch_xla_script(script: str, argv: Sequence[str], num_processes: Optional[int], settings: Dict[str, str],
+                      main_function: Optional[str] = None, spmd: bool = False) -> int:
+    """`fabric-lite launch --tpu`: run the script on every XLA replica; 0 when all finished, else 1.
+    `spmd`: one process drives every device (strategy xla_spmd), so the script runs right here."""
+    from fabric_lite.strategies.xla import import_torch_xla
+
+    try:
+        env = xla_replica_env(num_processes, settings)
+        torch_xla = import_torch_xla()
+    except (ValueError, ImportError) as err:
+        print(f"fabric-lite launch: error: {err}", file=sys.stderr)
+        return 2
+    os.environ.update(env)  # read by torch_xla's launcher itself (CPU_NUM_DEVICES, PJRT_DEVICE)
+    replica = _ScriptReplica(script, argv, env, main_function)
+    try:
+        if spmd:
+            replica(0)
+        else:
+            torch_xla.launch(replica, args=(), debug_single_process=num_processes == 1)
+    except Exception as err:  # the replica's own traceback is already on stderr
+        print(f"fabric-lite launch: a replica failed: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+class _FunctionReplica:
+    """One replica of notebook_launcher's function; its return value goes to a file the launcher reads."""
+
+    def __init__(self, function: Callable[..., Any], args: Sequence[Any], env: Dict[str, str], out_dir: str) -> None:
+        self.function, self.args, self.env, self.out_dir = function, tuple(args), env, out_dir
+
+    def __call__(self, index: int) -> None:
+        os.environ.update(self.env)
+        result = self.function(*self.args)
+        with open(os.path.join(self.out_dir, f"{index}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+
+
+def launch_xla_function(function: Callable[..., Any], args: Sequence[Any], num_processes: Optional[int],
+                        settings: Dict[str, str], start_method: str = "fork") -> List[Any]:
+    """notebook_launcher on XLA: `function(*args)` on every replica; their return values, by replica."""
+    from fabric_lite.strategies.xla import import_torch_xla
+
+    env = xla_replica_env(num_processes, settings)
+    torch_xla = import_torch_xla()
+    os.environ.update(env)
+    with tempfile.TemporaryDirectory(prefix="fabric-lite-xla-") as out_dir:
+        torch_xla.launch(_FunctionReplica(function, args, env, out_dir), args=(), start_method=start_method,
+                         debug_single_process=num_processes == 1)
+        names = sorted((n for n in os.listdir(out_dir) if n.endswith(".pkl")), key=lambda n: int(n[:-4]))
+        results = []
+        for name in names:  # written just now by this launch's own replicas
+            with open(os.path.join(out_dir, name), "rb") as f:
+                results.append(pickle.load(f))
+    return results

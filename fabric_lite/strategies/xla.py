@@ -1,0 +1,385 @@
+"""TPUs (and other XLA devices) through torch_xla: data-parallel replicas ("xla") or SPMD over a mesh ("xla_spmd").
+
+torch_xla records operations lazily and runs them as one compiled graph at each step marker
+(`torch_xla.sync()`). This strategy places models and batches on the replica's XLA device, averages
+gradients with XLA's all-reduce when a backward closes an accumulation window (as DDP does, so clipping
+and the optimizer see global gradients), marks a step after each optimizer step and at each batch the
+prepared loader hands over (what torch_xla's MpDeviceLoader does: the device runs step k while the host
+builds batch k+1), and maps the collectives to XLA's. Checkpoints hold plain CPU tensors: one written on
+a TPU loads on a CPU and back.
+
+`XLASPMDStrategy` drives every device from one process: parameters stay replicated, each batch is split
+along its first dimension over a one-axis mesh ("data"), and the compiler inserts the gradient reduction.
+
+torch_xla is optional and must match torch's version exactly: `import_torch_xla` says which to install.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import threading
+import weakref
+from typing import Any, Callable, ClassVar, ContextManager, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from fabric_lite._tree import tree_map
+from fabric_lite.strategies.base import Strategy
+from fabric_lite.strategies.environments import ProcessInfo, detect_xla_process, read_xla_settings
+from fabric_lite.strategies.moved_params import MovedParameters
+
+__all__ = ["XLAStrategy", "XLASPMDStrategy", "import_torch_xla", "torch_xla_problem"]
+
+#: The newest torch_xla release, and so the torch it needs (torch_xla X.Y runs only on torch X.Y).
+NEWEST_TORCH_XLA = "2.9.0"
+INSTALL = f"pip install torch=={NEWEST_TORCH_XLA} torch_xla=={NEWEST_TORCH_XLA} (in an environment of its own: `make venv-xla`)"
+
+
+def _release(version: str) -> Tuple[str, ...]:
+    return tuple(version.split("+")[0].split(".")[:2])
+
+
+def torch_xla_problem() -> Optional[str]:
+    """Why torch_xla cannot run next to this torch (one sentence with the fix), or None when it can.
+    Reads package metadata only: no import, so it is cheap."""
+    from importlib import metadata
+
+    try:
+        xla_version = metadata.version("torch_xla")
+    except metadata.PackageNotFoundError:
+        return f"XLA (accelerator='tpu') needs torch_xla, which is not installed here (torch {torch.__version__}): {INSTALL}."
+    if _release(xla_version) != _release(torch.__version__):
+        return (f"torch_xla {xla_version} is installed next to torch {torch.__version__}, but torch_xla runs only on "
+                f"the torch of its own version: pip install torch=={xla_version.split('+')[0]} torch_xla=={xla_version.split('+')[0]} "
+                f"(in an environment of its own: `make venv-xla`).")
+    return None
+
+
+def import_torch_xla() -> Any:
+    """`import torch_xla`, or an ImportError of one sentence naming torch's and torch_xla's versions and the fix."""
+    problem = torch_xla_problem()
+    if problem is not None:
+        raise ImportError(problem)
+    try:
+        import torch_xla
+    except (ImportError, OSError) as err:
+        raise ImportError(f"torch_xla failed to import next to torch {torch.__version__} ({err}); reinstall the pair "
+                          f"that matches: {INSTALL}.") from err
+    return torch_xla
+
+
+def _check_devices(devices: Any, process: ProcessInfo, runtime: Any, spmd: bool) -> None:
+    if devices is None or devices == "auto":
+        return
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+        raise ValueError(f"devices={devices!r} is not valid: pass a positive integer or 'auto'.")
+    kind = read_xla_settings().pjrt_device or "TPU"
+    available = runtime.global_runtime_device_count()
+    hint = "set CPU_NUM_DEVICES (or pass --nproc-per-node to `fabric-lite launch --tpu`)" if kind == "CPU" else \
+        "check TPU_VISIBLE_CHIPS"
+    if devices > available:
+        raise ValueError(f"devices={devices} was asked for, but the XLA runtime (PJRT_DEVICE={kind}) has {available} "
+                         f"device(s). Pass devices<={available}, or {hint}.")
+    if spmd:
+        if devices != available:
+            raise ValueError(f"devices={devices}: strategy='xla_spmd' spreads each batch over all {available} XLA "
+                             f"devices of this process. Leave devices out (or pass {available}), or {hint}.")
+        return
+    if process.world_size == 1 and devices > 1:
+        raise ValueError(
+            f"devices={devices} needs {devices} XLA replicas, but this is a lone one. Start them with "
+            f"`fabric-lite launch --tpu --nproc-per-node {devices} train.py` or notebook_launcher(fn, num_processes="
+            f"{devices}) with PJRT_DEVICE set; or use strategy='xla_spmd', which drives every device from one process.")
+    if process.world_size > 1 and devices != process.world_size:
+        raise ValueError(f"devices={devices} disagrees with the launch, which started {process.world_size} XLA "
+                         f"replicas. Drop `devices` or make them match.")
+
+
+class XLAStrategy(Strategy):
+    """One replica per XLA device (a TPU core, or XLA's CPU device); gradients averaged by XLA's all-reduce.
+
+    ``XLAStrategy(sync_module_states=True)``: every replica starts from replica 0's weights, as under DDP.
+    """
+
+    aliases: ClassVar[Tuple[str, ...]] = ("xla",)
+    accelerate_type: ClassVar[Optional[str]] = "XLA"
+    runtime_device_type: ClassVar[Optional[str]] = "xla"
+    #: One process drives every device through sharding annotations (XLASPMDStrategy).
+    spmd: ClassVar[bool] = False
+
+    def __init__(self, sync_module_states: bool = True) -> None:
+        super().__init__()
+        self.sync_module_states = sync_module_states
+        self._modules: List["weakref.ref[nn.Module]"] = []  # in preparation order: every replica reduces alike
+        self._syncing: Dict[int, bool] = {}  # id(module) -> gradients are reduced by the next backward
+        self._torch_xla: Any = None
+        self._xm: Any = None
+        self._moved = MovedParameters()
+        self._threads = False  # the replicas are threads of one process (see the collectives below)
+
+    # -- set-up ------------------------------------------------------------------------------------
+    def start_runtime(self, launched: ProcessInfo, devices: Any) -> Tuple[ProcessInfo, torch.device]:
+        torch_xla = import_torch_xla()
+        import torch_xla.core.xla_model as xm
+        import torch_xla.runtime as xr
+
+        self._torch_xla, self._xm = torch_xla, xm
+        if self.spmd:
+            xr.use_spmd()  # before any tensor reaches a device
+        process = detect_xla_process(xr, spmd=self.spmd)
+        if launched.world_size > 1 and process.world_size != launched.world_size:
+            raise RuntimeError(
+                f"{launched.world_size} processes were started by {launched.source}, but torch_xla sees "
+                f"{process.world_size} replica(s) in this one: XLA replicas are started by torch_xla's own launcher. "
+                f"Use `fabric-lite launch --tpu --nproc-per-node N train.py`.")
+        _check_devices(devices, process, xr, self.spmd)
+        from fabric_lite.seed import seed_xla_as_asked
+
+        seed_xla_as_asked()
+        self._threads = not self.spmd and xr.addressable_device_count() > 1
+        return process, torch_xla.device()
+
+    def setup_environment(self) -> None:
+        if self._torch_xla is None:
+            raise RuntimeError(f"{type(self).__name__} was not started: build it through Accelerator/Trainer "
+                               f"(accelerator='tpu'), which start the XLA runtime.")
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        before = dict(module.named_parameters())
+        module = self.precision.convert_module(module).to(self.root_device)
+        self._moved.record(before, dict(module.named_parameters()))
+        if self.world_size > 1 and self.sync_module_states:  # replica 0's weights everywhere, as under DDP
+            self._broadcast_in_place([*module.parameters(), *module.buffers()])
+            self.sync()
+        self._modules.append(weakref.ref(module))
+        return module
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Point an optimizer built before `prepare` at the model's XLA parameters (by name): moving a module to
+        an XLA device makes new Parameter objects."""
+        self._moved.repoint(optimizer, "the model before it moved to the XLA device",
+                            lambda p: p.device.type == "xla", type(self).aliases[0])
+        return optimizer
+
+    def unwrap_module(self, module: nn.Module) -> nn.Module:
+        return module
+
+    def teardown(self) -> None:
+        if self._torch_xla is not None:
+            self.sync()
+        self._modules.clear()
+
+    # -- the step ----------------------------------------------------------------------------------
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:
+        if not enabled or self.world_size == 1:
+            return contextlib.nullcontext()
+        return self._gradient_sync(module, False)
+
+    def force_backward_sync(self, module: nn.Module) -> ContextManager:
+        if self.world_size == 1:
+            return contextlib.nullcontext()
+        return self._gradient_sync(module, True)
+
+    @contextlib.contextmanager
+    def _gradient_sync(self, module: nn.Module, sync: bool) -> Any:
+        key = id(module)
+        previous = self._syncing.get(key, True)  # (nested contexts restore what they found)
+        self._syncing[key] = sync
+        try:
+            yield
+        finally:
+            self._syncing[key] = previous
+
+    def backward(self, loss: torch.Tensor, module: Optional[nn.Module] = None, **kwargs: Any) -> None:
+        self.precision.backward(loss, **kwargs)
+        if self.world_size > 1:
+            self._reduce_gradients()
+
+    def _reduce_gradients(self) -> None:
+        """Average the gradients of every prepared model outside a no-sync window, in place (one all-reduce).
+        An average of gradients already averaged changes nothing, so a backward that touched one of two
+        models costs only bandwidth."""
+        grads: List[torch.Tensor] = []
+        seen: set = set()
+        for ref in self._modules:
+            module = ref()
+            if module is None or not self._syncing.get(id(module), True):
+                continue
+            for p in module.parameters():
+                if p.grad is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    grads.append(p.grad)
+        if grads:
+            self._average_in_place(grads)
+            if self._threads:
+                self.sync()  # the exchange runs now, with every replica in it, not at a read of the gradients
+
+    def after_optimizer_step(self) -> None:
+        self.sync()
+
+    def sync(self) -> None:
+        """Run the pending graph (the step marker). Replicas that are threads of one process enter it together:
+        a replica waiting in a collective holds Python's lock, so a peer still running Python would never
+        arrive (see the collectives below)."""
+        if self._threads:
+            _thread_barrier(self.world_size)
+        self._torch_xla.sync()
+
+    def device_feed(self, non_blocking: bool = False) -> Optional[Callable[[Any], Any]]:
+        sync, to_device = self.sync, self.batch_to_device
+
+        def feed(batch: Any) -> Any:
+            sync()  # what is pending (an evaluation batch, a micro-step) runs while this batch is built
+            return to_device(batch)
+
+        return feed
+
+    def batch_to_device(self, batch: Any) -> Any:
+        device = self.root_device
+        return tree_map(lambda t: t.to(device), batch)
+
+    # -- state: plain CPU tensors, after the pending graph ran ---------------------------------------
+    def _to_cpu(self, state: Any) -> Any:
+        # No step marker: it would advance the XLA random stream, and a run that saves a checkpoint must draw the
+        # same dropout masks as one that does not (exact resume). Reading a tensor runs what it still needs.
+        return tree_map(lambda t: t.cpu() if t.device.type == "xla" else t, state)
+
+    def module_state_dict(self, module: nn.Module) -> Dict[str, Any]:
+        return self._to_cpu(module.state_dict())
+
+    def optimizer_state_dict(self, module: Optional[nn.Module], optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+        return self._to_cpu(optimizer.state_dict())
+
+    # -- collectives, through XLA ------------------------------------------------------------------
+    # Replicas that are threads of one process (XLA's CPU device, TPU v2/v3) hang in XLA's all-reduce when
+    # two of them compile the same graph at once: each compile numbers its all-reduce differently and the
+    # threads wait at different rendezvous. An all-gather with a channel id is numbered by that id, so every
+    # collective here is built on one (`_rows`); only gradients of replicas that are processes (one per TPU
+    # chip) take XLA's all-reduce, which moves W times less data.
+    def _rows(self, tensor: torch.Tensor, now: bool = True) -> torch.Tensor:
+        """Every replica's `tensor`, stacked along a new first dimension (on this replica's device); `now`:
+        the exchange runs before returning, with every replica in it (reading the result is then safe)."""
+        t = tensor if tensor.device.type == "xla" else tensor.to(self.root_device)
+        rows = self._xm.all_gather(t.unsqueeze(0), dim=0, pin_layout=False, channel_id=1,
+                                   use_global_device_ids=True, groups=[list(range(self.world_size))])
+        if now:
+            self.sync()
+        return rows
+
+    def _average_in_place(self, tensors: List[torch.Tensor]) -> None:
+        if self._threads and self.world_size > 1:
+            for group in _by_dtype(tensors):
+                flat = torch.cat([t.reshape(-1) for t in group])
+                mean = self._rows(flat, now=False).sum(0) / self.world_size
+                offset = 0
+                for t in group:
+                    t.copy_(mean[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
+        else:
+            xm = self._xm
+            xm.all_reduce(xm.REDUCE_SUM, tensors, scale=1.0 / self.world_size)
+
+    def _broadcast_in_place(self, tensors: List[torch.Tensor], src: int = 0) -> None:
+        with torch.no_grad():
+            for group in _by_dtype(tensors):
+                flat = self._rows(torch.cat([t.reshape(-1) for t in group]), now=False)[src]
+                offset = 0
+                for t in group:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
+    def _primitive_barrier(self) -> None:
+        self._rows(torch.zeros(1))  # returns once every replica has sent its part
+
+    def _primitive_all_reduce(self, tensor: torch.Tensor, op: str) -> None:
+        rows = self._rows(tensor)
+        reduced = rows.sum(0) if op == "sum" else (rows.amax(0) if op == "max" else rows.amin(0))
+        tensor.copy_(reduced)
+
+    def _primitive_all_gather(self, tensor: torch.Tensor) -> List[torch.Tensor]:
+        return list(self._rows(tensor).to(tensor.device).unbind(0))
+
+    def _primitive_broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        tensor.copy_(self._rows(tensor)[src])
+
+    def _exchange(self, obj: Any) -> List[Any]:
+        """Every replica's `obj` (pickled: the payloads come from this job's own replicas, as with
+        torch.distributed's object collectives)."""
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = [int(n) for n in self._rows(torch.tensor([payload.numel()])).cpu().reshape(-1)]
+        padded = torch.zeros(max(sizes), dtype=torch.uint8)
+        padded[:payload.numel()] = payload
+        rows = self._rows(padded).cpu()
+        return [pickle.loads(rows[i, :n].numpy().tobytes()) for i, n in enumerate(sizes)]
+
+    def _primitive_all_gather_object(self, out: List[Any], obj: Any) -> None:
+        out[:] = self._exchange(obj)
+
+    def _primitive_broadcast_object_list(self, box: List[Any], src: int) -> None:
+        box[0] = self._exchange(box[0] if self.global_rank == src else None)[src]
+
+
+_BARRIERS: Dict[int, threading.Barrier] = {}
+_BARRIERS_LOCK = threading.Lock()
+#: How long a replica thread waits for its peers at a step marker before giving up (as DDP's default timeout).
+THREAD_BARRIER_TIMEOUT_S = 1800.0
+
+
+def _thread_barrier(parties: int) -> None:
+    """Wait until every replica thread of this process is here (one barrier per process: they are its threads)."""
+    with _BARRIERS_LOCK:
+        barrier = _BARRIERS.setdefault(parties, threading.Barrier(parties, timeout=THREAD_BARRIER_TIMEOUT_S))
+    try:
+        barrier.wait()
+    except threading.BrokenBarrierError:
+        raise RuntimeError(
+            f"An XLA replica thread waited {THREAD_BARRIER_TIMEOUT_S:.0f} s for its {parties - 1} peer(s) at a step "
+            f"marker, or a peer failed: every replica must run the same steps (same number of batches and optimizer "
+            f"steps, the same collectives in the same order).") from None
+
+
+def _by_dtype(tensors: List[torch.Tensor]) -> List[List[torch.Tensor]]:
+    groups: Dict[torch.dtype, List[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    return list(groups.values())
+
+
+class XLASPMDStrategy(XLAStrategy):
+    """One process drives every XLA device: weights replicated, each batch split over a one-axis "data"
+    mesh; the compiler inserts the gradient reduction. Global batches must divide by the device count."""
+
+    aliases: ClassVar[Tuple[str, ...]] = ("xla_spmd",)
+    spmd: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        super().__init__(sync_module_states=False)
+        self.mesh: Any = None
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        import numpy as np
+        import torch_xla.distributed.spmd as xs
+        import torch_xla.runtime as xr
+
+        count = xr.global_runtime_device_count()
+        self.mesh = xs.Mesh(np.arange(count), (count,), ("data",))
+
+    @property
+    def num_devices(self) -> int:
+        return int(self.mesh.size()) if self.mesh is not None else 1
+
+    def batch_to_device(self, batch: Any) -> Any:
+        import torch_xla.distributed.spmd as xs
+
+        xm, device, mesh = self._xm, self.root_device, self.mesh
+
+        def send(t: torch.Tensor) -> torch.Tensor:
+            if t.dim() == 0:
+                return t.to(device)
+            spec = xs.ShardingSpec(mesh, ("data",) + (None,) * (t.dim() - 1))
+            return xm.send_cpu_data_to_device(t, device, input_sharding=spec)[0]
+
+        return tree_map(send, batch)
