@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: example test venv bench clean
+.PHONY: example test venv bench clean venv-xla test-xla
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,23 @@ example: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra
 
+# torch_xla runs only on the torch of its own version (2.9): its tests run in an environment of their own,
+# on XLA's CPU device (PJRT_DEVICE=CPU). About 4 GB to download the first time.
+XLA_VENV ?= .venv-xla
+XLA_STAMP := $(XLA_VENV)/.installed
+
+$(XLA_STAMP): requirements-xla.txt pyproject.toml
+	$(PYTHON) -m venv $(XLA_VENV)
+	$(XLA_VENV)/bin/pip install --quiet --upgrade pip
+	$(XLA_VENV)/bin/pip install --quiet -r requirements-xla.txt
+	$(XLA_VENV)/bin/pip install --quiet --no-deps -e .
+	touch $(XLA_STAMP)
+
+venv-xla: $(XLA_STAMP)
+
+test-xla: $(XLA_STAMP)
+	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -q -ra tests/xla tests/strategies/test_conformance.py -k xla
+
 # peers.py compares with Hugging Face Accelerate and Lightning where they are installed (it names the
 # missing ones): PEERS_PYTHON=/path/to/other/venv/bin/python points it at an environment that has them.
 PEERS_PYTHON ?= $(BIN)/python
@@ -37,4 +54,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/fsdp_memory.py
 
 clean:
-	rm -rf $(VENV) runs build *.egg-info
+	rm -rf $(VENV) $(XLA_VENV) runs build *.egg-info

@@ -136,7 +136,7 @@ class Trainer:
         if read_launch_settings().explain_dry_run:  # one process stands in for the planned launch
             num_nodes = 1  # the plan compares the requested nodes with the launch
         else:
-            _relaunch_if_needed(devices, num_nodes)
+            _relaunch_if_needed(devices, num_nodes, _xla_replicas(accelerator, strategy))
         # The Trainer's micro-steps run through the Accelerator's step engine; a short last window of an
         # epoch averages over its real length (divide_loss_by="window", see engine.py).
         self.accelerator = Accelerator(
@@ -433,15 +433,31 @@ class Trainer:
         self.accelerator.load_state(ckpt_path)
 
 
-def _relaunch_if_needed(devices: Union[int, str], num_nodes: int) -> None:
+def _xla_replicas(accelerator: str, strategy: Any) -> Optional[bool]:
+    """Whether this Trainer trains XLA replicas (True), SPMD over XLA devices from one process (None), or
+    neither (False), from what it was given: the launcher to start differs."""
+    from fabric_lite.strategies.environments import read_xla_settings
+
+    name = strategy.lower() if isinstance(strategy, str) else getattr(strategy, "aliases", ("",))[0]
+    if name == "xla_spmd":
+        return None
+    wants = str(accelerator).lower() in ("tpu", "xla") or name == "xla" or (
+        str(accelerator).lower() == "auto" and read_xla_settings().wants_xla)
+    return True if wants else False
+
+
+def _relaunch_if_needed(devices: Union[int, str], num_nodes: int, xla: Optional[bool] = False) -> None:
     """`Trainer(devices=N)` in a script started with plain `python train.py`: start the script again
-    under torch's elastic launcher on N processes (this process waits for them and exits with their code)."""
+    under torch's elastic launcher on N processes, or as N XLA replicas under torch_xla's launcher (`xla`)
+    (this process waits for them and exits with their code)."""
     import sys
 
     from fabric_lite.strategies.environments import detect_process, read_launch_settings, records_explain_arguments
 
-    if not isinstance(devices, int) or devices <= 1 or detect_process().is_distributed:
+    if not isinstance(devices, int) or devices <= 1 or detect_process().is_distributed or xla is None:
         return
+    if xla and read_launch_settings().accelerator == "xla":
+        return  # a replica that torch_xla's launcher started (replicas that are threads share one environment)
     main = sys.modules.get("__main__")
     script = getattr(main, "__file__", None)
     if script is None or not script.endswith(".py") or os.path.basename(sys.argv[0]) != os.path.basename(script):
@@ -454,8 +470,12 @@ def _relaunch_if_needed(devices: Union[int, str], num_nodes: int) -> None:
 
     from fabric_lite.launch.launcher import free_port
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(devices), "--nnodes", str(num_nodes),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), script, *sys.argv[1:]]
+    if xla:
+        cmd = [sys.executable, "-m", "fabric_lite.cli", "launch", "--tpu", "--nproc-per-node", str(devices), script,
+               *sys.argv[1:]]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(devices), "--nnodes",
+               str(num_nodes), "--master-addr", "127.0.0.1", "--master-port", str(free_port()), script, *sys.argv[1:]]
     raise SystemExit(subprocess.call(cmd))
 
 
