@@ -223,9 +223,11 @@ def launch_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None)
     except ConfigError as err:
         return _error(str(err))
     suffix = f" (defaults from config file {config_path})" if config_path is not None else ""
+    xla = args.tpu or args.strategy in ("xla", "xla_spmd")  # torch_xla's launcher, with checks of its own
     try:
-        check_launch(args)
-        _free_port_rendezvous(args)
+        if not xla:
+            check_launch(args)
+            _free_port_rendezvous(args)
         settings = settings_env(args.mixed_precision, args.gradient_accumulation_steps, args.cpu)
     except ValueError as err:
         return _error(f"{err}{suffix}")
@@ -233,7 +235,7 @@ def launch_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None)
         settings[ENV_STRATEGY] = args.strategy
     if config_path is not None:
         print(f"fabric-lite launch: using config file {config_path}", file=sys.stderr)
-    if args.tpu or args.strategy in ("xla", "xla_spmd"):
+    if xla:
         return _launch_xla(args, settings)
     for name in ("cpu", "mixed_precision", "gradient_accumulation_steps", "config_file", "strategy", "tpu",
                  "num_processes", "main_training_function"):
