@@ -14,6 +14,7 @@ import pickle
 import runpy
 import sys
 import tempfile
+import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from fabric_lite.strategies.environments import ENV_ACCELERATOR, read_xla_settings
@@ -62,7 +63,20 @@ class _ScriptReplica:
             namespace[self.function]()
         except SystemExit as stop:  # a script's sys.exit(0) ends its replica, not the launch
             if stop.code not in (None, 0):
+                _replica_failed()
                 raise RuntimeError(f"replica {index} exited with {stop.code!r}") from None
+        except BaseException:
+            _replica_failed()
+            raise
+
+
+def _replica_failed() -> None:
+    """Say why this replica failed (the launch reports only one replica's error), and let replicas that are
+    threads of this process stop waiting for it."""
+    from fabric_lite.strategies.xla import abort_replica_barriers
+
+    traceback.print_exc()
+    abort_replica_barriers()
 
 
 def launch_xla_script(script: str, argv: Sequence[str], num_processes: Optional[int], settings: Dict[str, str],
@@ -98,7 +112,11 @@ class _FunctionReplica:
 
     def __call__(self, index: int) -> None:
         os.environ.update(self.env)
-        result = self.function(*self.args)
+        try:
+            result = self.function(*self.args)
+        except BaseException:
+            _replica_failed()
+            raise
         with open(os.path.join(self.out_dir, f"{index}.pkl"), "wb") as f:
             pickle.dump(result, f)
 

@@ -30,7 +30,7 @@ from fabric_lite.strategies.base import Strategy
 from fabric_lite.strategies.environments import ProcessInfo, detect_xla_process, read_xla_settings
 from fabric_lite.strategies.moved_params import MovedParameters
 
-__all__ = ["XLAStrategy", "XLASPMDStrategy", "import_torch_xla", "torch_xla_problem"]
+__all__ = ["XLAStrategy", "XLASPMDStrategy", "import_torch_xla", "torch_xla_problem", "abort_replica_barriers"]
 
 #: The newest torch_xla release, and so the torch it needs (torch_xla X.Y runs only on torch X.Y).
 NEWEST_TORCH_XLA = "2.9.0"
@@ -338,6 +338,13 @@ def _thread_barrier(parties: int) -> None:
             f"An XLA replica thread waited {THREAD_BARRIER_TIMEOUT_S:.0f} s for its {parties - 1} peer(s) at a step "
             f"marker, or a peer failed: every replica must run the same steps (same number of batches and optimizer "
             f"steps, the same collectives in the same order).") from None
+
+
+def abort_replica_barriers() -> None:
+    """A replica thread failed: its peers waiting at a step marker get an error now instead of after the timeout."""
+    with _BARRIERS_LOCK:
+        for barrier in _BARRIERS.values():
+            barrier.abort()
 
 
 def _by_dtype(tensors: List[torch.Tensor]) -> List[List[torch.Tensor]]:

@@ -160,3 +160,19 @@ def test_fabric_lite_launch_runs_a_named_training_function_on_every_replica(tmp_
     assert code == 0, output[-6000:]
     assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["2", "2"]
     assert "imported as __main__" not in output
+
+
+def test_a_replica_that_fails_ends_the_launch_instead_of_leaving_its_peer_waiting(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text(
+        "import torch\n"
+        "from fabric_lite import Accelerator\n"
+        "acc = Accelerator()\n"
+        "model = acc.prepare(torch.nn.Linear(2, 1))\n"
+        "if acc.process_index == 1:\n"
+        "    raise ValueError('replica 1 gives up')\n"
+        "acc.wait_for_everyone()\n")
+    code, output = run([sys.executable, "-m", "fabric_lite.cli", "launch", "--tpu", "--nproc-per-node", "2",
+                        str(script)], tmp_path, timeout=120, attempts=4)
+    assert code == 1, output[-6000:]
+    assert "replica 1 gives up" in output and "a replica failed" in output
