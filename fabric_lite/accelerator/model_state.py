@@ -38,7 +38,7 @@ class ModelState:
         """Save `obj` from the main process only, atomically (any fsspec URL). No collective inside,
         so ``if accelerator.is_main_process: accelerator.save(...)`` is fine."""
         if self.is_main_process:
-            state_io.save_object(obj, os.fspath(f), safe_serialization)
+            state_io.save_object(self.strategy.to_host(obj), os.fspath(f), safe_serialization)
 
     def save_model(
         self, model: nn.Module, save_directory: Union[str, os.PathLike], max_shard_size: Union[int, str] = "10GB",

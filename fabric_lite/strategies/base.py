@@ -24,7 +24,7 @@ May override (the defaults suit one device or plain data parallel):
 `after_optimizer_step`         the step marker, called after each real optimizer step (XLA mark_step)
 `force_backward_sync`          inside `no_backward_sync`, sync after all
 `clip_gradients_norm/value`    the right way for this strategy (sharded norms, engine-side clipping)
-`module_state_dict`, `load_module_state_dict`, `optimizer_state_dict(module, optimizer)`,
+`module_state_dict`, `load_module_state_dict`, `optimizer_state_dict(module, optimizer)`, `to_host`,
 `load_optimizer_state_dict`    full (unsharded) state; the optimizer's with its module (FSDP2, DCP)
 `explain_lines`                what `fabric-lite explain` shows about the strategy (sharding, dtypes, bytes)
 `save_engine_state`, `read_engine_state`, `consolidate_checkpoint`
@@ -217,6 +217,11 @@ class Strategy(abc.ABC):
     def module_state_dict(self, module: nn.Module) -> Dict[str, Any]:
         """A full (unsharded) state dict of the user's module, valid on global rank 0."""
         return self.unwrap_module(module).state_dict()
+
+    def to_host(self, obj: Any) -> Any:
+        """`obj` as `Accelerator.save` writes it: tensors that only this strategy's device can read back (XLA's)
+        copied to the host; others as they are (a CUDA tensor saves as one, as with torch.save)."""
+        return obj
 
     def load_module_state_dict(self, module: nn.Module, state: Dict[str, Any], strict: bool = True) -> None:
         self.unwrap_module(module).load_state_dict(state, strict=strict)

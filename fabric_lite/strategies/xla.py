@@ -249,6 +249,9 @@ class XLAStrategy(Strategy):
     def module_state_dict(self, module: nn.Module) -> Dict[str, Any]:
         return self._to_cpu(module.state_dict())
 
+    def to_host(self, obj: Any) -> Any:
+        return self._to_cpu(obj)
+
     def optimizer_state_dict(self, module: Optional[nn.Module], optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
         return self._to_cpu(optimizer.state_dict())
 

@@ -146,6 +146,8 @@ def mode_moves():
     model, opt, loader = xla.prepare(model, opt, DataLoader(data(), batch_size=8))
     train(xla, model, opt, loader, epochs=1)
     xla.save_state(os.path.join(root, "from_xla"))
+    xla.save({"weight": model[0].weight, "note": "x"}, os.path.join(root, "saved.pt"))  # Accelerate's save: CPU tensors
+    saved = torch.load(os.path.join(root, "saved.pt"), weights_only=True)
     cpu = Accelerator(cpu=True)
     cpu_model = make_model(seed=2)
     cpu_opt = torch.optim.AdamW(cpu_model.parameters(), lr=1e-2)
@@ -160,6 +162,7 @@ def mode_moves():
     back_model, back_opt, _ = back.prepare(back_model, back_opt, DataLoader(data(), batch_size=8))
     back.load_state(os.path.join(root, "from_cpu"))
     write(0, {"xla": cpu_weights(xla, model), "on_cpu": on_cpu, "cpu_device": str(cpu.device),
+              "saved": [str(saved["weight"].device), saved["weight"].reshape(-1).tolist(), saved["note"]],
               "cpu_trained": cpu_weights(cpu, cpu_model), "back_on_xla": cpu_weights(back, back_model),
               "back_device": str(back.device),
               "steps": {k: int(v["step"]) for k, v in back_opt.state_dict()["state"].items()}})

@@ -131,6 +131,7 @@ def test_a_checkpoint_saved_on_xla_loads_on_the_cpu_and_back(tmp_path):
     assert not torch.equal(flat(r["cpu_trained"]), flat(r["on_cpu"]))   # (the CPU trained on)
     assert torch.equal(flat(r["back_on_xla"]), flat(r["cpu_trained"]))  # CPU -> XLA, bit for bit
     assert set(r["steps"].values()) == {8}  # AdamW's step counts: 4 steps on XLA, 4 on the CPU
+    assert r["saved"] == ["cpu", r["xla"]["0.weight"], "x"]  # Accelerator.save writes host tensors
 
 
 def test_bad_input_on_xla_gets_a_value_error_naming_the_value_and_the_fix(tmp_path):
