@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import random
-import sys
 from typing import Any, Dict, Optional
 
 import numpy as np
 import torch
 
-__all__ = ["set_seed", "seed_everything", "capture_rng_state", "restore_rng_state", "seed_xla_as_asked"]
+__all__ = ["set_seed", "seed_everything", "capture_rng_state", "restore_rng_state", "xla_runtime_started"]
 
-# A seed set before torch_xla was imported (set_seed, then Accelerator(accelerator="tpu")): the XLA strategy
-# applies it when it starts the device, so that set_seed's place in a script does not change the numbers.
+# The XLA random stream is touched only once an XLA strategy started the runtime in this process: before that,
+# asking torch_xla for it would start the runtime itself (too early for SPMD, and for torch_xla's launcher), and
+# a process that merely imported torch_xla does not train on XLA. A seed set before (set_seed, then
+# Accelerator(accelerator="tpu")) is applied when the runtime starts: set_seed's place in a script does not matter.
+_xla_started = False
 _xla_seed_pending: Optional[int] = None
 
 
@@ -59,9 +61,11 @@ def capture_rng_state() -> Dict[str, Any]:
     return state
 
 
-def seed_xla_as_asked() -> None:
-    """Seed the XLA device with the seed `set_seed` was given before torch_xla was imported, if any."""
-    global _xla_seed_pending
+def xla_runtime_started() -> None:
+    """Called by the XLA strategy once it started the runtime: from now on the XLA random stream is seeded,
+    saved and restored with the others; the seed `set_seed` was given before, if any, is applied now."""
+    global _xla_started, _xla_seed_pending
+    _xla_started = True
     xm = _xla_model()
     if xm is not None and _xla_seed_pending is not None:
         xm.set_rng_state(_xla_seed_pending)
@@ -69,8 +73,8 @@ def seed_xla_as_asked() -> None:
 
 
 def _xla_model() -> Any:
-    """torch_xla's xla_model where this process already imported torch_xla (it trains on XLA), else None."""
-    if "torch_xla" not in sys.modules:
+    """torch_xla's xla_model where an XLA strategy started the runtime in this process, else None."""
+    if not _xla_started:
         return None
     import torch_xla.core.xla_model as xm
 

@@ -21,7 +21,7 @@ from fabric_lite.accelerator.configs import (
     GradientAccumulationPlugin, GradScalerKwargs, InitProcessGroupKwargs, KwargsHandler, ProjectConfiguration,
     strategy_from_handlers,
 )
-from fabric_lite.strategies.connector import connect
+from fabric_lite.strategies.connector import connect, resolve_accelerator
 from fabric_lite.data.loader import DataLoaderShard, shard_dataloader, skip_first_batches
 from fabric_lite.engine import StepEngine
 from fabric_lite.strategies.environments import detect_process, read_launch_settings, records_explain_arguments
@@ -123,13 +123,16 @@ class Accelerator(StepEngine, ProcessControl, ModelState):
             note_unread_config(process.source, os.environ)
         if strategy == "auto" and launch.strategy:
             strategy = launch.strategy  # from `fabric-lite config` through `fabric-lite launch`
+        accelerator = "cpu" if (cpu or launch.use_cpu) else (
+            launch.accelerator if accelerator == "auto" and launch.accelerator else accelerator)
+        if strategy == "auto" and resolve_accelerator(accelerator) == "xla":
+            strategy = "xla"  # (DDP's kwargs handlers, if any, do not apply there)
         if isinstance(strategy, str):
             strategy = strategy_from_handlers(strategy, handlers, process.world_size)
         scaler = handlers.get(GradScalerKwargs)
         strategy = connect(
             strategy,
-            accelerator="cpu" if (cpu or launch.use_cpu) else (
-                launch.accelerator if accelerator == "auto" and launch.accelerator else accelerator),
+            accelerator=accelerator,
             devices=devices,
             precision=mixed_precision or launch.mixed_precision or "no",
             process=process,

@@ -225,7 +225,14 @@ def launch_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None)
     suffix = f" (defaults from config file {config_path})" if config_path is not None else ""
     xla = args.tpu or args.strategy in ("xla", "xla_spmd")  # torch_xla's launcher, with checks of its own
     try:
-        if not xla:
+        if xla:
+            check_xla_launch(args)
+        else:
+            for flag, value in (("--num-processes", args.num_processes),
+                                ("--main-training-function", args.main_training_function)):
+                if value is not None:
+                    raise LaunchError(f"{flag} applies to XLA launches (--tpu); for torchrun's processes use "
+                                      f"--nproc-per-node (and --nnodes).")
             check_launch(args)
             _free_port_rendezvous(args)
         settings = settings_env(args.mixed_precision, args.gradient_accumulation_steps, args.cpu)
@@ -250,19 +257,35 @@ def launch_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None)
     return 0
 
 
+def check_xla_launch(args: argparse.Namespace) -> Optional[int]:
+    """The replicas a `--tpu` launch starts (None: every device the runtime has); LaunchError for what torch_xla's
+    launcher cannot do."""
+    if args.cpu:
+        raise LaunchError("--cpu and --tpu ask for two different devices; pass one of them.")
+    if args.strategy not in (None, "xla", "xla_spmd"):
+        raise LaunchError(f"--strategy {args.strategy} with --tpu: XLA devices train with --strategy xla (a replica per "
+                          f"device) or xla_spmd (one process over every device).")
+    if str(args.nnodes).split(":")[-1] != "1":
+        raise LaunchError(f"--nnodes={args.nnodes} with --tpu: run the same command on every TPU host; torch_xla's "
+                          f"runtime joins the hosts itself.")
+    if args.module or args.no_python:
+        raise LaunchError("--module / --no-python with --tpu: torch_xla's launcher runs a Python script; pass its path.")
+    nproc = str(args.nproc_per_node).strip()
+    if not nproc.lstrip("+-").isdigit() or int(nproc) < 1:
+        raise LaunchError(f"--nproc-per-node={nproc!r} with --tpu must be a whole number >= 1 (XLA replicas).")
+    if args.num_processes is not None and args.num_processes < 1:
+        raise LaunchError(f"--num-processes={args.num_processes} must be a whole number >= 1.")
+    replicas = args.num_processes if args.num_processes is not None else (int(nproc) if int(nproc) > 1 else None)
+    if args.strategy == "xla_spmd" and replicas not in (None, 1):
+        raise LaunchError(f"--strategy xla_spmd drives every XLA device from one process; leave out --nproc-per-node "
+                          f"{replicas} (on XLA's CPU device set CPU_NUM_DEVICES for the number of devices).")
+    return replicas
+
+
 def _launch_xla(args: argparse.Namespace, settings: Dict[str, str]) -> int:
     from fabric_lite.launch.xla_launch import launch_xla_script
 
-    if args.cpu:
-        return _error("--cpu and --tpu ask for two different devices; pass one of them.")
-    if str(args.nnodes).split(":")[-1] != "1":
-        return _error(f"--nnodes={args.nnodes} with --tpu: run the same command on every TPU host; torch_xla's runtime "
-                      f"joins the hosts itself.")
-    nproc = str(args.nproc_per_node)
-    replicas = args.num_processes or (int(nproc) if nproc.isdigit() and int(nproc) > 1 else None)
-    if args.strategy == "xla_spmd" and replicas not in (None, 1):
-        return _error(f"--strategy xla_spmd drives every XLA device from one process; leave out --nproc-per-node "
-                      f"{replicas} (on XLA's CPU device set CPU_NUM_DEVICES for the number of devices).")
+    replicas = check_xla_launch(args)
     return launch_xla_script(args.training_script, args.training_script_args, replicas, settings,
                              args.main_training_function, spmd=args.strategy == "xla_spmd")
 
@@ -303,7 +326,7 @@ def notebook_launcher(
     import torch
 
     env = settings_env(mixed_precision, None, False)
-    if read_xla_settings().wants_xla:  # PJRT_DEVICE is set: XLA replicas, started by torch_xla's launcher
+    if read_xla_settings().names_device:  # PJRT_DEVICE is set: XLA replicas, started by torch_xla's launcher
         from fabric_lite.launch.xla_launch import launch_xla_function
 
         return launch_xla_function(function, args, num_processes, env, start_method=start_method)

@@ -9,14 +9,17 @@ which `--nproc-per-node` sets.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pickle
 import runpy
 import sys
 import tempfile
+import threading
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from fabric_lite.launch.launcher import patched_environ
 from fabric_lite.strategies.environments import ENV_ACCELERATOR, read_xla_settings
 
 __all__ = ["launch_xla_script", "launch_xla_function", "xla_replica_env"]
@@ -41,8 +44,29 @@ def xla_replica_env(num_processes: Optional[int], settings: Dict[str, str]) -> D
     return env
 
 
+_SCRIPT_LOCK = threading.Lock()
+
+
+def _script_module(script: str) -> Any:
+    """The script imported once in this process, as a module of its own name (replicas that are threads share
+    it), so that what it defines pickles by name (object collectives, torch.save)."""
+    name = os.path.splitext(os.path.basename(script))[0]
+    with _SCRIPT_LOCK:
+        module = sys.modules.get(name)
+        if module is None or os.path.abspath(getattr(module, "__file__", "") or "") != os.path.abspath(script):
+            spec = importlib.util.spec_from_file_location(name, script)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+    return module
+
+
 class _ScriptReplica:
-    """One replica: the script as __main__ (or its training function), with the launch's settings."""
+    """One replica: the script as __main__ (or its training function), with the launch's settings.
+
+    Replicas that are threads of one process each run the script as __main__, one after the other's start: a
+    class the script defines then does not pickle by name (`__main__` is one module for all threads). Object
+    collectives of such classes need `--main-training-function`, which imports the script once as a module."""
 
     def __init__(self, script: str, argv: Sequence[str], env: Dict[str, str], function: Optional[str]) -> None:
         self.script, self.argv, self.env, self.function = script, list(argv), env, function
@@ -50,17 +74,19 @@ class _ScriptReplica:
     def __call__(self, index: int) -> None:
         os.environ.update(self.env)  # (replicas that are threads share it: the values are the same)
         sys.argv = [self.script, *self.argv]
-        sys.path.insert(0, os.path.dirname(os.path.abspath(self.script)))
+        folder = os.path.dirname(os.path.abspath(self.script))
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
         try:
             if self.function is None:
                 runpy.run_path(self.script, run_name="__main__")
                 return
-            namespace = runpy.run_path(self.script, run_name="__fabric_lite_replica__")
-            if not callable(namespace.get(self.function)):
+            train = getattr(_script_module(self.script), self.function, None)
+            if not callable(train):
                 raise ValueError(f"--main-training-function={self.function!r}: {self.script} defines no function of that "
                                  f"name. Pass the name of the function that trains, or leave the flag out to run the "
                                  f"script as __main__.")
-            namespace[self.function]()
+            train()
         except SystemExit as stop:  # a script's sys.exit(0) ends its replica, not the launch
             if stop.code not in (None, 0):
                 _replica_failed()
@@ -91,13 +117,16 @@ def launch_xla_script(script: str, argv: Sequence[str], num_processes: Optional[
     except (ValueError, ImportError) as err:
         print(f"fabric-lite launch: error: {err}", file=sys.stderr)
         return 2
-    os.environ.update(env)  # read by torch_xla's launcher itself (CPU_NUM_DEVICES, PJRT_DEVICE)
     replica = _ScriptReplica(script, argv, env, main_function)
     try:
-        if spmd:
-            replica(0)
-        else:
-            torch_xla.launch(replica, args=(), debug_single_process=num_processes == 1)
+        with patched_environ(env):  # read by torch_xla's launcher itself (CPU_NUM_DEVICES, PJRT_DEVICE)
+            if spmd:
+                import torch_xla.runtime as xr
+
+                xr.use_spmd()  # before the script's first tensor reaches a device
+                replica(0)
+            else:
+                torch_xla.launch(replica, args=(), debug_single_process=num_processes == 1)
     except Exception as err:  # the replica's own traceback is already on stderr
         print(f"fabric-lite launch: a replica failed: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
@@ -128,8 +157,7 @@ def launch_xla_function(function: Callable[..., Any], args: Sequence[Any], num_p
 
     env = xla_replica_env(num_processes, settings)
     torch_xla = import_torch_xla()
-    os.environ.update(env)
-    with tempfile.TemporaryDirectory(prefix="fabric-lite-xla-") as out_dir:
+    with patched_environ(env), tempfile.TemporaryDirectory(prefix="fabric-lite-xla-") as out_dir:
         torch_xla.launch(_FunctionReplica(function, args, env, out_dir), args=(), start_method=start_method,
                          debug_single_process=num_processes == 1)
         names = sorted((n for n in os.listdir(out_dir) if n.endswith(".pkl")), key=lambda n: int(n[:-4]))
@@ -138,3 +166,9 @@ def launch_xla_function(function: Callable[..., Any], args: Sequence[Any], num_p
             with open(os.path.join(out_dir, name), "rb") as f:
                 results.append(pickle.load(f))
     return results
+
+
+if __name__ == "__main__":  # `python -m fabric_lite.launch.xla_launch N script.py [args]`: Trainer(devices=N)'s relaunch
+    from fabric_lite.launch.launcher import settings_env
+
+    sys.exit(launch_xla_script(sys.argv[2], sys.argv[3:], int(sys.argv[1]), settings_env(None, None, False)))

@@ -1,6 +1,6 @@
 """Strategies: where a process runs, how a model is wrapped, how gradients move.
 
-`base.Strategy` is the contract; `single`, `ddp`, `fsdp`, `deepspeed` implement it, one file each;
+`base.Strategy` is the contract; `single`, `ddp`, `fsdp`, `deepspeed`, `xla` implement it, one file each;
 `registry` is the one list of names; `precision`, `environments` and `connector` are the pieces a
 strategy is configured with. Names are imported on first use, so listing strategies stays cheap.
 """
@@ -10,13 +10,14 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from fabric_lite.strategies.registry import available_strategies, create_strategy, register_strategy
+from fabric_lite.strategies.registry import available_strategies, create_strategy, register_strategy, strategy_class
 
-__all__ = ["Strategy", "SingleDeviceStrategy", "DDPStrategy", "FSDPStrategy", "register_strategy", "create_strategy",
-           "available_strategies"]
+__all__ = ["Strategy", "SingleDeviceStrategy", "DDPStrategy", "FSDPStrategy", "XLAStrategy", "XLASPMDStrategy",
+           "register_strategy", "create_strategy", "available_strategies", "strategy_class"]
 
 _LAZY = {"Strategy": "fabric_lite.strategies.base", "SingleDeviceStrategy": "fabric_lite.strategies.single",
-         "DDPStrategy": "fabric_lite.strategies.ddp", "FSDPStrategy": "fabric_lite.strategies.fsdp"}
+         "DDPStrategy": "fabric_lite.strategies.ddp", "FSDPStrategy": "fabric_lite.strategies.fsdp",
+         "XLAStrategy": "fabric_lite.strategies.xla", "XLASPMDStrategy": "fabric_lite.strategies.xla"}
 
 
 def __getattr__(name: str) -> Any:

@@ -84,6 +84,9 @@ class Strategy(abc.ABC):
     #: The device type this strategy trains on whatever else is asked ("xla"), or None (cpu, cuda or mps, as the
     #: accelerator says). Such a strategy's runtime places the replicas: the connector calls `start_runtime`.
     runtime_device_type: ClassVar[Optional[str]] = None
+    #: One process drives every device of the machine (SPMD): `devices` counts the devices it spreads each batch
+    #: over, not processes to start.
+    drives_all_devices: ClassVar[bool] = False
     #: Every forward is a collective (ZeRO-3 gathers parameters): evaluation must give every process
     #: the same number of batches, padding included.
     forward_is_collective: bool = False

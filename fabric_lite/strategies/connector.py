@@ -99,12 +99,16 @@ def connect(
     needs = instance.runtime_device_type
     if needs is not None and accelerator == "auto":
         device_type = needs  # strategy="xla" alone says where it trains
-    if needs != (device_type if device_type == "xla" else None):
+    if needs is not None and device_type != needs:
         raise ValueError(
-            f"strategy {type(instance).__name__} trains on {needs or 'cpu, cuda or mps'}, but accelerator="
-            f"{accelerator!r} was asked for. On a TPU (or XLA device) pass strategy='xla' or 'xla_spmd' (or leave it "
-            f"'auto'); elsewhere pick another strategy or accelerator."
-        )
+            f"strategy {type(instance).__name__} trains on XLA devices (TPU), but accelerator={accelerator!r} was "
+            f"asked for. Pass accelerator='tpu' (or leave it 'auto'), or pick a strategy for {device_type!r}.")
+    if needs is None and device_type == "xla":
+        why = f"PJRT_DEVICE={read_xla_settings().pjrt_device} made accelerator='auto'" if accelerator == "auto" \
+            else f"accelerator={accelerator!r} was asked for"
+        raise ValueError(
+            f"strategy {type(instance).__name__} does not train on XLA devices, but {why}. Use strategy='xla' (a "
+            f"replica per device) or 'xla_spmd' (one process over every device), or leave strategy 'auto'.")
     if needs is not None:  # the runtime owns the world (XLA's PJRT): it says where this replica is
         process, root = instance.start_runtime(process, devices)
         instance.configure(process, root, Precision(precision_name, device_type, scaler_kwargs))

@@ -250,18 +250,22 @@ class XLASettings:
     """What the environment tells torch_xla's PJRT runtime: the device kind and, on the CPU, how many."""
 
     pjrt_device: Optional[str] = None  # PJRT_DEVICE: "TPU", "CPU", "CUDA", ... (None: not set)
-    cpu_num_devices: Optional[int] = None  # CPU_NUM_DEVICES: XLA CPU devices (replicas) in this process
+
+    @property
+    def names_device(self) -> bool:
+        """PJRT_DEVICE is set: notebook_launcher starts XLA replicas (on XLA's CPU device too)."""
+        return bool(self.pjrt_device)
 
     @property
     def wants_xla(self) -> bool:
-        """PJRT_DEVICE names an XLA device: accelerator="auto" and notebook_launcher pick XLA."""
-        return bool(self.pjrt_device)
+        """PJRT_DEVICE names an XLA accelerator: accelerator="auto" picks XLA. Not "CPU": importing torch_xla sets
+        PJRT_DEVICE=CPU where it finds no TPU, and a CPU run must not turn into one on XLA's CPU device."""
+        return self.pjrt_device not in (None, "CPU")
 
 
 def read_xla_settings(env: Optional[Mapping[str, str]] = None) -> XLASettings:
     env = os.environ if env is None else env
-    return XLASettings(pjrt_device=(env.get("PJRT_DEVICE") or "").strip().upper() or None,
-                       cpu_num_devices=_int(env, "CPU_NUM_DEVICES"))
+    return XLASettings(pjrt_device=(env.get("PJRT_DEVICE") or "").strip().upper() or None)
 
 
 def detect_xla_process(runtime: Any, spmd: bool = False) -> ProcessInfo:

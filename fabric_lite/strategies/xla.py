@@ -117,6 +117,7 @@ class XLAStrategy(Strategy):
         self._torch_xla: Any = None
         self._xm: Any = None
         self._moved = MovedParameters()
+        self._marked = True  # no work was traced since the last step marker (see device_feed)
         self._threads = False  # the replicas are threads of one process (see the collectives below)
 
     # -- set-up ------------------------------------------------------------------------------------
@@ -128,6 +129,10 @@ class XLAStrategy(Strategy):
         self._torch_xla, self._xm = torch_xla, xm
         if self.spmd:
             xr.use_spmd()  # before any tensor reaches a device
+            if xr.process_count() > 1:
+                raise RuntimeError(
+                    f"strategy='xla_spmd' over {xr.process_count()} hosts is not supported: each host would feed and "
+                    f"save the whole global batch. Use strategy='xla' (one replica per device) on a multi-host TPU.")
         process = detect_xla_process(xr, spmd=self.spmd)
         if launched.world_size > 1 and process.world_size != launched.world_size:
             raise RuntimeError(
@@ -135,9 +140,9 @@ class XLAStrategy(Strategy):
                 f"{process.world_size} replica(s) in this one: XLA replicas are started by torch_xla's own launcher. "
                 f"Use `fabric-lite launch --tpu --nproc-per-node N train.py`.")
         _check_devices(devices, process, xr, self.spmd)
-        from fabric_lite.seed import seed_xla_as_asked
+        from fabric_lite.seed import xla_runtime_started
 
-        seed_xla_as_asked()
+        xla_runtime_started()
         self._threads = not self.spmd and xr.addressable_device_count() > 1
         return process, torch_xla.device()
 
@@ -153,6 +158,7 @@ class XLAStrategy(Strategy):
         if self.world_size > 1 and self.sync_module_states:  # replica 0's weights everywhere, as under DDP
             self._broadcast_in_place([*module.parameters(), *module.buffers()])
             self.sync()
+            self._marked = True  # (as at the start: a run resumed from a checkpoint marks the same steps)
         self._modules.append(weakref.ref(module))
         return module
 
@@ -218,6 +224,7 @@ class XLAStrategy(Strategy):
 
     def after_optimizer_step(self) -> None:
         self.sync()
+        self._marked = True
 
     def sync(self) -> None:
         """Run the pending graph (the step marker). Replicas that are threads of one process enter it together:
@@ -226,12 +233,20 @@ class XLAStrategy(Strategy):
         if self._threads:
             _thread_barrier(self.world_size)
         self._torch_xla.sync()
+        self._marked = False
 
     def device_feed(self, non_blocking: bool = False) -> Optional[Callable[[Any], Any]]:
-        sync, to_device = self.sync, self.batch_to_device
+        to_device = self.batch_to_device
 
         def feed(batch: Any) -> Any:
-            sync()  # what is pending (an evaluation batch, a micro-step) runs while this batch is built
+            # The pending work (an evaluation batch, a micro-step) is dispatched while this batch is built, as
+            # MpDeviceLoader does; not right after an optimizer step's marker: a marker with nothing new waits for
+            # the step before to finish, and the host could not prepare the next step meanwhile. (Start, and
+            # resume, count as marked: a resumed run marks the same steps as one that never stopped.)
+            if self._marked:
+                self._marked = False
+            else:
+                self.sync()
             return to_device(batch)
 
         return feed
@@ -285,6 +300,9 @@ class XLAStrategy(Strategy):
             xm.all_reduce(xm.REDUCE_SUM, tensors, scale=1.0 / self.world_size)
 
     def _broadcast_in_place(self, tensors: List[torch.Tensor], src: int = 0) -> None:
+        if not self._threads:
+            self._xm.collective_broadcast(tensors, root_ordinal=src)
+            return
         with torch.no_grad():
             for group in _by_dtype(tensors):
                 flat = self._rows(torch.cat([t.reshape(-1) for t in group]), now=False)[src]
@@ -294,7 +312,7 @@ class XLAStrategy(Strategy):
                     offset += t.numel()
 
     def _primitive_barrier(self) -> None:
-        self._rows(torch.zeros(1))  # returns once every replica has sent its part
+        self._rows(torch.zeros(1)).cpu()  # returns once every replica has sent its part
 
     def _primitive_all_reduce(self, tensor: torch.Tensor, op: str) -> None:
         rows = self._rows(tensor)
@@ -363,6 +381,7 @@ class XLASPMDStrategy(XLAStrategy):
 
     aliases: ClassVar[Tuple[str, ...]] = ("xla_spmd",)
     spmd: ClassVar[bool] = True
+    drives_all_devices: ClassVar[bool] = True
 
     def __init__(self) -> None:
         super().__init__(sync_module_states=False)
@@ -376,10 +395,6 @@ class XLASPMDStrategy(XLAStrategy):
 
         count = xr.global_runtime_device_count()
         self.mesh = xs.Mesh(np.arange(count), (count,), ("data",))
-
-    @property
-    def num_devices(self) -> int:
-        return int(self.mesh.size()) if self.mesh is not None else 1
 
     def batch_to_device(self, batch: Any) -> Any:
         import torch_xla.distributed.spmd as xs

@@ -434,16 +434,20 @@ class Trainer:
 
 
 def _xla_replicas(accelerator: str, strategy: Any) -> Optional[bool]:
-    """Whether this Trainer trains XLA replicas (True), SPMD over XLA devices from one process (None), or
-    neither (False), from what it was given: the launcher to start differs."""
+    """Whether this Trainer trains XLA replicas (True), one process over every device (None: SPMD), or neither
+    (False), from what it was given: the launcher to start differs."""
+    from fabric_lite.strategies import Strategy, strategy_class
     from fabric_lite.strategies.environments import read_xla_settings
 
-    name = strategy.lower() if isinstance(strategy, str) else getattr(strategy, "aliases", ("",))[0]
-    if name == "xla_spmd":
+    if isinstance(strategy, Strategy):
+        cls: Any = type(strategy)
+    else:
+        cls = None if str(strategy).lower() == "auto" else strategy_class(str(strategy))
+    if cls is not None and cls.drives_all_devices:
         return None
-    wants = str(accelerator).lower() in ("tpu", "xla") or name == "xla" or (
-        str(accelerator).lower() == "auto" and read_xla_settings().wants_xla)
-    return True if wants else False
+    name = str(accelerator).lower()
+    return bool((cls is not None and cls.runtime_device_type == "xla") or name in ("tpu", "xla")
+                or (name == "auto" and read_xla_settings().wants_xla))
 
 
 def _relaunch_if_needed(devices: Union[int, str], num_nodes: int, xla: Optional[bool] = False) -> None:
@@ -452,7 +456,7 @@ def _relaunch_if_needed(devices: Union[int, str], num_nodes: int, xla: Optional[
     (this process waits for them and exits with their code)."""
     import sys
 
-    from fabric_lite.strategies.environments import detect_process, read_launch_settings, records_explain_arguments
+    from fabric_lite.strategies.environments import detect_process, read_launch_settings
 
     if not isinstance(devices, int) or devices <= 1 or detect_process().is_distributed or xla is None:
         return
@@ -464,15 +468,15 @@ def _relaunch_if_needed(devices: Union[int, str], num_nodes: int, xla: Optional[
         raise RuntimeError(
             f"Trainer(devices={devices}) needs {devices} processes, and this process was not started from a script "
             f"it can start again (a notebook or an interactive session). Use notebook_launcher(fn, "
-            f"num_processes={devices}), or run `fabric-lite launch --nproc-per-node {devices} train.py`."
+            f"num_processes={devices}), or run `fabric-lite launch{' --tpu' if xla else ''} --nproc-per-node {devices} "
+            f"train.py`."
         )
     import subprocess
 
     from fabric_lite.launch.launcher import free_port
 
-    if xla:
-        cmd = [sys.executable, "-m", "fabric_lite.cli", "launch", "--tpu", "--nproc-per-node", str(devices), script,
-               *sys.argv[1:]]
+    if xla:  # (torch_xla's launcher, without `fabric-lite launch`'s config file: as torchrun below)
+        cmd = [sys.executable, "-m", "fabric_lite.launch.xla_launch", str(devices), script, *sys.argv[1:]]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(devices), "--nnodes",
                str(num_nodes), "--master-addr", "127.0.0.1", "--master-port", str(free_port()), script, *sys.argv[1:]]

@@ -84,6 +84,9 @@ def test_fabric_lite_launch_tpu_without_torch_xla_says_what_to_install(tmp_path)
     (["--tpu", "--cpu"], "--cpu and --tpu ask for two different devices"),
     (["--tpu", "--nnodes", "2"], "run the same command on every TPU host"),
     (["--strategy", "xla_spmd", "--nproc-per-node", "2"], "drives every XLA device from one process"),
+    (["--tpu", "--strategy", "ddp"], "XLA devices train with --strategy xla"),
+    (["--tpu", "--nproc-per-node", "0"], "must be a whole number >= 1"),
+    (["--tpu", "--module"], "--module / --no-python with --tpu"),
 ])
 def test_fabric_lite_launch_refuses_xla_launches_that_cannot_work(tmp_path, flags, expected):
     script = tmp_path / "train.py"
@@ -135,3 +138,23 @@ def test_auto_picks_xla_only_where_pjrt_device_says_so(monkeypatch):
     assert resolve_accelerator("tpu") == resolve_accelerator("xla") == "xla"
     monkeypatch.setenv("PJRT_DEVICE", "TPU")
     assert resolve_accelerator("auto") == "xla"
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")  # what importing torch_xla sets where it finds no TPU: not a reason
+    assert resolve_accelerator("auto") == "cpu"
+
+
+def test_a_strategy_instance_without_aliases_works_in_the_trainer():
+    from fabric_lite import Trainer
+    from fabric_lite.strategies.single import SingleDeviceStrategy
+
+    class Mine(SingleDeviceStrategy):
+        aliases = ()
+
+    assert isinstance(Trainer(strategy=Mine(), enable_progress_bar=False).strategy, Mine)
+
+
+@pytest.mark.parametrize("flag", [["--num-processes", "2"], ["--main-training-function", "main"]])
+def test_xla_launch_flags_are_refused_for_torchrun_launches(tmp_path, flag):
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('the script must not run')\n")
+    proc = launch(*flag, str(script))
+    assert proc.returncode == 2 and "applies to XLA launches (--tpu)" in proc.stderr, proc.stderr

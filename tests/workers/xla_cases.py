@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from fabric_lite import Accelerator, Trainer, TrainModule
+from fabric_lite.utils import DistributedDataParallelKwargs
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
@@ -84,7 +85,7 @@ def mode_replicas():
 
 
 def mode_reference():
-    acc = Accelerator(gradient_accumulation_steps=2)
+    acc = Accelerator(accelerator="tpu", gradient_accumulation_steps=2)
     model = make_model(seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     # replicas r=0,1 take micro-batches 2k and 2k+1 of size b/2 each: in order, that is one loader of size b
@@ -181,6 +182,9 @@ def mode_errors():
         "fp16": error_of(lambda: Accelerator(accelerator="tpu", mixed_precision="fp16")),
         "lone_devices": error_of(lambda: Accelerator(accelerator="tpu", devices=2)),
         "ddp_on_tpu": error_of(lambda: Accelerator(accelerator="tpu", strategy="ddp")),
+        # an Accelerate script's DDP kwargs handler on a TPU: ignored there, as Accelerate does
+        "ddp_kwargs_on_tpu": error_of(lambda: Accelerator(
+            accelerator="tpu", kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])),
         "too_many": error_of(lambda: Accelerator(strategy="xla_spmd", devices=3)),  # (last: it turns SPMD on)
     }
     write(0, out)

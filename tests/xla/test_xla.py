@@ -91,11 +91,17 @@ def test_notebook_launcher_runs_a_function_on_two_replicas_and_returns_their_res
         "    total = acc.reduce(torch.tensor([acc.process_index + 1.0], device=acc.device), 'sum')\n"
         "    return [acc.process_index, acc.num_processes, str(acc.device), total.cpu().tolist()]\n"
         "if __name__ == '__main__':\n"
-        "    print('RESULTS', json.dumps(notebook_launcher(train, num_processes=2)))\n")
+        "    results = notebook_launcher(train, num_processes=2)\n"
+        "    import os\n"
+        "    leaked = sorted(k for k in os.environ if k.startswith('FABRIC_LITE_') or k == 'CPU_NUM_DEVICES')\n"
+        "    print('RESULTS', json.dumps(results))\n"
+        "    print('LEAKED', json.dumps(leaked))\n")
     code, output = run([sys.executable, str(script)], tmp_path, attempts=4)
     assert code == 0, output[-6000:]
     results = json.loads(output.split("RESULTS", 1)[1].strip().splitlines()[0])
     assert results == [[0, 2, "xla:0", [3.0]], [1, 2, "xla:1", [3.0]]]
+    leaked = json.loads(output.split("LEAKED", 1)[1].strip().splitlines()[0])
+    assert leaked == ["FABRIC_LITE_CONFIG_DIR"]  # (set by this test) the launch's settings left with it
 
 
 def test_trainer_devices_2_starts_two_xla_replicas_that_train_alike(tmp_path):
@@ -144,6 +150,7 @@ def test_bad_input_on_xla_gets_a_value_error_naming_the_value_and_the_fix(tmp_pa
     assert many["type"] == "ValueError" and "devices=3" in many["message"] and "has 2 device(s)" in many["message"]
     ddp = errors["ddp_on_tpu"]
     assert ddp["type"] == "ValueError" and "strategy='xla'" in ddp["message"], ddp
+    assert errors["ddp_kwargs_on_tpu"] is None
 
 
 def test_fabric_lite_launch_runs_a_named_training_function_on_every_replica(tmp_path):
@@ -151,16 +158,37 @@ def test_fabric_lite_launch_runs_a_named_training_function_on_every_replica(tmp_
     script.write_text(
         "import os, torch\n"
         "from fabric_lite import Accelerator\n"
+        "class Note:\n"
+        "    def __init__(self, rank): self.rank = rank\n"
         "def main():\n"
         "    acc = Accelerator()\n"
-        "    open(os.path.join(os.environ['OUT'], f'rank{acc.process_index}'), 'w').write(str(acc.num_processes))\n"
+        "    notes = acc.gather_for_metrics([Note(acc.process_index)], use_gather_object=True)\n"
+        "    text = f'{acc.num_processes} {[n.rank for n in notes]}'\n"
+        "    open(os.path.join(os.environ['OUT'], f'rank{acc.process_index}'), 'w').write(text)\n"
         "print('imported as', __name__)\n")
     code, output = run([sys.executable, "-m", "fabric_lite.cli", "launch", "--tpu", "--num-processes", "2",
                         "--main-training-function", "main", str(script)], tmp_path, env={"OUT": str(tmp_path)},
                        attempts=4)
     assert code == 0, output[-6000:]
-    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["2", "2"]
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["2 [0, 1]", "2 [0, 1]"]
     assert "imported as __main__" not in output
+
+
+def test_set_seed_before_the_accelerator_under_an_spmd_launch(tmp_path):
+    script = tmp_path / "spmd.py"
+    script.write_text(
+        "import torch\n"
+        "from fabric_lite import Accelerator\n"
+        "from fabric_lite.utils import set_seed\n"
+        "set_seed(3)\n"
+        "acc = Accelerator()\n"
+        "model = acc.prepare(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5)))\n"
+        "out = model(torch.ones(4, 4).to(acc.device))\n"
+        "print('SPMD', acc.strategy.aliases[0], acc.num_processes, int((out == 0).sum()))\n")
+    code, output = run([sys.executable, "-m", "fabric_lite.cli", "launch", "--strategy", "xla_spmd", str(script)],
+                       tmp_path, env={"CPU_NUM_DEVICES": "2"})
+    assert code == 0, output[-6000:]
+    assert "SPMD xla_spmd 1 " in output
 
 
 def test_a_replica_that_fails_ends_the_launch_instead_of_leaving_its_peer_waiting(tmp_path):
