@@ -106,8 +106,6 @@ class XLAStrategy(Strategy):
     aliases: ClassVar[Tuple[str, ...]] = ("xla",)
     accelerate_type: ClassVar[Optional[str]] = "XLA"
     runtime_device_type: ClassVar[Optional[str]] = "xla"
-    #: One process drives every device through sharding annotations (XLASPMDStrategy).
-    spmd: ClassVar[bool] = False
 
     def __init__(self, sync_module_states: bool = True) -> None:
         super().__init__()
@@ -127,23 +125,23 @@ class XLAStrategy(Strategy):
         import torch_xla.runtime as xr
 
         self._torch_xla, self._xm = torch_xla, xm
-        if self.spmd:
+        if self.drives_all_devices:
             xr.use_spmd()  # before any tensor reaches a device
             if xr.process_count() > 1:
                 raise RuntimeError(
                     f"strategy='xla_spmd' over {xr.process_count()} hosts is not supported: each host would feed and "
                     f"save the whole global batch. Use strategy='xla' (one replica per device) on a multi-host TPU.")
-        process = detect_xla_process(xr, spmd=self.spmd)
+        process = detect_xla_process(xr, spmd=self.drives_all_devices)
         if launched.world_size > 1 and process.world_size != launched.world_size:
             raise RuntimeError(
                 f"{launched.world_size} processes were started by {launched.source}, but torch_xla sees "
                 f"{process.world_size} replica(s) in this one: XLA replicas are started by torch_xla's own launcher. "
                 f"Use `fabric-lite launch --tpu --nproc-per-node N train.py`.")
-        _check_devices(devices, process, xr, self.spmd)
+        _check_devices(devices, process, xr, self.drives_all_devices)
         from fabric_lite.seed import xla_runtime_started
 
         xla_runtime_started()
-        self._threads = not self.spmd and xr.addressable_device_count() > 1
+        self._threads = not self.drives_all_devices and xr.addressable_device_count() > 1
         return process, torch_xla.device()
 
     def setup_environment(self) -> None:
@@ -166,7 +164,7 @@ class XLAStrategy(Strategy):
         """Point an optimizer built before `prepare` at the model's XLA parameters (by name): moving a module to
         an XLA device makes new Parameter objects."""
         self._moved.repoint(optimizer, "the model before it moved to the XLA device",
-                            lambda p: p.device.type == "xla", type(self).aliases[0])
+                            lambda p: p.device.type == "xla", (type(self).aliases or ("xla",))[0])
         return optimizer
 
     def unwrap_module(self, module: nn.Module) -> nn.Module:
@@ -380,7 +378,6 @@ class XLASPMDStrategy(XLAStrategy):
     mesh; the compiler inserts the gradient reduction. Global batches must divide by the device count."""
 
     aliases: ClassVar[Tuple[str, ...]] = ("xla_spmd",)
-    spmd: ClassVar[bool] = True
     drives_all_devices: ClassVar[bool] = True
 
     def __init__(self) -> None:
