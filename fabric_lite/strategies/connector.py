@@ -26,7 +26,8 @@ def _mps_available() -> bool:
 def resolve_accelerator(accelerator: str) -> str:
     """'auto' -> the best device type here; 'gpu' -> 'cuda' (or 'mps' on Apple silicon); 'tpu' -> 'xla'.
 
-    'auto' picks XLA only where PJRT_DEVICE says so (a TPU VM, or `fabric-lite launch --tpu`)."""
+    'auto' picks XLA only where PJRT_DEVICE names a TPU (or another XLA accelerator); replicas that
+    `fabric-lite launch --tpu` started are told by the launch settings (the doors read them)."""
     name = str(accelerator).lower()
     if name not in _ACCELERATORS:
         raise ValueError(
