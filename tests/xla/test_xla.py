@@ -5,10 +5,11 @@ The conformance suite (tests/strategies/test_conformance.py) runs strategies "xl
 clipping, collectives, checkpoints and a killed-then-resumed run, bit for bit. These tests add what only XLA
 has: replicas started by torch_xla's launcher, precisions, checkpoints moving to the CPU and back, its errors.
 
-Two replicas on XLA's CPU device are threads of one process. XLA's own rendezvous between them sometimes
-gives up ("Termination timeout for `all gather RendezvousKey...` of 10 seconds exceeded", the process aborts:
-about one launch in four on a 2-core machine); a launch that ended that way is started again, up to 4 times,
-and the numbers of a launch that finished are always asserted.
+Two replicas on XLA's CPU device are threads of one process. XLA's own rendezvous between them can give up
+("Termination timeout for `all gather RendezvousKey...` of 10 seconds exceeded", the process aborts; seen in
+about one launch in four on a 2-core machine before the loader stopped marking a second step a step, in none
+of 28 since); a launch that ended that way is started again, up to 4 times, and the numbers of a launch that
+finished are always asserted.
 """
 
 import json
