@@ -53,6 +53,10 @@ def explain_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None
         flags, args, config_path, config = parse_with_config(parser, argv, env)
     except ConfigError as err:
         return _error(str(err))
+    if args.tpu or args.strategy in ("xla", "xla_spmd"):
+        return _error("explain plans launches over torchrun; an XLA launch (--tpu, --strategy xla or xla_spmd) is "
+                      "not planned here. Start it with `fabric-lite launch --tpu ...`; the README's TPU section says "
+                      "what each replica runs.")
     try:
         check_launch(args)
         settings: Dict[str, Optional[str]] = dict(settings_env(args.mixed_precision, args.gradient_accumulation_steps,

@@ -158,3 +158,15 @@ def test_xla_launch_flags_are_refused_for_torchrun_launches(tmp_path, flag):
     script.write_text("raise SystemExit('the script must not run')\n")
     proc = launch(*flag, str(script))
     assert proc.returncode == 2 and "applies to XLA launches (--tpu)" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("flags", [["--tpu"], ["--strategy", "xla_spmd"]])
+def test_explain_refuses_an_xla_launch_instead_of_planning_torchrun(tmp_path, flags):
+    import os
+
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('the script must not run')\n")
+    env = {k: v for k, v in os.environ.items() if k != "PJRT_DEVICE"}
+    proc = subprocess.run([sys.executable, "-m", "fabric_lite.cli", "explain", *flags, str(script)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "an XLA launch" in proc.stderr and "must not run" not in proc.stderr, proc.stderr
