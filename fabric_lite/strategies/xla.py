@@ -286,24 +286,23 @@ class XLAStrategy(Strategy):
 
     def _average_in_place(self, tensors: List[torch.Tensor]) -> None:
         if self._threads and self.world_size > 1:
-            for group in _by_dtype(tensors):
-                flat = torch.cat([t.reshape(-1) for t in group])
-                mean = self._rows(flat, now=False).sum(0) / self.world_size
-                offset = 0
-                for t in group:
-                    t.copy_(mean[offset:offset + t.numel()].view_as(t))
-                    offset += t.numel()
+            self._exchange_flat(tensors, lambda rows: rows.sum(0) / self.world_size)
         else:
             xm = self._xm
             xm.all_reduce(xm.REDUCE_SUM, tensors, scale=1.0 / self.world_size)
 
     def _broadcast_in_place(self, tensors: List[torch.Tensor], src: int = 0) -> None:
-        if not self._threads:
+        if self._threads:
+            self._exchange_flat(tensors, lambda rows: rows[src])
+        else:
             self._xm.collective_broadcast(tensors, root_ordinal=src)
-            return
+
+    def _exchange_flat(self, tensors: List[torch.Tensor], combine: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """One all-gather per dtype of the tensors flattened together; `combine(rows)` gives the new flat values,
+        copied back in place."""
         with torch.no_grad():
             for group in _by_dtype(tensors):
-                flat = self._rows(torch.cat([t.reshape(-1) for t in group]), now=False)[src]
+                flat = combine(self._rows(torch.cat([t.reshape(-1) for t in group]), now=False))
                 offset = 0
                 for t in group:
                     t.copy_(flat[offset:offset + t.numel()].view_as(t))
