@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from fabric_lite.accelerator.wrappers import HookHandle
+from fabric_lite.checkpoint import names
 from fabric_lite.checkpoint import state as state_io
 
 __all__ = ["ModelState"]
@@ -53,7 +54,7 @@ class ModelState:
             state_io.save_model_weights(state, os.fspath(save_directory), max_shard_size, safe_serialization)
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> Dict[str, torch.Tensor]:
-        return self.strategy.module_state_dict(model)
+        return names.canonical_state(self.strategy.module_state_dict(model))
 
     @contextlib.contextmanager
     def init_module(self, empty_init: Optional[bool] = None) -> Iterator[None]:
@@ -89,6 +90,7 @@ class ModelState:
             error = self.strategy.broadcast_object(error)
         if error is not None:
             raise ValueError(f"load_model_weights could not read {source}: {error}")
+        state = names.for_module(state, self.strategy.unwrap_module(model).state_dict().keys())
         self.strategy.load_module_state_dict(model, state, strict=strict)
 
     # -- whole-run checkpoints ---------------------------------------------------------------------

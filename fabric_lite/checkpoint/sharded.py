@@ -24,6 +24,7 @@ import torch
 
 from fabric_lite.checkpoint import files as checkpoint_io
 from fabric_lite.checkpoint.files import CheckpointError, CheckpointWriter
+from fabric_lite.checkpoint.names import canonical, canonical_state, for_module
 
 __all__ = ["ENGINE", "save", "read", "consolidate", "is_shard_file", "optimizer_state_by_name"]
 
@@ -61,8 +62,8 @@ def _crc(fs: Any, path: str) -> str:
 
 
 def parameter_names(module: torch.nn.Module) -> Dict[int, str]:
-    """id(parameter) -> the name it has in the module's state dict (wrapper prefixes are the module's business)."""
-    return {id(v): k for k, v in module.state_dict(keep_vars=True).items()}
+    """id(parameter) -> its canonical name (the module's state-dict key without wrapper segments)."""
+    return {id(v): canonical(k) for k, v in module.state_dict(keep_vars=True).items()}
 
 
 def optimizer_state_by_name(module: Optional[torch.nn.Module], optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
@@ -143,7 +144,8 @@ def save(writer: CheckpointWriter, strategy: Any, models: Sequence[torch.nn.Modu
     """Every rank: write this process's shards of every model and optimizer into `writer`'s staging dir."""
     import torch.distributed.checkpoint as dcp
 
-    state: Dict[str, Any] = {f"model_{i}": strategy.unwrap_module(m).state_dict() for i, m in enumerate(models)}
+    state: Dict[str, Any] = {f"model_{i}": canonical_state(strategy.unwrap_module(m).state_dict())
+                             for i, m in enumerate(models)}
     for j, (module, optimizer) in enumerate(optimizers):
         state[f"optimizer_{j}"] = optimizer_state_by_name(
             strategy.unwrap_module(module) if module is not None else None, optimizer)
@@ -202,7 +204,7 @@ def read(url: str, manifest: Dict[str, Any], strategy: Any, models: Sequence[tor
     fs, path = checkpoint_io.filesystem(url)
     reader = _storage(fs, path, write=False)
     saved = _tensor_shapes(reader.read_metadata())
-    states = [strategy.unwrap_module(m).state_dict() for m in models]
+    states = [canonical_state(strategy.unwrap_module(m).state_dict()) for m in models]
     for i, current in enumerate(states):
         _check_model(url, i, current, saved, strict)
 
@@ -239,7 +241,8 @@ def read(url: str, manifest: Dict[str, Any], strategy: Any, models: Sequence[tor
                                   f"it in the optimizers. Build the model and optimizers as the run that saved it "
                                   f"did (an optimizer with other settings keeps other state).") from err
         for i, m in enumerate(models):
-            strategy.unwrap_module(m).load_state_dict(target[f"model_{i}"], strict=strict)
+            module = strategy.unwrap_module(m)
+            module.load_state_dict(for_module(target[f"model_{i}"], module.state_dict().keys()), strict=strict)
         for j, (_, optimizer) in enumerate(optimizers):
             # state only for the parameters that had it when saved, as a full checkpoint's load_state_dict gives
             optimizer.load_state_dict(_by_position(optimizer, target[f"optimizer_{j}"], layouts[j]))

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
 import torch
 
 from fabric_lite.checkpoint import files as checkpoint_io
-from fabric_lite.checkpoint import sharded
+from fabric_lite.checkpoint import names, sharded
 from fabric_lite.checkpoint.files import CheckpointError, CheckpointWriter
 from fabric_lite.seed import capture_rng_state, restore_rng_state
 
@@ -235,7 +235,7 @@ def _write_files(acc: "Accelerator", writer: CheckpointWriter, url: str) -> None
     engine = _format_of(strategy)
     if engine is None:
         # State dicts are built on every rank: sharded strategies need all ranks to assemble them.
-        weights = [strategy.module_state_dict(model) for model in acc.models]
+        weights = [names.canonical_state(strategy.module_state_dict(model)) for model in acc.models]
     elif engine == sharded.ENGINE:  # every rank writes its own shards
         weights = []
         sharded.save(writer, strategy, acc.models, [(opt.module, opt.optimizer) for opt in acc.optimizers])
@@ -366,8 +366,10 @@ def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]],
     else:
         apply_engine = strategy.read_engine_state(url, manifest, strict) if engine else None
     weights = [] if saved_as else [_load(url, f"model_{i}.pt", manifest, weights_only) for i in range(len(acc.models))]
-    for i, (model, saved_weights) in enumerate(zip(acc.models, weights)):
-        _check_keys(url, i, strategy.unwrap_module(model).state_dict(), saved_weights, strict)
+    for i, model in enumerate(acc.models[:len(weights)]):
+        current = strategy.unwrap_module(model).state_dict()
+        weights[i] = names.for_module(weights[i], current.keys())  # saved with or without torch.compile
+        _check_keys(url, i, current, weights[i], strict)
     rng_name = f"rng_{strategy.global_rank}.pt"
     local = _load(url, rng_name, manifest, weights_only=True) if rng_name in manifest["files"] else None
 
