@@ -27,6 +27,7 @@ from fabric_lite.engine import StepEngine
 from fabric_lite.strategies.environments import detect_process, read_launch_settings, records_explain_arguments
 from fabric_lite.accelerator.wrappers import AcceleratedOptimizer, AcceleratedScheduler, is_scheduler
 from fabric_lite.accelerator.model_state import ModelState
+from fabric_lite.checkpoint.saver import CheckpointSaver
 from fabric_lite.strategies.precision import PrecisionForward
 from fabric_lite.accelerator.process_control import ProcessControl
 from fabric_lite.strategies import Strategy
@@ -148,6 +149,8 @@ class Accelerator(StepEngine, ProcessControl, ModelState):
         self.registered_objects: List[Any] = []
         self.per_process_objects: List[Any] = []
         self._preemption: Any = None
+        #: Runs `save_state`'s saves: blocking ones in place, background ones one at a time (checkpoint/saver.py).
+        self.checkpoint_saver = CheckpointSaver(strategy)
         self.log_with = log_with
         self.trackers: List[GeneralTracker] = []
         self.dynamo_backend = None if dynamo_backend in (None, "no", "NO") else str(dynamo_backend).lower()
@@ -387,14 +390,18 @@ class Accelerator(StepEngine, ProcessControl, ModelState):
         measurable. On True, save a checkpoint and exit, e.g.
         ``accelerator.save_state(...); sys.exit(fabric_lite.EXIT_PREEMPTED)``. Once True, further
         SIGTERM/SIGUSR1 are ignored, so the process leaves with that status even when a launcher
-        signals it again.
+        signals it again. The same collective carries a failed background save (`save_state(blocking=False)`),
+        which this call then raises on every process at once.
         """
         if self._preemption is None:
             from fabric_lite.launch.preemption import PreemptionWatch
 
             self._preemption = PreemptionWatch()
             self._preemption.install()
-        stop = self._preemption.should_stop(self.strategy)
+        saver = self.checkpoint_saver
+        stop = self._preemption.should_stop(self.strategy, save_failed=saver.failed)
+        if self._preemption.save_failed_anywhere:
+            saver.raise_failure()  # every process, at this same call
         if stop:
             self._preemption.uninstall()
             self._preemption.ignore_signals()
@@ -424,7 +431,9 @@ class Accelerator(StepEngine, ProcessControl, ModelState):
             tracker.log(values, step=step, **(log_kwargs or {}).get(tracker.name, {}))
 
     def end_training(self) -> None:
-        """Close trackers, wait for every process, and shut the process group down."""
+        """Wait for a background save in flight, close trackers, wait for every process, and shut the process
+        group down."""
+        self.checkpoint_saver.close()
         for tracker in self.trackers:
             tracker.finish()
         self.trackers = []

@@ -106,10 +106,25 @@ class ModelState:
             raise ValueError(f"register_for_checkpointing needs state_dict/load_state_dict; these lack them: {bad}.")
         (self.per_process_objects if per_process else self.registered_objects).extend(objects)
 
-    def save_state(self, output_dir: Optional[Union[str, os.PathLike]] = None, **kwargs: Any) -> str:
-        """Save everything needed to continue exactly; returns the checkpoint's location."""
-        return state_io.save_state(self, output_dir)
+    def save_state(self, output_dir: Optional[Union[str, os.PathLike]] = None, blocking: bool = True,
+                   if_busy: str = "wait", durable: bool = False, **kwargs: Any) -> Optional[str]:
+        """Save everything needed to continue exactly; returns the checkpoint's location.
+
+        `blocking=False` returns as soon as the state is copied (to host memory); writing, checksums and
+        publishing go on in the background, one save at a time. A save asked for while one is still in flight
+        waits for it (`if_busy="wait"`) or is skipped (`"skip"`: returns None, on every process). A failed
+        background save is raised by the next `save_state`, `wait_for_checkpoint`, `check_preemption` or
+        `end_training`. `durable=True` fsyncs files and directories before publishing (local disks).
+
+        >>> accelerator.save_state("ckpt/step_100", blocking=False)   # doctest: +SKIP
+        """
+        return state_io.save_state(self, output_dir, blocking=blocking, if_busy=if_busy, durable=durable)
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait until the background save in flight (if any) is published; raise its error if it failed."""
+        self.checkpoint_saver.wait()
 
     def load_state(self, input_dir: Optional[Union[str, os.PathLike]] = None, **kwargs: Any) -> str:
         """Restore what `save_state` wrote: weights, optimizers, schedulers, scaler, RNGs, loader positions."""
+        self.checkpoint_saver.wait()  # a checkpoint still being written is not yet there to be found
         return state_io.load_state(self, input_dir, **kwargs)

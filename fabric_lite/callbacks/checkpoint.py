@@ -7,6 +7,9 @@ import re
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from fabric_lite.callbacks.base import Callback
+from fabric_lite.checkpoint import files as checkpoint_io
+from fabric_lite.checkpoint.files import copy_checkpoint
+from fabric_lite.checkpoint.saver import IF_BUSY
 
 if TYPE_CHECKING:
     from fabric_lite.trainer.module import TrainModule
@@ -20,15 +23,25 @@ class ModelCheckpoint(Callback):
 
     `filename` is a template over `epoch`, `step` and logged metrics, e.g. ``"{epoch}-{val/acc:.3f}"``
     (a `/` in a metric name becomes `_` in the file name). With `monitor`, the best `save_top_k` stay.
+    `async_save=True` writes in the background (one save in flight; `if_busy` says what a save due meanwhile
+    does); checkpoints it displaces are deleted only once the new one is published.
     """
 
     def __init__(self, dirpath: Optional[str] = None, filename: Optional[str] = None, monitor: Optional[str] = None,
                  mode: str = "min", save_top_k: int = 1, save_last: Optional[bool] = None,
-                 every_n_train_steps: Optional[int] = None, every_n_epochs: Optional[int] = None) -> None:
+                 every_n_train_steps: Optional[int] = None, every_n_epochs: Optional[int] = None,
+                 async_save: bool = False, if_busy: str = "wait") -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"ModelCheckpoint(mode={mode!r}): allowed values are 'min' and 'max'.")
         if save_top_k < -1:
             raise ValueError(f"ModelCheckpoint(save_top_k={save_top_k}) must be -1 (keep all), 0 or more.")
+        if if_busy not in IF_BUSY:
+            raise ValueError(f"ModelCheckpoint(if_busy={if_busy!r}): allowed values are "
+                             f"{', '.join(map(repr, IF_BUSY))}.")
+        #: Write in the background: training waits only for a copy of the state (`Accelerator.save_state`).
+        self.async_save = async_save
+        #: A save due while the previous one is still being written waits for it ("wait") or is skipped ("skip").
+        self.if_busy = if_busy
         self.dirpath = dirpath
         self.filename = filename or "{epoch}-{step}"
         self.monitor = monitor
@@ -124,15 +137,23 @@ class ModelCheckpoint(Callback):
                 before = (dict(self.best_k_models), self.best_model_path)
                 self.best_k_models[path] = current if current is not None else float(trainer.global_step)
                 displaced = self._displaced(keep=path)
+                after = [lambda: self._delete(displaced)]  # only once the new one is whole
+                if self.save_last:  # `last` is a copy of this one, made after it is published
+                    after.append(lambda: copy_checkpoint(path, f"{base}/last"))
                 try:
-                    trainer.save_checkpoint(path)
+                    saved = trainer.save_checkpoint(path, blocking=not self.async_save, if_busy=self.if_busy,
+                                                    after_commit=after)
                 except BaseException:
                     self.best_k_models, self.best_model_path = before
                     raise
-                self._delete(trainer, displaced)  # only now that the new one is whole
+                if saved is None:  # skipped: the previous save was still being written
+                    self.best_k_models, self.best_model_path = before
+                elif self.save_last:
+                    self.last_model_path = f"{base}/last"
+                return
         if self.save_last:
-            self.last_model_path = f"{base}/last"
-            trainer.save_checkpoint(self.last_model_path)
+            if trainer.save_checkpoint(f"{base}/last", blocking=not self.async_save, if_busy=self.if_busy):
+                self.last_model_path = f"{base}/last"
 
     def _is_top_k(self, current: Optional[float]) -> bool:
         if current is None or math.isnan(current):
@@ -163,13 +184,10 @@ class ModelCheckpoint(Callback):
             self.best_model_path = best[0]
         return displaced
 
-    def _delete(self, trainer: "Trainer", paths: list) -> None:
-        from fabric_lite.checkpoint import files as checkpoint_io
-
-        if paths and trainer.is_global_zero:
-            for path in paths:
-                fs, p = checkpoint_io.filesystem(path)
-                if fs.exists(p):
-                    fs.rm(p, recursive=True)
-        if paths:
-            trainer.strategy.barrier()
+    @staticmethod
+    def _delete(paths: list) -> None:
+        """Main process, after the save that displaced them is published."""
+        for path in paths:
+            fs, p = checkpoint_io.filesystem(path)
+            if fs.exists(p):
+                fs.rm(p, recursive=True)

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 __all__ = ["CheckpointError", "CheckpointWriter", "read_manifest", "load_file", "save_file", "verify", "fit_problem", "shapes_of",
-           "update_latest", "newest_whole_checkpoint", "FORMAT_VERSION"]
+           "update_latest", "newest_whole_checkpoint", "copy_checkpoint", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 2  # 2: main-process state in one training_state.pt
 MANIFEST = "manifest.json"
@@ -184,9 +184,12 @@ class CheckpointWriter:
     and broadcasts it), writes its own files, and rank 0 commits with everyone's checksums.
     """
 
-    def __init__(self, url: str, staging_token: Optional[str] = None, storage_options: Optional[dict] = None):
+    def __init__(self, url: str, staging_token: Optional[str] = None, storage_options: Optional[dict] = None,
+                 durable: bool = False):
         self.url = os.fspath(url)
         self.fs, self.path = filesystem(self.url, storage_options)
+        #: fsync every file and directory before the checkpoint is published (local disks: power-loss safety)
+        self.durable = durable
         self.token = staging_token or uuid.uuid4().hex[:12]
         self.staging = f"{self.path.rstrip('/')}.staging-{self.token}"
         self.checksums: Dict[str, str] = {}
@@ -216,24 +219,72 @@ class CheckpointWriter:
             with io.BufferedWriter(out, 1 << 16) as buffered:
                 torch.save(obj, buffered)
         self.checksums[name] = out.hexdigest()
+        if self.durable:
+            _fsync(self.fs, _join(self.fs, self.staging, name))
 
     def commit(self, checksums: Dict[str, str], meta: Optional[Dict[str, Any]] = None) -> None:
         meta = {"saved_at": time.time(), **(meta or {})}
         manifest = {"format_version": FORMAT_VERSION, "checksum": CHECKSUM, "files": checksums, "meta": meta}
-        with self.fs.open(_join(self.fs, self.staging, MANIFEST), "w") as f:
+        # under another name first: a manifest.json that exists is whole (a crash mid-write leaves no torn one)
+        partial = _join(self.fs, self.staging, f"{MANIFEST}.partial")
+        with self.fs.open(partial, "w") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
+        if self.durable:
+            _fsync(self.fs, partial)
+        self.fs.mv(partial, _join(self.fs, self.staging, MANIFEST))
+        if self.durable:  # the files and their names are on disk before the directory is renamed into place
+            _fsync(self.fs, self.staging)
         target = self.path.rstrip("/")
         old = None
         if self.fs.exists(target):
             old = f"{target}.old-{self.token}"
             _move_dir(self.fs, target, old)
         _move_dir(self.fs, self.staging, target)
+        if self.durable:  # the rename itself
+            _fsync(self.fs, target.rsplit("/", 1)[0] if "/" in target else ".")
         if old is not None:
             self.fs.rm(old, recursive=True)
 
     def abort(self) -> None:
         if self.fs.exists(self.staging):
             self.fs.rm(self.staging, recursive=True)
+
+
+def _fsync(fs: Any, path: str) -> None:
+    """Flush a local file or directory to the disk (other stores make an upload durable when it completes)."""
+    protocol = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    if not {"file", "local"} & set(protocol):
+        return
+    fd = os.open(fs._strip_protocol(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def copy_checkpoint(src: str, dst: str, storage_options: Optional[dict] = None) -> None:
+    """Publish a copy of the whole checkpoint `src` at `dst` (same store), with the same guarantee as a save:
+    the files are staged next to `dst`, and the previous checkpoint there is replaced only once all are in."""
+    fs, src_path = filesystem(src, storage_options)
+    manifest = read_manifest(src, storage_options)
+    writer = CheckpointWriter(dst, storage_options=storage_options)
+    try:
+        writer.clean_up_interrupted()
+        for name in manifest["files"]:
+            fs.copy(_join(fs, src_path, name), _join(fs, writer.staging, name))
+        writer.checksums = dict(manifest["files"])
+        writer.commit(writer.checksums, manifest.get("meta"))
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def _whole_manifest(fs: Any, path: str) -> bool:
+    try:
+        with fs.open(path, "r") as f:
+            return isinstance(json.load(f), dict)
+    except (OSError, ValueError):
+        return False
 
 
 def _recover(fs: Any, path: str) -> None:
@@ -246,7 +297,7 @@ def _recover(fs: Any, path: str) -> None:
     except FileNotFoundError:
         return
     staged = [p for p in siblings if p.rstrip("/").rsplit("/", 1)[-1].startswith(f"{name}.staging-")]
-    complete = [p for p in staged if fs.exists(_join(fs, p, MANIFEST))]  # the manifest is written last
+    complete = [p for p in staged if _whole_manifest(fs, _join(fs, p, MANIFEST))]  # the manifest is written last
     old = [p for p in siblings if p.rstrip("/").rsplit("/", 1)[-1].startswith(f"{name}.old-")]
     if complete:
         _move_dir(fs, complete[0], target)
@@ -272,7 +323,11 @@ def read_manifest(url: str, storage_options: Optional[dict] = None) -> Dict[str,
             )
         raise CheckpointError(f"No checkpoint at {url}.")
     with fs.open(manifest_path, "r") as f:
-        manifest = json.load(f)
+        try:
+            manifest = json.load(f)
+        except ValueError as err:
+            raise CheckpointError(f"{url}/{MANIFEST} is not readable JSON ({err}): the checkpoint is damaged. "
+                                  f"Load an earlier checkpoint.") from None
     bad = [n for n in manifest.get("files", {}) if not _plain_name(n)]
     if bad:  # a name like "../x" or "/abs" would make loading read, or consolidation write, outside it
         raise CheckpointError(f"{url}/{MANIFEST} lists file names that are not plain names: {bad[:5]}. "
@@ -357,14 +412,18 @@ def verify(url: str, storage_options: Optional[dict] = None) -> Dict[str, Any]:
     return manifest
 
 
-def update_latest(url: str, storage_options: Optional[dict] = None) -> None:
+def update_latest(url: str, storage_options: Optional[dict] = None, durable: bool = False) -> None:
     """Point ``latest`` (next to the checkpoint at `url`) at it; call only once it is published."""
     fs, path = filesystem(url, storage_options)
     parent, name = path.rstrip("/").rsplit("/", 1) if "/" in path.rstrip("/") else (".", path.rstrip("/"))
     tmp = f"{parent}/{LATEST}.tmp-{uuid.uuid4().hex[:8]}"
     with fs.open(tmp, "w") as f:
         json.dump({"name": name}, f)
+    if durable:
+        _fsync(fs, tmp)
     fs.mv(tmp, f"{parent}/{LATEST}")
+    if durable:
+        _fsync(fs, parent)
 
 
 def _saved_at(fs: Any, path: str) -> float:

@@ -22,14 +22,16 @@ import json
 import os
 import pickle
 import re
+import time
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from fabric_lite.checkpoint import files as checkpoint_io
 from fabric_lite.checkpoint import names, sharded
 from fabric_lite.checkpoint.files import CheckpointError, CheckpointWriter
+from fabric_lite.checkpoint.saver import SaveJob, snapshot
 from fabric_lite.seed import capture_rng_state, restore_rng_state
 
 if TYPE_CHECKING:
@@ -171,7 +173,12 @@ def _numbered_checkpoints(root: str) -> List[tuple]:
 
 
 def save_state(acc: "Accelerator", output_dir: Optional[Union[str, os.PathLike]], update_latest: bool = False,
-               meta: Optional[Dict[str, Any]] = None) -> str:
+               meta: Optional[Dict[str, Any]] = None, blocking: bool = True, if_busy: str = "wait",
+               durable: bool = False, after_commit: Sequence[Callable[[], None]] = ()) -> Optional[str]:
+    """Save a checkpoint (every process, together); returns its URL, or None when skipped (``if_busy="skip"``
+    while a background save is still running). `blocking=False` returns once the state is copied (the rest
+    runs on a background thread, see `saver.py`); `after_commit` runs on the main process once it is published."""
+    blocked_since = time.perf_counter()
     project = acc.project_configuration
     automatic = project.automatic_checkpoint_naming
     if automatic:  # as in Accelerate, automatic naming decides the location
@@ -182,45 +189,41 @@ def save_state(acc: "Accelerator", output_dir: Optional[Union[str, os.PathLike]]
             "ProjectConfiguration(project_dir='runs', automatic_checkpoint_naming=True))."
         )
     url = os.fspath(output_dir)
+    saver = acc.checkpoint_saver
+    if not saver.make_room(if_busy):
+        return None
     strategy = acc.strategy
     token = strategy.broadcast_object(os.urandom(6).hex())
-    writer: Optional[CheckpointWriter] = None
-    error: Optional[BaseException] = None
+    engine = _format_of(strategy)
+    reason = None if blocking else saver.can_run_in_background(engine)
+    if reason is not None:
+        saver.warn_once(reason)
+    background = not blocking and reason is None
+    job = SaveJob(url, token, update_latest=update_latest or automatic, durable=durable,
+                  after_commit=list(after_commit))
+    job.meta = {"step": acc.step, "world_size": strategy.world_size, "iteration": project.iteration,
+                **({"engine": engine} if engine else {}), **(meta or {})}
     try:
-        writer = CheckpointWriter(url, staging_token=token)
-        if strategy.is_global_zero:
-            writer.clean_up_interrupted()
-        _write_files(acc, writer, url)
-    except Exception as err:  # every rank must reach the gather below, or the others hang
-        error = err
-    reports = strategy.all_gather_object((repr(error) if error else None, writer.checksums if writer else {}))
-    _raise_if_any_failed(reports, "save_state", url, error, writer if strategy.is_global_zero else None)
-    if strategy.is_global_zero:
-        try:
-            checksums: Dict[str, str] = {}
-            for _, part in reports:
-                checksums.update(part)
-            assert writer is not None
-            saved_as = _format_of(strategy)
-            engine_meta = {"engine": saved_as} if saved_as else {}
-            writer.commit(checksums, {"step": acc.step, "world_size": strategy.world_size,
-                                      "iteration": project.iteration, **engine_meta, **(meta or {})})
-            if update_latest or automatic:
-                checkpoint_io.update_latest(url)
-        except Exception as err:
-            error = err
-    commit_error = strategy.broadcast_object(repr(error) if error else None)
-    if commit_error is not None:
-        raise CheckpointError(f"save_state({url}) could not publish the checkpoint: {commit_error}") from error
+        job.files, job.write_more = _collect(acc, url, engine)
+        if background:
+            job.files, job.ready = snapshot(job.files, saver.buffers)
+    except Exception as err:  # reported through the job: the other processes must not wait for this one
+        job.error = err
+    if automatic and project.total_limit is not None:
+        root, limit = _checkpoints_root(acc), project.total_limit
+        job.after_commit.append(lambda: _prune(root, limit))
+    saver.run(job, background, blocked_since)  # a blocking save that fails raises here
     if automatic:
-        project.iteration += 1
-        if project.total_limit is not None and strategy.is_global_zero:
-            existing = _numbered_checkpoints(_checkpoints_root(acc))
-            for _, old in existing[: max(0, len(existing) - project.total_limit)]:
-                fs, path = checkpoint_io.filesystem(old)
-                fs.rm(path, recursive=True)
-        strategy.barrier()
+        project.iteration += 1  # (a background save takes its name now, whatever becomes of it)
     return url
+
+
+def _prune(root: str, limit: int) -> None:
+    """Delete the oldest numbered checkpoints beyond `limit` (main process, after a publish)."""
+    existing = _numbered_checkpoints(root)
+    for _, old in existing[: max(0, len(existing) - limit)]:
+        fs, path = checkpoint_io.filesystem(old)
+        fs.rm(path, recursive=True)
 
 
 def _format_of(strategy: Any) -> Optional[str]:
@@ -230,18 +233,20 @@ def _format_of(strategy: Any) -> Optional[str]:
     return sharded.ENGINE if strategy.sharded_checkpoints else None
 
 
-def _write_files(acc: "Accelerator", writer: CheckpointWriter, url: str) -> None:
+def _collect(acc: "Accelerator", url: str, engine: Optional[str]) -> Tuple[Dict[str, Any], Optional[Callable]]:
+    """This process's files (name -> object), and what writes an engine's own files (every process)."""
     strategy = acc.strategy
-    engine = _format_of(strategy)
+    write_more: Optional[Callable[[CheckpointWriter], None]] = None
     if engine is None:
         # State dicts are built on every rank: sharded strategies need all ranks to assemble them.
         weights = [names.canonical_state(strategy.module_state_dict(model)) for model in acc.models]
     elif engine == sharded.ENGINE:  # every rank writes its own shards
         weights = []
-        sharded.save(writer, strategy, acc.models, [(opt.module, opt.optimizer) for opt in acc.optimizers])
+        optimizers = [(opt.module, opt.optimizer) for opt in acc.optimizers]
+        write_more = lambda writer: sharded.save(writer, strategy, acc.models, optimizers)  # noqa: E731
     else:  # the engine writes model and optimizer state itself, each rank its own files
         weights = []
-        strategy.save_engine_state(writer)
+        write_more = strategy.save_engine_state
     for hook in acc.save_state_pre_hooks.values():
         hook(acc.models, weights, url)
     files: Dict[str, Any] = {f"model_{i}.pt": w for i, w in enumerate(weights)}
@@ -253,23 +258,10 @@ def _write_files(acc: "Accelerator", writer: CheckpointWriter, url: str) -> None
         "custom": [obj.state_dict() for obj in acc.registered_objects],
         "precision": strategy.precision.state_dict(),
     }
-    if strategy.is_global_zero:
-        for name, obj in files.items():
-            writer.write(name, obj)
-    writer.write(f"rng_{strategy.global_rank}.pt", _process_local_state(acc))
-
-
-def _raise_if_any_failed(reports: List[Any], verb: str, url: str, error: Optional[BaseException],
-                         writer: Optional[CheckpointWriter]) -> None:
-    failed = {rank: msg for rank, (msg, _) in enumerate(reports) if msg is not None}
-    if not failed:
-        return
-    if writer is not None:
-        writer.abort()  # the previous checkpoint at `url`, if any, is untouched
-    detail = "; ".join(f"rank {rank}: {msg}" for rank, msg in failed.items())
-    raise CheckpointError(
-        f"{verb}({url}) failed and wrote nothing ({detail}). The previous checkpoint there, if any, is intact."
-    ) from error
+    if not strategy.is_global_zero:
+        files = {}
+    files[f"rng_{strategy.global_rank}.pt"] = _process_local_state(acc)
+    return files, write_more
 
 
 def _process_local_state(acc: "Accelerator") -> Dict[str, Any]:

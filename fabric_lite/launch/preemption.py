@@ -34,6 +34,8 @@ class PreemptionWatch:
         self._countdown = 1
         self._interval = 1
         self._last_check: Optional[float] = None
+        #: Set by `should_stop`: some process reported a failed background checkpoint save.
+        self.save_failed_anywhere = False
 
     # -- signal handlers -----------------------------------------------------------------------------
     def install(self) -> bool:
@@ -67,9 +69,13 @@ class PreemptionWatch:
         return signal.Signals(self.received).name if self.received is not None else ""
 
     # -- agreement -------------------------------------------------------------------------------------
-    def should_stop(self, strategy: Any) -> bool:
-        """Call once per step on every process. True on all processes at the same step once any got a signal."""
+    def should_stop(self, strategy: Any, save_failed: bool = False) -> bool:
+        """Call once per step on every process. True on all processes at the same step once any got a signal.
+
+        `save_failed`: whether this process holds a failed background checkpoint save; the same all-reduce
+        carries it, and `save_failed_anywhere` is then True on every process at the same step."""
         if strategy.world_size == 1:
+            self.save_failed_anywhere = save_failed
             return self.received is not None
         self._countdown -= 1
         if self._countdown > 0:
@@ -79,9 +85,11 @@ class PreemptionWatch:
         if strategy.is_global_zero and self._last_check is not None and now > self._last_check:
             steps_per_second = self._interval / (now - self._last_check)
             proposal = float(min(10_000, max(1, int(steps_per_second * self.check_seconds))))
-        flags = torch.tensor([1.0 if self.received is not None else 0.0, proposal], device=strategy.root_device)
-        stop, interval = strategy.all_reduce(flags, "max").tolist()
+        flags = torch.tensor([1.0 if self.received is not None else 0.0, proposal, 1.0 if save_failed else 0.0],
+                             device=strategy.root_device)
+        stop, interval, failed = strategy.all_reduce(flags, "max").tolist()
         self._interval = max(1, int(interval))
         self._countdown = self._interval
         self._last_check = now
+        self.save_failed_anywhere = failed > 0
         return stop > 0

@@ -29,6 +29,7 @@ May override (the defaults suit one device or plain data parallel):
 `explain_lines`                what `fabric-lite explain` shows about the strategy (sharding, dtypes, bytes)
 `save_engine_state`, `read_engine_state`, `consolidate_checkpoint`
                                checkpoints in the engine's own files (when `checkpoint_engine` is set)
+`new_side_group`               a process group of its own for collectives off the training thread
 `_primitive_*`                 the backend's collectives (torch.distributed by default)
 =============================  =========================================================================
 """
@@ -90,6 +91,10 @@ class Strategy(abc.ABC):
     #: Every forward is a collective (ZeRO-3 gathers parameters): evaluation must give every process
     #: the same number of batches, padding included.
     forward_is_collective: bool = False
+    #: Its state copies to host memory without a step of its runtime, so a checkpoint can be written by a
+    #: background thread from such a copy (`save_state(blocking=False)`); with several processes, the saves
+    #: agree over `new_side_group()`.
+    background_checkpoints: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self.process = ProcessInfo()
@@ -314,6 +319,17 @@ class Strategy(abc.ABC):
         box = [obj if self.global_rank == src else None]
         self._primitive_broadcast_object_list(box, src)
         return box[0]
+
+    def new_side_group(self) -> Any:
+        """A process group of its own (gloo) for collectives off the training thread, which must never use the
+        training group: background checkpoint saves agree over it. Every process calls it at the same point;
+        None on one process."""
+        if self.world_size == 1:
+            return None
+        import torch.distributed as dist
+
+        timeout = getattr(self, "timeout", None)
+        return dist.new_group(backend="gloo", **({"timeout": timeout} if timeout is not None else {}))
 
     # -- backend primitives (torch.distributed by default) -----------------------------------------
     def _collective(self, name: str, fn: Callable[[], Any]) -> Any:

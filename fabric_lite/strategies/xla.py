@@ -106,6 +106,8 @@ class XLAStrategy(Strategy):
     aliases: ClassVar[Tuple[str, ...]] = ("xla",)
     accelerate_type: ClassVar[Optional[str]] = "XLA"
     runtime_device_type: ClassVar[Optional[str]] = "xla"
+    #: Reading XLA tensors to the host runs the pending graph (a step of the runtime, which moves its RNG).
+    background_checkpoints: ClassVar[bool] = False
 
     def __init__(self, sync_module_states: bool = True) -> None:
         super().__init__()

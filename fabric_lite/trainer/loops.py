@@ -190,8 +190,11 @@ def _train_epoch(trainer: "Trainer") -> None:
             hooks.batch_end(out, batch, batch_idx)
         for hook in hooks.cb_batch_end:
             hook(trainer, module, out, batch, batch_idx)
-        if trainer.preemption.should_stop(strategy):
+        saver = trainer.accelerator.checkpoint_saver
+        if trainer.preemption.should_stop(strategy, save_failed=saver.failed):
             _stop_preempted(trainer)
+        if trainer.preemption.save_failed_anywhere:
+            saver.raise_failure()  # every process at this same step
         if validates_in_epoch and _should_validate_in_epoch(trainer, batch_idx, limit):
             _validate(trainer)
         if 0 <= trainer.max_steps <= trainer.global_step or trainer.time_is_up():

@@ -13,7 +13,7 @@ import inspect
 import os
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -302,11 +302,13 @@ class Trainer:
         self.preemption.install()
         try:
             loops.run_fit(self)
+            self.accelerator.wait_for_checkpoint()  # the last save is published (or its failure raised) on return
         except BaseException as err:
             for cb in self.callbacks:
                 cb.on_exception(self, module, err)
             raise
         finally:
+            self.accelerator.checkpoint_saver.close(quiet=True)  # after a failure too: nothing is left writing
             self.preemption.uninstall()
             for cb in self.callbacks:
                 cb.teardown(self, module, "fit")
@@ -404,14 +406,18 @@ class Trainer:
         # broadcast that would wait for a process that has run out of (unpadded) batches.
         self.eval_model = self.accelerator.unwrap_model(self.model)
 
-    def save_checkpoint(self, path: str) -> None:
+    def save_checkpoint(self, path: str, blocking: bool = True, if_busy: str = "wait",
+                        after_commit: Sequence[Callable[[], None]] = ()) -> Optional[str]:
         """Write a full checkpoint (weights, optimizers, schedulers, RNG, loop position, callbacks).
 
-        Written whole or not at all; once published, ``latest`` in its directory names it."""
+        Written whole or not at all; once published, ``latest`` in its directory names it. `blocking=False`
+        returns once the state is copied and publishes it in the background (see `Accelerator.save_state`);
+        returns None where `if_busy="skip"` skipped it. `after_commit` runs on the main process once published."""
         from fabric_lite.checkpoint import state as state_io
 
-        state_io.save_state(self.accelerator, path, update_latest=True,
-                            meta={"epoch": self.current_epoch, "global_step": self.global_step})
+        return state_io.save_state(self.accelerator, path, update_latest=True, blocking=blocking, if_busy=if_busy,
+                                   after_commit=after_commit,
+                                   meta={"epoch": self.current_epoch, "global_step": self.global_step})
 
     def checkpoint_dir(self) -> str:
         callback = self.checkpoint_callback

@@ -793,25 +793,28 @@ class Dropout(TrainModule):
         return {"optimizer": opt, "lr_scheduler": step_lr(opt, 0.7)}
 
 
-def _resume_run(root, max_epochs, ckpt_path=None, rec=None, save_last=None):
+def _resume_run(root, max_epochs, ckpt_path=None, rec=None, save_last=None, async_save=False):
     set_seed(0)
     module = Dropout()
-    callbacks = [ModelCheckpoint(save_last=save_last)] + ([rec] if rec else [])
+    callbacks = [ModelCheckpoint(save_last=save_last, async_save=async_save)] + ([rec] if rec else [])
     trainer = make_trainer(root, callbacks, max_epochs=max_epochs, enable_checkpointing=True)
     trainer.fit(module, loader(regression_data(n=30), batch_size=4, shuffle=True, seed=3),
                 loader(regression_data(n=12, seed=5)), ckpt_path=ckpt_path)
     return trainer, module
 
 
-@pytest.mark.parametrize("save_last", [True, None], ids=["last-dir", "newest-checkpoint"])
-def test_fit_ckpt_path_last_resumes_bit_for_bit(tmp_path, save_last):
+@pytest.mark.parametrize("save_last,async_save", [(True, False), (None, False), (True, True), (None, True)],
+                         ids=["last-dir", "newest-checkpoint", "last-dir-async", "newest-checkpoint-async"])
+def test_fit_ckpt_path_last_resumes_bit_for_bit(tmp_path, save_last, async_save):
     # shuffled data and dropout: the loader order and every RNG must continue exactly
-    first, _ = _resume_run(tmp_path / "a", 2, ckpt_path="last", save_last=save_last)   # nothing saved: fresh start
+    first, _ = _resume_run(tmp_path / "a", 2, ckpt_path="last", save_last=save_last,
+                           async_save=async_save)   # nothing saved: fresh start
     assert first.global_step == 16 and first.current_epoch == 2
     expected = ["epoch=1-step=16", "last"] if save_last else ["epoch=1-step=16"]
     assert _dirs(tmp_path / "a" / "checkpoints") == expected
     rec = Recorder()
-    resumed, resumed_module = _resume_run(tmp_path / "a", 4, ckpt_path="last", rec=rec, save_last=save_last)
+    resumed, resumed_module = _resume_run(tmp_path / "a", 4, ckpt_path="last", rec=rec, save_last=save_last,
+                                          async_save=async_save)
     assert rec.epoch_starts == [2, 3]
     assert rec.train_batches[0] == (2, 0, 17)
     _, straight_module = _resume_run(tmp_path / "b", 4)
@@ -1168,7 +1171,7 @@ def test_a_failed_save_leaves_the_top_k_bookkeeping_and_the_old_checkpoint(tmp_p
     trainer.fit(Regressor(), loader(regression_data(n=8)))
     before = dict(callback.best_k_models)
 
-    def broken(path):
+    def broken(path, **kwargs):
         raise OSError("disk full")
 
     monkeypatch.setattr(trainer, "save_checkpoint", broken)

@@ -7,7 +7,9 @@ ModelCheckpoint saving its top-k checkpoint, pruning the one it displaces, and r
 existing one; the third one also replaces the `last` that `latest` names). Trial N runs the
 training in a fresh directory and SIGKILLs itself at operation N (before it; a first write of a binary file
 writes half its bytes first; a recursive delete removes half the files first); then a new process resumes
-with ckpt_path="last" and finishes.
+with ckpt_path="last" and finishes. With `--async-save` the checkpoints are written in the background
+(`ModelCheckpoint(async_save=True)`): the operations counted are those of the background save's job, where
+the crash then comes while the training thread goes on.
 
 Processes are forked from this one (torch is imported once), so many trials fit in a few seconds. The
 uninterrupted reference runs here first, before any patching. Writes rank0.json: the reference weights, the
@@ -17,8 +19,10 @@ warnings it gave, its final weights (or its error), and what its directory held.
 
 import json
 import os
+import random
 import signal
 import sys
+import time
 import traceback
 import warnings
 
@@ -32,7 +36,8 @@ from fabric_lite import Trainer, TrainModule, set_seed
 from fabric_lite.callbacks import Callback, ModelCheckpoint
 
 args = parse({"--root": {"required": True}, "--events": {"default": "2"}, "--trials": {"default": "all"},
-              "--parallel": {"type": int, "default": 2}})
+              "--parallel": {"type": int, "default": 2}, "--async-save": {"action": "store_true"},
+              "--random-kills": {"type": int, "default": 0}, "--seed": {"type": int, "default": 0}})
 WATCHED = {int(e) for e in args.events.split(",")}
 
 
@@ -63,9 +68,10 @@ def fit(root, ckpt_path=None):
     """24 samples in batches of 4, accumulate 2: 3 optimizer steps an epoch, 6 in all; saves at 2, 4, 6."""
     set_seed(0)
     module, start = Dropout(), Start()
-    checkpoint = ModelCheckpoint(every_n_train_steps=2, save_top_k=1, save_last=True)
+    checkpoint = ModelCheckpoint(every_n_train_steps=2, save_top_k=1, save_last=True, async_save=args.async_save)
     trainer = Trainer(max_epochs=2, accumulate_grad_batches=2, default_root_dir=root, callbacks=[checkpoint, start],
                       enable_progress_bar=False, num_sanity_val_steps=0)
+    STATE["trainer"] = trainer
     loader = DataLoader(regression_data(24), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3))
     trainer.fit(module, loader, ckpt_path=ckpt_path)
     return trainer, start.step, torch.cat([p.detach().reshape(-1) for p in module.parameters()]).tolist()
@@ -73,7 +79,7 @@ def fit(root, ckpt_path=None):
 
 # -- the instrumentation --------------------------------------------------------------------------------
 
-STATE = {"event": 0, "active": False, "kill_at": None, "ops": []}
+STATE = {"event": 0, "active": False, "kill_at": None, "ops": [], "trainer": None}
 
 
 def die():
@@ -169,17 +175,23 @@ def instrument():
     writer.write = before(lambda self, name, obj: f"CheckpointWriter.write {name}", writer.write)
     writer.commit = before(lambda self, *a, **k: f"CheckpointWriter.commit {base(self.path)}", writer.commit)
 
-    original_save = checkpoint_callback.ModelCheckpoint._save
+    if args.async_save:  # the save's operations run on the background thread, in its job
+        from fabric_lite.checkpoint import saver
 
-    def watched_save(self, trainer):
+        owner, name = saver, "run_job"
+    else:
+        owner, name = checkpoint_callback.ModelCheckpoint, "_save"
+    original_save = getattr(owner, name)
+
+    def watched_save(*a, **kw):
         STATE["event"] += 1
         STATE["active"] = STATE["event"] in WATCHED
         try:
-            return original_save(self, trainer)
+            return original_save(*a, **kw)
         finally:
             STATE["active"] = False
 
-    checkpoint_callback.ModelCheckpoint._save = watched_save
+    setattr(owner, name, watched_save)
 
 
 # -- trials -----------------------------------------------------------------------------------------------
@@ -222,6 +234,24 @@ def crash_run(root, n):
     fit(root)   # must not get here: the process kills itself at operation n
 
 
+def crash_run_at(root, delay):
+    """Train, and SIGKILL this process `delay` seconds in, whatever it is doing (noting whether a background
+    save was in flight); a run that ends first exits normally."""
+    import threading
+
+    def kill():
+        trainer = STATE["trainer"]
+        saver = trainer.accelerator.checkpoint_saver if trainer is not None else None
+        with open(os.path.join(root, "killed.json"), "w") as f:
+            json.dump({"in_flight": bool(saver and saver.in_flight), "step": trainer and trainer.global_step}, f)
+        die()
+
+    timer = threading.Timer(delay, kill)
+    timer.start()
+    fit(root)
+    timer.cancel()
+
+
 def resume_run(root, report):
     before = listing(root)
     with warnings.catch_warnings(record=True) as caught:
@@ -244,6 +274,9 @@ def wait(pid):
 
 # 1. the reference, in this process before anything is patched (also loads every lazily imported module)
 _, _, reference = fit(os.path.join(args.root, "reference"))
+began = time.perf_counter()  # a second run times a warm one, as the forked trials are
+fit(os.path.join(args.root, "reference-timed"))
+duration = time.perf_counter() - began
 
 # 2. the operations of the watched save, from an instrumented run that never crashes
 report = os.path.join(args.root, "count.json")
@@ -254,14 +287,23 @@ trials = range(1, len(counted["ops"]) + 1) if args.trials == "all" else [int(t) 
 results = {}
 
 
+delays = {}
+if args.random_kills:  # kills at random moments of the whole run instead of at each counted operation
+    rng = random.Random(args.seed)
+    trials = range(1, args.random_kills + 1)
+    delays = {n: rng.uniform(0.0, 1.2 * duration) for n in trials}
+
+
 def run_trial(n):
     root = os.path.join(args.root, f"trial{n:03d}")
     os.makedirs(root)
-    crash = wait(in_child(lambda: crash_run(root, n)))
+    crash = wait(in_child(lambda: crash_run_at(root, delays[n]) if delays else crash_run(root, n)))
     report = os.path.join(args.root, f"trial{n:03d}.json")
     resumed = wait(in_child(lambda: resume_run(root, report)))
     result = json.load(open(report)) if os.path.exists(report) else {"error": f"resume process ended with {resumed}"}
-    result.update(crash_exit=crash, resume_exit=resumed, after=listing(root))
+    killed = os.path.join(root, "killed.json")
+    result.update(crash_exit=crash, resume_exit=resumed, after=listing(root),
+                  killed=json.load(open(killed)) if os.path.exists(killed) else None)
     return result
 
 
@@ -283,5 +325,5 @@ while pending or slots:
         path = os.path.join(args.root, f"result{n:03d}.json")
         results[n] = json.load(open(path)) if os.path.exists(path) else {"error": "trial runner died"}
 
-write_result(args.out, 0, {"reference": reference, "count_exit": code, "counted": counted,
+write_result(args.out, 0, {"reference": reference, "duration": duration, "count_exit": code, "counted": counted,
                            "trials": {str(n): results[n] for n in sorted(results)}})

@@ -7,6 +7,8 @@ optimizer steps.
 - `--resume`: rebuild everything from another seed, `load_state()` (the newest whole checkpoint), continue
   the loop from the restored loader position, then run the same loop uninterrupted from scratch in a fresh
   Accelerator (another project directory) and report both weights.
+- `--async-save`: `save_state(blocking=False)`: written in the background; the kill waits until one
+  checkpoint is published (`latest` exists), while the newest may still be in flight.
 - `--preempt`: loop until `check_preemption()` says stop; `--kill-rank` sends itself SIGTERM at micro-step 5.
   Each rank reports the micro-step at which it saw True, saves state and exits with EXIT_PREEMPTED.
 """
@@ -15,6 +17,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 
 import fsspec
 import torch
@@ -35,6 +38,7 @@ args = parse({
     "--resume": {"action": "store_true"},
     "--preempt": {"action": "store_true"},
     "--strategy": {"default": "auto"},
+    "--async-save": {"action": "store_true"},
 })
 
 
@@ -71,10 +75,14 @@ def train(acc, model, opt, loader, sched, counter, kill_step=None):
             if acc.sync_gradients:
                 counter.steps += 1
                 if counter.steps % args.every == 0:
-                    acc.save_state()
+                    acc.save_state(blocking=not args.async_save)
             elif (kill_step is not None and counter.steps == kill_step and acc.process_index == args.kill_rank
                   and not os.path.exists(marker)):
                 open(marker, "w").close()
+                if args.async_save:  # a published checkpoint to resume from; the newest save may be in flight
+                    fs, path = fsspec.core.url_to_fs(f"{args.root}/checkpoints/latest")
+                    while not fs.exists(path):
+                        time.sleep(0.01)
                 print(f"worker: rank {acc.process_index} SIGKILLs itself at step {counter.steps}", file=sys.stderr,
                       flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -125,6 +133,7 @@ loaded = acc.load_state()
 restored = {"steps": objs[-1].steps, "epoch": objs[2].epoch, "batches_seen": objs[2].state_dict()["batches_seen"]}
 train(acc, *objs)
 resumed = weights(acc, objs[0])
+acc.wait_for_checkpoint()
 saved = checkpoints(args.root)
 acc.free_memory()
 

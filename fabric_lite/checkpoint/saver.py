@@ -1,0 +1,369 @@
+"""Writing, agreeing on and publishing one checkpoint, on the training thread or on a background one.
+
+A save is a `SaveJob`: the files to write (state already collected), the manifest's meta, and what
+to do once it is published. `run_job` writes this process's files under the staging name, has every
+process report its checksums (or its error), and lets the main process publish: manifest last, the
+directory moved into place, ``latest`` updated, old checkpoints pruned. Any failure anywhere aborts
+the whole save and raises the same `CheckpointError` on every process; the previous checkpoint stays.
+
+`CheckpointSaver` runs jobs. A blocking save runs on the training thread and agrees over the
+training process group. A background save (`save_state(..., blocking=False)`) costs the training
+thread only a snapshot: tensors copied into host buffers that are reused from save to save (pinned
+memory for CUDA tensors, copied asynchronously on the current stream; the writer waits for the copy).
+The job then runs on a thread of its own, and agrees over a gloo process group of its own: the
+training group is never used from two threads. One save is in flight at a time: the next one waits
+for it, or is skipped where every process agrees it is still running (``if_busy="skip"``).
+A background failure is kept and raised on the training thread by `wait`, by the next save, and by
+`raise_failure` where the doors' per-step agreement reports it (every process at the same step).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from fabric_lite.checkpoint import files as checkpoint_io
+from fabric_lite.checkpoint.files import CheckpointError, CheckpointWriter
+
+__all__ = ["SaveJob", "run_job", "CheckpointSaver", "IF_BUSY", "SaveRecord"]
+
+#: What a save does while another is in flight: wait for it, or be skipped.
+IF_BUSY = ("wait", "skip")
+
+
+@dataclass
+class SaveJob:
+    """One checkpoint to write and publish (see the module docstring)."""
+
+    url: str
+    token: str
+    files: Dict[str, Any] = field(default_factory=dict)
+    meta: Dict[str, Any] = field(default_factory=dict)
+    update_latest: bool = False
+    durable: bool = False
+    #: Writes files of an engine that serializes its own state (DCP shards, DeepSpeed): training thread only.
+    write_more: Optional[Callable[[CheckpointWriter], None]] = None
+    #: Run by the main process once the checkpoint is published (pruning older ones).
+    after_commit: List[Callable[[], None]] = field(default_factory=list)
+    #: Waits until the snapshot's device-to-host copies are done (None: nothing to wait for).
+    ready: Optional[Callable[[], None]] = None
+    #: An error met while collecting the state: reported like a failed write, so no process waits for this one.
+    error: Optional[BaseException] = None
+
+
+class _Agreement:
+    """How the processes of one save compare notes: over the strategy's collectives (training thread)."""
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+        self.is_main = strategy.is_global_zero
+
+    def gather(self, obj: Any) -> List[Any]:
+        return self.strategy.all_gather_object(obj)
+
+    def broadcast(self, obj: Any) -> Any:
+        return self.strategy.broadcast_object(obj)
+
+
+class _SideAgreement(_Agreement):
+    """Over a process group of its own (a background thread must not use the training group)."""
+
+    def __init__(self, strategy: Any, group: Any) -> None:
+        super().__init__(strategy)
+        self.group = group
+
+    def gather(self, obj: Any) -> List[Any]:
+        if self.group is None:
+            return [obj]
+        import torch.distributed as dist
+
+        out: List[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        if self.group is None:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return box[0]
+
+
+def run_job(job: SaveJob, agreement: Any) -> None:
+    """Write this process's files, agree, publish (main process); every process raises the same error on failure."""
+    writer: Optional[CheckpointWriter] = None
+    error = job.error
+    try:
+        writer = CheckpointWriter(job.url, staging_token=job.token, durable=job.durable)
+        if agreement.is_main:
+            writer.clean_up_interrupted()
+        if job.write_more is not None:  # collective: every process takes part, whatever else failed here
+            job.write_more(writer)
+        if error is None:
+            if job.ready is not None:
+                job.ready()
+            for name, obj in job.files.items():
+                writer.write(name, obj)
+    except Exception as err:  # every process must reach the gather below, or the others wait for ever
+        error = error or err
+    reports = agreement.gather((_describe(error) if error else None, writer.checksums if writer else {}))
+    failed = {rank: msg for rank, (msg, _) in enumerate(reports) if msg is not None}
+    if failed:
+        if writer is not None and agreement.is_main:
+            writer.abort()  # the previous checkpoint at `url`, if any, is untouched
+        detail = "; ".join(f"rank {rank}: {msg}" for rank, msg in failed.items())
+        raise CheckpointError(f"save_state({job.url}) failed and wrote nothing ({detail}). The previous checkpoint "
+                              f"there, if any, is intact.") from error
+    outcome: Optional[str] = None
+    if agreement.is_main:
+        try:
+            checksums: Dict[str, str] = {}
+            for _, part in reports:
+                checksums.update(part)
+            assert writer is not None
+            writer.commit(checksums, job.meta)
+        except Exception as err:
+            error, outcome = err, f"could not publish the checkpoint: {_describe(err)}"
+            _abort_quietly(writer)
+        if outcome is None:
+            try:
+                if job.update_latest:
+                    checkpoint_io.update_latest(job.url, durable=job.durable)
+                for action in job.after_commit:
+                    action()
+            except Exception as err:
+                error, outcome = err, f"published the checkpoint, but updating `latest` or pruning older ones " \
+                                      f"failed: {_describe(err)}"
+    outcome = agreement.broadcast(outcome)
+    if outcome is not None:
+        raise CheckpointError(f"save_state({job.url}) {outcome}") from error
+
+
+def _describe(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"
+
+
+def _abort_quietly(writer: Optional[CheckpointWriter]) -> None:
+    try:
+        if writer is not None:
+            writer.abort()
+    except Exception:  # the staging directory is cleaned up by the next save of this name
+        pass
+
+
+# -- snapshots ------------------------------------------------------------------------------------------
+
+class _HostBuffers:
+    """Host copies of a state's tensors, kept from one save to the next (one snapshot's worth at most)."""
+
+    def __init__(self) -> None:
+        self.buffers: List[torch.Tensor] = []
+        self.position = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def take(self, like: torch.Tensor, pinned: bool) -> torch.Tensor:
+        i = self.position
+        self.position += 1
+        if i < len(self.buffers):
+            buffer = self.buffers[i]
+            if buffer.shape == like.shape and buffer.dtype == like.dtype and buffer.is_pinned() == pinned:
+                return buffer
+        buffer = torch.empty(like.shape, dtype=like.dtype, pin_memory=pinned)
+        if i < len(self.buffers):
+            self.buffers[i] = buffer
+        else:
+            self.buffers.append(buffer)
+        return buffer
+
+
+def snapshot(state: Any, buffers: _HostBuffers) -> Tuple[Any, Optional[Callable[[], None]]]:
+    """A copy of `state` that training can no longer change: tensors in host buffers, containers rebuilt,
+    other values deep-copied. Returns it and what waits for the device copies (None when there are none)."""
+    buffers.position = 0
+    devices: set = set()
+
+    def copy_of(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            tensor = obj.detach()
+            if tensor.device.type == "cuda":
+                devices.add(tensor.device)
+                buffer = buffers.take(tensor, pinned=True)
+                buffer.copy_(tensor, non_blocking=True)  # after every kernel queued so far on this stream
+                return buffer
+            if tensor.device.type != "cpu":
+                return tensor.to("cpu")
+            buffer = buffers.take(tensor, pinned=False)
+            buffer.copy_(tensor)
+            return buffer
+        if type(obj) in (dict, OrderedDict):
+            return type(obj)((k, copy_of(v)) for k, v in obj.items())
+        if isinstance(obj, dict):
+            return {k: copy_of(v) for k, v in obj.items()}
+        if type(obj) in (list, tuple):
+            return type(obj)(copy_of(v) for v in obj)
+        return copy.deepcopy(obj)
+
+    copied = copy_of(state)
+    del buffers.buffers[buffers.position:]  # the state shrank: give back what it no longer needs
+    if not devices:
+        return copied, None
+    events = []
+    for device in devices:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        events.append(event)
+
+    def copies_done() -> None:
+        for event in events:
+            event.synchronize()
+
+    return copied, copies_done
+
+
+# -- the saver ------------------------------------------------------------------------------------------
+
+@dataclass
+class SaveRecord:
+    """When one save ran: `blocked` is the time the training thread spent on it (seconds)."""
+
+    url: str
+    background: bool
+    started: float
+    blocked: float
+    finished: Optional[float] = None
+    error: Optional[str] = None
+
+
+class CheckpointSaver:
+    """Runs the saves of one Accelerator: blocking ones in place, background ones one at a time on a thread."""
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+        self.buffers = _HostBuffers()
+        #: One record per save, oldest first (for benchmarks and tests; never pruned by itself: tiny).
+        self.history: List[SaveRecord] = []
+        self._group: Any = None
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._warned: set = set()
+
+    # -- state ----------------------------------------------------------------------------------------
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def failed(self) -> bool:
+        """A background save finished with an error that has not been raised yet (this process)."""
+        return self._thread is not None and not self._thread.is_alive() and self._error is not None
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Host memory held for background snapshots (one checkpoint's tensors at most)."""
+        return self.buffers.nbytes
+
+    def can_run_in_background(self, engine: Optional[str]) -> Optional[str]:
+        """Why a save cannot run in the background here (None: it can)."""
+        strategy = self.strategy
+        if engine is not None:
+            return (f"{type(strategy).__name__} writes its checkpoints through its own engine ({engine}) on the "
+                    f"training thread")
+        if not strategy.background_checkpoints:
+            return f"{type(strategy).__name__} cannot copy its state to the host without a step of its runtime"
+        return None
+
+    def warn_once(self, reason: str) -> None:
+        import warnings
+
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(f"save_state(blocking=False): {reason}, so this save blocks until it is written.",
+                          stacklevel=4)
+
+    # -- the training thread ----------------------------------------------------------------------------
+    def make_room(self, if_busy: str) -> bool:
+        """Before a save (every process, together): False if it is to be skipped because the one in flight
+        is still running on some process; otherwise wait for that one (raising its failure)."""
+        if if_busy not in IF_BUSY:
+            raise ValueError(f"if_busy={if_busy!r}: allowed values are {', '.join(map(repr, IF_BUSY))}.")
+        if if_busy == "skip" and self._thread is not None:
+            busy = self.in_flight
+            if self.strategy.world_size > 1:  # every process must make the same choice
+                flag = torch.tensor([1.0 if busy else 0.0], device=self.strategy.root_device)
+                busy = bool(self.strategy.all_reduce(flag, "max").item())
+            if busy:
+                return False
+        self.wait()
+        return True
+
+    def wait(self) -> None:
+        """Wait for the save in flight on this process; raise its failure (once)."""
+        thread = self._thread
+        if thread is None:
+            return
+        thread.join()
+        self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def raise_failure(self) -> None:
+        """Some process reported a failed background save: raise it here too (after this process's ends)."""
+        self.wait()
+        raise CheckpointError("A background checkpoint save failed on another process (its error is raised "
+                              "there); the previous checkpoint is intact.")
+
+    def run(self, job: SaveJob, background: bool, blocked_since: float) -> None:
+        """Run `job` now (blocking) or start it on the background thread (after `make_room`)."""
+        record = SaveRecord(job.url, background, started=blocked_since, blocked=0.0)
+        self.history.append(record)
+        if not background:
+            try:
+                run_job(job, _Agreement(self.strategy))
+            except BaseException as err:
+                record.error = _describe(err)
+                raise
+            finally:
+                record.finished = time.perf_counter()
+                record.blocked = record.finished - blocked_since
+            return
+        if self.strategy.world_size > 1 and self._group is None:
+            self._group = self.strategy.new_side_group()  # collective: every process is in this save
+        agreement = _SideAgreement(self.strategy, self._group)
+
+        def work() -> None:
+            try:
+                run_job(job, agreement)
+            except BaseException as err:  # kept for the training thread
+                self._error = err
+                record.error = _describe(err)
+            finally:
+                job.files.clear()
+                record.finished = time.perf_counter()
+
+        # not a daemon: the interpreter waits for a save in flight before it exits
+        self._thread = threading.Thread(target=work, name="fabric_lite_checkpoint_save", daemon=False)
+        record.blocked = time.perf_counter() - blocked_since
+        self._thread.start()
+
+    def close(self, quiet: bool = False) -> None:
+        """Wait for the save in flight (raising its failure unless `quiet`: another error is on its way), then
+        free the snapshot buffers."""
+        try:
+            self.wait()
+        except BaseException:
+            if not quiet:
+                raise
+        finally:
+            self.buffers = _HostBuffers()
