@@ -155,23 +155,35 @@ class _HashingWriter(io.RawIOBase):
         super().__init__()
         self.f = f
         self.digest = _digest(CHECKSUM)
+        #: The first error the file gave (torch.save reports a failed write as its own RuntimeError).
+        self.error: Optional[OSError] = None
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:
         view = memoryview(data)
-        if view.nbytes >= self._PARALLEL:
-            pending = _pool().submit(self.digest.update, view)
-            self.f.write(view)
-            pending.result()  # before returning: the caller may reuse the buffer
-        else:
-            self.digest.update(view)
-            self.f.write(view)
+        try:
+            if view.nbytes >= self._PARALLEL:
+                pending = _pool().submit(self.digest.update, view)
+                try:
+                    self.f.write(view)
+                finally:
+                    pending.result()  # before returning: the caller may reuse the buffer
+            else:
+                self.digest.update(view)
+                self.f.write(view)
+        except OSError as err:
+            self.error = self.error or err
+            raise
         return view.nbytes
 
     def flush(self) -> None:
-        self.f.flush()
+        try:
+            self.f.flush()
+        except OSError as err:
+            self.error = self.error or err
+            raise
 
     def hexdigest(self) -> str:
         return self.digest.hexdigest()
@@ -212,12 +224,19 @@ class CheckpointWriter:
                 self.fs.rm(p, recursive=True)
 
     def write(self, name: str, obj: Any) -> None:
-        with self.fs.open(_join(self.fs, self.staging, name), "wb") as f:
-            out = _HashingWriter(f)
-            # streamed (no in-memory copy of the whole file); torch's many small records are gathered
-            # into 64 KiB writes, large tensors pass straight through
-            with io.BufferedWriter(out, 1 << 16) as buffered:
-                torch.save(obj, buffered)
+        out: Optional[_HashingWriter] = None
+        try:
+            with self.fs.open(_join(self.fs, self.staging, name), "wb") as f:
+                out = _HashingWriter(f)
+                # streamed (no in-memory copy of the whole file); torch's many small records are gathered
+                # into 64 KiB writes, large tensors pass straight through
+                with io.BufferedWriter(out, 1 << 16) as buffered:
+                    torch.save(obj, buffered)
+        except Exception as err:
+            cause = out.error if out is not None and out.error is not None else err
+            if isinstance(cause, OSError):  # a full disk, a failed upload: say so, not the serializer's words
+                raise OSError(cause.errno, f"{cause.strerror or cause} (writing {name} of {self.url})") from err
+            raise
         self.checksums[name] = out.hexdigest()
         if self.durable:
             _fsync(self.fs, _join(self.fs, self.staging, name))
