@@ -412,3 +412,41 @@ def test_fsdp_cpu_offload_on_the_gpu(tmp_path):
     assert r["master_dtypes"] == ["torch.float32"]
     assert r["last_loss"] < r["first_loss"]
     assert r["restored_equal"] is True
+
+
+def test_background_save_copies_gpu_state_to_pinned_memory_without_waiting_for_the_gpu(tmp_path):
+    """The snapshot of a background save is queued on the step's stream (after the kernels before it, before
+    the ones after it) into pinned host buffers: save_state returns while the GPU is still busy, training goes
+    on changing the weights in place, and the checkpoint holds the weights of the call."""
+    from fabric_lite import Accelerator
+
+    def build(seed):
+        acc = Accelerator()
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 4))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return (acc, *acc.prepare(model, opt))
+
+    def step(model, opt):
+        model(torch.randn(64, 512, device="cuda")).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    acc, model, opt = build(0)
+    step(model, opt)
+    expected = [p.detach().clone() for p in model.parameters()]  # queued: the values at the call
+    torch.cuda._sleep(500_000_000)  # hold the stream back (~0.3 s): the copies queue behind it
+    acc.save_state(tmp_path / "ckpt", blocking=False)
+    assert not torch.cuda.current_stream().query()  # returned without waiting for the GPU
+    for _ in range(3):
+        step(model, opt)  # queued after the copies: they read the weights of the call
+    acc.wait_for_checkpoint()
+    copies_of_gpu_tensors = [b for b in acc.checkpoint_saver.buffers.buffers if b.dtype == torch.float32 and b.dim()]
+    assert copies_of_gpu_tensors and all(b.is_pinned() for b in copies_of_gpu_tensors)  # (RNG states: plain)
+    acc2 = Accelerator(cpu=True)
+    cpu_model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 4))
+    cpu_opt = torch.optim.AdamW(cpu_model.parameters(), lr=1e-2)
+    cpu_model, cpu_opt = acc2.prepare(cpu_model, cpu_opt)
+    acc2.load_state(tmp_path / "ckpt")
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(expected, cpu_model.parameters()))
+    assert not all(torch.equal(a, b) for a, b in zip(expected, model.parameters()))  # training did go on
