@@ -23,14 +23,16 @@ class ModelCheckpoint(Callback):
 
     `filename` is a template over `epoch`, `step` and logged metrics, e.g. ``"{epoch}-{val/acc:.3f}"``
     (a `/` in a metric name becomes `_` in the file name). With `monitor`, the best `save_top_k` stay.
-    `async_save=True` writes in the background (one save in flight; `if_busy` says what a save due meanwhile
-    does); checkpoints it displaces are deleted only once the new one is published.
+    Saves are written in the background where the strategy allows it (`async_save=None`; True asks for it and
+    warns where it cannot be, False never): training waits only for a copy of the state. One save is in flight
+    at a time (`if_busy` says what a save due meanwhile does); checkpoints it displaces are deleted only once
+    the new one is published, and `fit` returns once the last one is.
     """
 
     def __init__(self, dirpath: Optional[str] = None, filename: Optional[str] = None, monitor: Optional[str] = None,
                  mode: str = "min", save_top_k: int = 1, save_last: Optional[bool] = None,
                  every_n_train_steps: Optional[int] = None, every_n_epochs: Optional[int] = None,
-                 async_save: bool = False, if_busy: str = "wait") -> None:
+                 async_save: Optional[bool] = None, if_busy: str = "wait") -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"ModelCheckpoint(mode={mode!r}): allowed values are 'min' and 'max'.")
         if save_top_k < -1:
@@ -39,6 +41,7 @@ class ModelCheckpoint(Callback):
             raise ValueError(f"ModelCheckpoint(if_busy={if_busy!r}): allowed values are "
                              f"{', '.join(map(repr, IF_BUSY))}.")
         #: Write in the background: training waits only for a copy of the state (`Accelerator.save_state`).
+        #: None: wherever the strategy's checkpoints allow it (state dicts), else on the training thread.
         self.async_save = async_save
         #: A save due while the previous one is still being written waits for it ("wait") or is skipped ("skip").
         self.if_busy = if_busy
@@ -141,7 +144,7 @@ class ModelCheckpoint(Callback):
                 if self.save_last:  # `last` is a copy of this one, made after it is published
                     after.append(lambda: copy_checkpoint(path, f"{base}/last"))
                 try:
-                    saved = trainer.save_checkpoint(path, blocking=not self.async_save, if_busy=self.if_busy,
+                    saved = trainer.save_checkpoint(path, blocking=self._blocking(trainer), if_busy=self.if_busy,
                                                     after_commit=after)
                 except BaseException:
                     self.best_k_models, self.best_model_path = before
@@ -152,8 +155,13 @@ class ModelCheckpoint(Callback):
                     self.last_model_path = f"{base}/last"
                 return
         if self.save_last:
-            if trainer.save_checkpoint(f"{base}/last", blocking=not self.async_save, if_busy=self.if_busy):
+            if trainer.save_checkpoint(f"{base}/last", blocking=self._blocking(trainer), if_busy=self.if_busy):
                 self.last_model_path = f"{base}/last"
+
+    def _blocking(self, trainer: "Trainer") -> bool:
+        if self.async_save is None:
+            return trainer.accelerator.checkpoint_saver.why_blocking() is not None
+        return not self.async_save
 
     def _is_top_k(self, current: Optional[float]) -> bool:
         if current is None or math.isnan(current):

@@ -31,7 +31,7 @@ import torch
 from fabric_lite.checkpoint import files as checkpoint_io
 from fabric_lite.checkpoint.files import CheckpointError, CheckpointWriter
 
-__all__ = ["SaveJob", "run_job", "CheckpointSaver", "IF_BUSY", "SaveRecord"]
+__all__ = ["SaveJob", "run_job", "CheckpointSaver", "IF_BUSY", "SaveRecord", "checkpoint_format", "snapshot"]
 
 #: What a save does while another is in flight: wait for it, or be skipped.
 IF_BUSY = ("wait", "skip")
@@ -159,6 +159,16 @@ def _abort_quietly(writer: Optional[CheckpointWriter]) -> None:
         pass
 
 
+def checkpoint_format(strategy: Any) -> Optional[str]:
+    """How a strategy's checkpoints hold model and optimizer state: None (state dicts), "dcp" (sharded), or the
+    name of its own engine."""
+    from fabric_lite.checkpoint import sharded
+
+    if strategy.checkpoint_engine:
+        return strategy.checkpoint_engine
+    return sharded.ENGINE if strategy.sharded_checkpoints else None
+
+
 # -- snapshots ------------------------------------------------------------------------------------------
 
 class _HostBuffers:
@@ -273,9 +283,10 @@ class CheckpointSaver:
         """Host memory held for background snapshots (one checkpoint's tensors at most)."""
         return self.buffers.nbytes
 
-    def can_run_in_background(self, engine: Optional[str]) -> Optional[str]:
-        """Why a save cannot run in the background here (None: it can)."""
+    def why_blocking(self) -> Optional[str]:
+        """Why a save cannot run in the background with this strategy (None: it can)."""
         strategy = self.strategy
+        engine = checkpoint_format(strategy)
         if engine is not None:
             return (f"{type(strategy).__name__} writes its checkpoints through its own engine ({engine}) on the "
                     f"training thread")

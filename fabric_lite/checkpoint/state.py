@@ -31,7 +31,7 @@ import torch
 from fabric_lite.checkpoint import files as checkpoint_io
 from fabric_lite.checkpoint import names, sharded
 from fabric_lite.checkpoint.files import CheckpointError, CheckpointWriter
-from fabric_lite.checkpoint.saver import SaveJob, snapshot
+from fabric_lite.checkpoint.saver import SaveJob, checkpoint_format, snapshot
 from fabric_lite.seed import capture_rng_state, restore_rng_state
 
 if TYPE_CHECKING:
@@ -194,8 +194,8 @@ def save_state(acc: "Accelerator", output_dir: Optional[Union[str, os.PathLike]]
         return None
     strategy = acc.strategy
     token = strategy.broadcast_object(os.urandom(6).hex())
-    engine = _format_of(strategy)
-    reason = None if blocking else saver.can_run_in_background(engine)
+    engine = checkpoint_format(strategy)
+    reason = None if blocking else saver.why_blocking()
     if reason is not None:
         saver.warn_once(reason)
     background = not blocking and reason is None
@@ -224,13 +224,6 @@ def _prune(root: str, limit: int) -> None:
     for _, old in existing[: max(0, len(existing) - limit)]:
         fs, path = checkpoint_io.filesystem(old)
         fs.rm(path, recursive=True)
-
-
-def _format_of(strategy: Any) -> Optional[str]:
-    """How a strategy's checkpoints hold model and optimizer state: None (state dicts), "dcp", or its engine."""
-    if strategy.checkpoint_engine:
-        return strategy.checkpoint_engine
-    return sharded.ENGINE if strategy.sharded_checkpoints else None
 
 
 def _collect(acc: "Accelerator", url: str, engine: Optional[str]) -> Tuple[Dict[str, Any], Optional[Callable]]:
