@@ -400,8 +400,8 @@ class Accelerator(StepEngine, ProcessControl, ModelState):
             self._preemption.install()
         saver = self.checkpoint_saver
         stop = self._preemption.should_stop(self.strategy, save_failed=saver.failed)
-        if self._preemption.save_failed_anywhere:
-            saver.raise_failure()  # every process, at this same call
+        if self._preemption.save_failed_anywhere and not stop:
+            saver.raise_failure()  # every process, at this same call (on a stop, the save that follows says it)
         if stop:
             self._preemption.uninstall()
             self._preemption.ignore_signals()
@@ -434,6 +434,7 @@ class Accelerator(StepEngine, ProcessControl, ModelState):
         """Wait for a background save in flight, close trackers, wait for every process, and shut the process
         group down."""
         self.checkpoint_saver.close()
+        self.checkpoint_saver.release_group()  # the process group goes below
         for tracker in self.trackers:
             tracker.finish()
         self.trackers = []

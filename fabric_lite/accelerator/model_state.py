@@ -90,7 +90,7 @@ class ModelState:
             error = self.strategy.broadcast_object(error)
         if error is not None:
             raise ValueError(f"load_model_weights could not read {source}: {error}")
-        state = names.for_module(state, self.strategy.unwrap_module(model).state_dict().keys())
+        state = names.for_module(state, self.strategy.unwrap_module(model).state_dict())
         self.strategy.load_module_state_dict(model, state, strict=strict)
 
     # -- whole-run checkpoints ---------------------------------------------------------------------

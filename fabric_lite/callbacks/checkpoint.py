@@ -26,7 +26,8 @@ class ModelCheckpoint(Callback):
     Saves are written in the background where the strategy allows it (`async_save=None`; True asks for it and
     warns where it cannot be, False never): training waits only for a copy of the state. One save is in flight
     at a time (`if_busy` says what a save due meanwhile does); checkpoints it displaces are deleted only once
-    the new one is published, and `fit` returns once the last one is.
+    the new one is published, and `fit` returns once the last one is. During `fit`, `best_model_path` may name
+    a checkpoint that is still being written.
     """
 
     def __init__(self, dirpath: Optional[str] = None, filename: Optional[str] = None, monitor: Optional[str] = None,
@@ -56,6 +57,7 @@ class ModelCheckpoint(Callback):
         self.best_k_models: Dict[str, float] = {}
         self.best_model_path = ""
         self.last_model_path = ""
+        self._pending: Optional[Tuple[Dict[str, float], str, str]] = None
 
     @property
     def state_key(self) -> str:
@@ -130,33 +132,59 @@ class ModelCheckpoint(Callback):
     def _save(self, trainer: "Trainer") -> None:
         if trainer.sanity_checking or trainer.fast_dev_run:
             return
+        self._settle(trainer)
         current, filename = self._decide(trainer)
         base = self.dirpath.rstrip("/")
-        if self.save_top_k != 0:
+        # The checkpoint carries this callback's state as it will be once the save is done (itself in, the ones
+        # it displaces out, `last` pointing at it), so a run resumed from it prunes exactly what it should.
+        before = (dict(self.best_k_models), self.best_model_path, self.last_model_path)
+        after: list = []
+        path = None
+        if self.save_top_k != 0 and (self.monitor is None or self.save_top_k == -1 or self._is_top_k(current)):
             path = f"{base}/{filename}"
-            if self.monitor is None or self.save_top_k == -1 or self._is_top_k(current):
-                # The checkpoint carries this callback's state as it will be once the save is done (itself
-                # in, the ones it displaces out), so a run resumed from it prunes exactly what it should.
-                before = (dict(self.best_k_models), self.best_model_path)
-                self.best_k_models[path] = current if current is not None else float(trainer.global_step)
-                displaced = self._displaced(keep=path)
-                after = [lambda: self._delete(displaced)]  # only once the new one is whole
-                if self.save_last:  # `last` is a copy of this one, made after it is published
-                    after.append(lambda: copy_checkpoint(path, f"{base}/last"))
-                try:
-                    saved = trainer.save_checkpoint(path, blocking=self._blocking(trainer), if_busy=self.if_busy,
-                                                    after_commit=after)
-                except BaseException:
-                    self.best_k_models, self.best_model_path = before
-                    raise
-                if saved is None:  # skipped: the previous save was still being written
-                    self.best_k_models, self.best_model_path = before
-                elif self.save_last:
-                    self.last_model_path = f"{base}/last"
-                return
+            self.best_k_models[path] = current if current is not None else float(trainer.global_step)
+            displaced = self._displaced(keep=path)
+
+            def delete_displaced() -> None:
+                """deleting the checkpoints it displaced"""
+                self._delete(displaced)
+
+            after.append(delete_displaced)  # only once the new one is whole
+            if self.save_last:
+                def copy_to_last(source: str = path) -> None:
+                    """copying it to `last`"""
+                    copy_checkpoint(source, f"{base}/last")
+
+                after.append(copy_to_last)  # `last` is a copy of this one, made after it is published
+        elif self.save_last:
+            path = f"{base}/last"
+        if path is None:
+            return
         if self.save_last:
-            if trainer.save_checkpoint(f"{base}/last", blocking=self._blocking(trainer), if_busy=self.if_busy):
-                self.last_model_path = f"{base}/last"
+            self.last_model_path = f"{base}/last"
+        try:
+            saved = trainer.save_checkpoint(path, blocking=self._blocking(trainer), if_busy=self.if_busy,
+                                            after_commit=after)
+        except BaseException:
+            self.best_k_models, self.best_model_path, self.last_model_path = before
+            raise
+        if saved is None:  # skipped: the previous save was still being written
+            self.best_k_models, self.best_model_path, self.last_model_path = before
+        elif not self._blocking(trainer):
+            self._pending = before  # what to go back to if this background save fails
+
+    def _settle(self, trainer: "Trainer") -> None:
+        """Before the next save: wait for this callback's background save (every process waits, so no collective
+        is needed) and, if it failed, put the bookkeeping back as it was before it, then raise its error. With
+        ``if_busy="skip"`` the save in flight is left alone (a failure then surfaces through the per-step check)."""
+        pending, self._pending = self._pending, None
+        if pending is None or self.if_busy == "skip":
+            return
+        try:
+            trainer.accelerator.wait_for_checkpoint()
+        except BaseException:
+            self.best_k_models, self.best_model_path, self.last_model_path = pending
+            raise
 
     def _blocking(self, trainer: "Trainer") -> bool:
         if self.async_save is None:

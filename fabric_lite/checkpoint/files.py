@@ -132,6 +132,22 @@ def _digest(algorithm: str) -> Any:
     raise CheckpointError(f"Unknown checksum {algorithm!r} in a manifest; this fabric_lite knows crc32 and sha256.")
 
 
+def _on_helper_thread(fn: Any, *args: Any) -> Any:
+    """Run `fn(*args)` on the checksum thread (a Future); in place once the interpreter is shutting down, when
+    no new work is accepted but a background save still finishes."""
+    try:
+        return _pool().submit(fn, *args)
+    except RuntimeError:
+        from concurrent.futures import Future
+
+        done: Any = Future()
+        try:
+            done.set_result(fn(*args))
+        except BaseException as err:
+            done.set_exception(err)
+        return done
+
+
 def _pool() -> Any:
     global _POOL
     # A forked child (notebook_launcher, dataloader workers) inherits the pool but not its thread:
@@ -165,7 +181,7 @@ class _HashingWriter(io.RawIOBase):
         view = memoryview(data)
         try:
             if view.nbytes >= self._PARALLEL:
-                pending = _pool().submit(self.digest.update, view)
+                pending = _on_helper_thread(self.digest.update, view)
                 try:
                     self.f.write(view)
                 finally:
@@ -235,7 +251,10 @@ class CheckpointWriter:
         except Exception as err:
             cause = out.error if out is not None and out.error is not None else err
             if isinstance(cause, OSError):  # a full disk, a failed upload: say so, not the serializer's words
-                raise OSError(cause.errno, f"{cause.strerror or cause} (writing {name} of {self.url})") from err
+                where = f"(writing {name} of {self.url})"
+                if cause.errno is None:
+                    raise OSError(f"{cause} {where}") from err
+                raise OSError(cause.errno, f"{cause.strerror or cause} {where}") from err
             raise
         self.checksums[name] = out.hexdigest()
         if self.durable:
@@ -388,7 +407,7 @@ def load_file(
         local = fs._strip_protocol(full)
         if not os.path.exists(local):
             raise CheckpointError(f"{url} is missing {name}, which its manifest lists.")
-        pending = _pool().submit(_digest_file, local, algorithm)
+        pending = _on_helper_thread(_digest_file, local, algorithm)
         source: Any = local
     else:
         with fs.open(full, "rb") as f:
@@ -398,7 +417,7 @@ def load_file(
             d.update(data)
             return d.hexdigest()
 
-        pending = _pool().submit(digest_bytes)
+        pending = _on_helper_thread(digest_bytes)
         source = io.BytesIO(data)
     try:
         # A local file is mapped, not read: tensors are views of the page cache until something

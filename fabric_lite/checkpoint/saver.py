@@ -20,9 +20,9 @@ A background failure is kept and raised on the training thread by `wait`, by the
 from __future__ import annotations
 
 import copy
+import sys
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -104,7 +104,10 @@ def run_job(job: SaveJob, agreement: Any) -> None:
     try:
         writer = CheckpointWriter(job.url, staging_token=job.token, durable=job.durable)
         if agreement.is_main:
-            writer.clean_up_interrupted()
+            try:
+                writer.clean_up_interrupted()
+            except Exception as err:  # reported below; the engine's collective write must still take place
+                error = error or err
         if job.write_more is not None:  # collective: every process takes part, whatever else failed here
             job.write_more(writer)
         if error is None:
@@ -134,14 +137,15 @@ def run_job(job: SaveJob, agreement: Any) -> None:
             error, outcome = err, f"could not publish the checkpoint: {_describe(err)}"
             _abort_quietly(writer)
         if outcome is None:
+            step = "updating `latest`"
             try:
                 if job.update_latest:
                     checkpoint_io.update_latest(job.url, durable=job.durable)
                 for action in job.after_commit:
+                    step = (action.__doc__ or getattr(action, "__name__", "a follow-up")).strip().rstrip(".")
                     action()
             except Exception as err:
-                error, outcome = err, f"published the checkpoint, but updating `latest` or pruning older ones " \
-                                      f"failed: {_describe(err)}"
+                error, outcome = err, f"published the checkpoint, but then {step} failed: {_describe(err)}"
     outcome = agreement.broadcast(outcome)
     if outcome is not None:
         raise CheckpointError(f"save_state({job.url}) {outcome}") from error
@@ -197,29 +201,55 @@ class _HostBuffers:
         return buffer
 
 
+def _identity(tensor: torch.Tensor) -> Tuple[Any, ...]:
+    """What makes two tensors the same view of the same memory (tied weights appear under two names)."""
+    if tensor.layout != torch.strided or tensor.is_quantized:
+        return (id(tensor),)
+    return (tensor.device, tensor.dtype, tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
+            tuple(tensor.shape), tensor.stride())
+
+
 def snapshot(state: Any, buffers: _HostBuffers) -> Tuple[Any, Optional[Callable[[], None]]]:
-    """A copy of `state` that training can no longer change: tensors in host buffers, containers rebuilt,
-    other values deep-copied. Returns it and what waits for the device copies (None when there are none)."""
+    """A copy of `state` that training can no longer change: tensors in host buffers (a tensor that appears
+    twice, as tied weights do, copied once), containers rebuilt (their type and a state dict's ``_metadata``
+    kept), other values deep-copied. Returns it and what waits for the device copies (None when none)."""
     buffers.position = 0
     devices: set = set()
+    seen: Dict[Tuple[Any, ...], torch.Tensor] = {}
+
+    def copy_tensor(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.layout != torch.strided or tensor.is_quantized or type(tensor) is not torch.Tensor:
+            return tensor.to("cpu", copy=True)  # (sparse, quantized, subclasses: the plain way, no reuse)
+        if tensor.device.type == "cuda":
+            devices.add(tensor.device)
+            buffer = buffers.take(tensor, pinned=True)
+            buffer.copy_(tensor, non_blocking=True)  # after every kernel queued so far on this stream
+            return buffer
+        if tensor.device.type != "cpu":
+            return tensor.to("cpu")
+        buffer = buffers.take(tensor, pinned=False)
+        buffer.copy_(tensor)
+        return buffer
 
     def copy_of(obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             tensor = obj.detach()
-            if tensor.device.type == "cuda":
-                devices.add(tensor.device)
-                buffer = buffers.take(tensor, pinned=True)
-                buffer.copy_(tensor, non_blocking=True)  # after every kernel queued so far on this stream
-                return buffer
-            if tensor.device.type != "cpu":
-                return tensor.to("cpu")
-            buffer = buffers.take(tensor, pinned=False)
-            buffer.copy_(tensor)
-            return buffer
-        if type(obj) in (dict, OrderedDict):
-            return type(obj)((k, copy_of(v)) for k, v in obj.items())
+            key = _identity(tensor)
+            if key not in seen:
+                seen[key] = copy_tensor(tensor)
+            return seen[key]
         if isinstance(obj, dict):
-            return {k: copy_of(v) for k, v in obj.items()}
+            try:
+                out = copy.copy(obj)  # the same type (OrderedDict, defaultdict and its factory, ...)
+                out.clear()
+            except Exception:
+                out = {}
+            for k, v in obj.items():
+                out[k] = copy_of(v)
+            metadata = getattr(obj, "_metadata", None)  # a state dict's module versions
+            if metadata is not None:
+                out._metadata = copy.deepcopy(metadata)
+            return out
         if type(obj) in (list, tuple):
             return type(obj)(copy_of(v) for v in obj)
         return copy.deepcopy(obj)
@@ -266,6 +296,7 @@ class CheckpointSaver:
         self._group: Any = None
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
+        self._deferred: Optional[CheckpointError] = None
         self._warned: set = set()
 
     # -- state ----------------------------------------------------------------------------------------
@@ -305,18 +336,28 @@ class CheckpointSaver:
     # -- the training thread ----------------------------------------------------------------------------
     def make_room(self, if_busy: str) -> bool:
         """Before a save (every process, together): False if it is to be skipped because the one in flight
-        is still running on some process; otherwise wait for that one (raising its failure)."""
+        is still running on some process; otherwise wait for that one. Its failure is kept for
+        `raise_deferred`, after this save: one failed save does not stop the next from being written."""
         if if_busy not in IF_BUSY:
             raise ValueError(f"if_busy={if_busy!r}: allowed values are {', '.join(map(repr, IF_BUSY))}.")
-        if if_busy == "skip" and self._thread is not None:
+        if if_busy == "skip":
             busy = self.in_flight
-            if self.strategy.world_size > 1:  # every process must make the same choice
+            if self.strategy.world_size > 1:  # every process must make the same choice, whatever it waited for
                 flag = torch.tensor([1.0 if busy else 0.0], device=self.strategy.root_device)
                 busy = bool(self.strategy.all_reduce(flag, "max").item())
             if busy:
                 return False
-        self.wait()
+        try:
+            self.wait()
+        except CheckpointError as err:
+            self._deferred = err
         return True
+
+    def raise_deferred(self, url: str) -> None:
+        """Raise the failure of the save before, which `make_room` kept while this one (`url`) went ahead."""
+        error, self._deferred = self._deferred, None
+        if error is not None:
+            raise CheckpointError(f"{error} (Raised now, after save_state({url}) went ahead.)") from error
 
     def wait(self) -> None:
         """Wait for the save in flight on this process; raise its failure (once)."""
@@ -359,7 +400,12 @@ class CheckpointSaver:
             except BaseException as err:  # kept for the training thread
                 self._error = err
                 record.error = _describe(err)
+                if not threading.main_thread().is_alive():  # the script has ended: nobody will raise it
+                    print(f"fabric_lite: a background checkpoint save failed as the process exited: {err}",
+                          file=sys.stderr, flush=True)
             finally:
+                if job.ready is not None:  # no copy into these buffers may outlive the job
+                    job.ready()
                 job.files.clear()
                 record.finished = time.perf_counter()
 
@@ -367,6 +413,10 @@ class CheckpointSaver:
         self._thread = threading.Thread(target=work, name="fabric_lite_checkpoint_save", daemon=False)
         record.blocked = time.perf_counter() - blocked_since
         self._thread.start()
+
+    def release_group(self) -> None:
+        """Forget the side process group (the process group is being shut down)."""
+        self._group = None
 
     def close(self, quiet: bool = False) -> None:
         """Wait for the save in flight (raising its failure unless `quiet`: another error is on its way), then

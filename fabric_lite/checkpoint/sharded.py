@@ -242,7 +242,7 @@ def read(url: str, manifest: Dict[str, Any], strategy: Any, models: Sequence[tor
                                   f"did (an optimizer with other settings keeps other state).") from err
         for i, m in enumerate(models):
             module = strategy.unwrap_module(m)
-            module.load_state_dict(for_module(target[f"model_{i}"], module.state_dict().keys()), strict=strict)
+            module.load_state_dict(for_module(target[f"model_{i}"], module.state_dict()), strict=strict)
         for j, (_, optimizer) in enumerate(optimizers):
             # state only for the parameters that had it when saved, as a full checkpoint's load_state_dict gives
             optimizer.load_state_dict(_by_position(optimizer, target[f"optimizer_{j}"], layouts[j]))

@@ -215,6 +215,7 @@ def save_state(acc: "Accelerator", output_dir: Optional[Union[str, os.PathLike]]
     saver.run(job, background, blocked_since)  # a blocking save that fails raises here
     if automatic:
         project.iteration += 1  # (a background save takes its name now, whatever becomes of it)
+    saver.raise_deferred(url)  # the save before this one failed: said now that this one is under way
     return url
 
 
@@ -353,7 +354,7 @@ def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]],
     weights = [] if saved_as else [_load(url, f"model_{i}.pt", manifest, weights_only) for i in range(len(acc.models))]
     for i, model in enumerate(acc.models[:len(weights)]):
         current = strategy.unwrap_module(model).state_dict()
-        weights[i] = names.for_module(weights[i], current.keys())  # saved with or without torch.compile
+        weights[i] = names.for_module(weights[i], current)  # saved with or without torch.compile
         _check_keys(url, i, current, weights[i], strict)
     rng_name = f"rng_{strategy.global_rank}.pt"
     local = _load(url, rng_name, manifest, weights_only=True) if rng_name in manifest["files"] else None

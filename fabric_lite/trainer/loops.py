@@ -237,9 +237,17 @@ def _stop_preempted(trainer: "Trainer") -> None:
     from fabric_lite.launch.preemption import EXIT_PREEMPTED
 
     path = f"{trainer.checkpoint_dir().rstrip('/')}/preempted"
+    earlier = None
+    try:
+        trainer.accelerator.wait_for_checkpoint()  # (every process waits: the outcome is the same everywhere)
+    except Exception as err:  # the preemption checkpoint matters more: save it, then say what failed before
+        earlier = err
     trainer.save_checkpoint(path)
     if trainer.is_global_zero:
         reason = trainer.preemption.signal_name or "a signal on another process"
+        if earlier is not None:
+            print(f"fabric_lite: an earlier background checkpoint save failed: {earlier}", file=sys.stderr,
+                  flush=True)
         print(f"fabric_lite: {reason} received; saved {path} at step {trainer.global_step}. Exiting with status "
               f"{EXIT_PREEMPTED}; fit(..., ckpt_path='last') resumes from there.", file=sys.stderr, flush=True)
     # From here on the job is leaving on purpose: a launcher's SIGTERM to the other ranks must not

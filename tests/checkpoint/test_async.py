@@ -147,16 +147,27 @@ def test_a_background_failure_is_raised_later_and_leaves_the_previous_checkpoint
     assert _equal(_loaded(tmp_path / "ckpt"), _state(model, opt))
 
 
-def test_the_next_save_and_end_training_raise_a_background_failure(tmp_path, monkeypatch):
+def _finished(acc):
+    while acc.checkpoint_saver.in_flight:
+        time.sleep(0.01)
+
+
+def test_the_next_save_goes_ahead_then_raises_the_failure_before_it_and_end_training_raises(tmp_path, monkeypatch):
     gate = Gate(monkeypatch, fail_on="training_state.pt")
     gate.open()
     acc, model, opt = _setup()
     acc.save_state(tmp_path / "one", blocking=False)
-    with pytest.raises(CheckpointError, match="training_state|No space left"):
+    _finished(acc)
+    gate.fail_on = None
+    with pytest.raises(CheckpointError, match=r"one\) failed and wrote nothing.*No space left.*\(Raised now, after "
+                                              r"save_state\(.*two\) went ahead\.\)"):
         acc.save_state(tmp_path / "two", blocking=False)
-    assert not (tmp_path / "two").exists()
+    acc.wait_for_checkpoint()
+    checkpoint_io.verify(str(tmp_path / "two"))  # nothing lost: the save after a failure is written
+    assert not (tmp_path / "one").exists()
+    gate.fail_on = "rng_0.pt"
     acc.save_state(tmp_path / "three", blocking=False)
-    with pytest.raises(CheckpointError, match="No space left"):
+    with pytest.raises(CheckpointError, match="three.*No space left"):
         acc.end_training()
 
 
@@ -234,3 +245,92 @@ def test_a_background_failure_on_one_rank_is_raised_on_every_rank_at_the_same_st
         "[Errno 28] No space left on device)" in error, error
     assert results[0]["step"] == results[1]["step"]  # raised at the same step
     assert results[0]["checkpoints"] == ["epoch=0-step=2", "latest"]  # the previous one stays, no staging left
+
+
+def test_a_save_in_flight_when_the_script_ends_is_still_written(tmp_path):
+    """The script returns right after save_state(blocking=False) (no wait, no end_training): the interpreter
+    waits for the save at exit, and it is written whole, large tensors' checksums included."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    script = (
+        "import torch\nfrom fabric_lite import Accelerator\nacc = Accelerator()\n"
+        "model = acc.prepare(torch.nn.Linear(1024, 1024))\n"
+        f"acc.save_state({str(tmp_path / 'ckpt')!r}, blocking=False)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "failed" not in done.stderr, done.stderr[-3000:]
+    checkpoint_io.verify(str(tmp_path / "ckpt"))
+
+
+class Versioned(nn.Module):
+    """A module whose state format changed: version 1 kept `w` transposed, `_load_from_state_dict` converts."""
+
+    _version = 2
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.arange(6.0).reshape(2, 3))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs):
+        if (local_metadata or {}).get("version", 1) < 2 and prefix + "w" in state_dict:
+            state_dict[prefix + "w"] = state_dict[prefix + "w"].t()
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
+
+    def forward(self, x):
+        return x @ self.w
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["blocking", "background"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["plain", "compiled"])
+def test_module_versions_travel_with_the_weights(tmp_path, background, compiled):
+    acc = Accelerator()
+    model = nn.Sequential(Versioned())
+    model = acc.prepare(torch.compile(model, backend="eager") if compiled else model)
+    acc.save_state(tmp_path / "ckpt", blocking=not background)
+    acc.wait_for_checkpoint()
+    acc2 = Accelerator()
+    other = acc2.prepare(nn.Sequential(Versioned()))
+    with torch.no_grad():
+        other[0].w.zero_()
+    acc2.load_state(tmp_path / "ckpt")
+    assert torch.equal(other[0].w, torch.arange(6.0).reshape(2, 3))  # not "migrated" as if it were version 1
+
+
+def test_a_background_snapshot_copies_tied_weights_once_and_takes_sparse_tensors(tmp_path):
+    class Sparse:
+        def __init__(self):
+            self.table = torch.eye(4).to_sparse()
+
+        def state_dict(self):
+            return {"table": self.table}
+
+        def load_state_dict(self, state):
+            self.table = state["table"]
+
+    torch.manual_seed(0)
+    acc = Accelerator()
+    model = nn.Sequential(nn.Embedding(512, 256), nn.Linear(256, 512, bias=False))
+    model[1].weight = model[0].weight  # tied input and output embeddings
+    sparse = Sparse()
+    acc.register_for_checkpointing(sparse)
+    model = acc.prepare(model)
+    acc.save_state(tmp_path / "blocking")
+    acc.save_state(tmp_path / "background", blocking=False)
+    acc.wait_for_checkpoint()
+    size = {name: (tmp_path / name / "model_0.pt").stat().st_size for name in ("blocking", "background")}
+    assert abs(size["background"] - size["blocking"]) < 4096  # one copy of the tied matrix in both (512 KiB)
+    assert acc.checkpoint_saver.snapshot_bytes < 2 * 512 * 256 * 4
+    sparse.table = torch.zeros(4, 4).to_sparse()
+    acc.load_state(tmp_path / "background")
+    assert torch.equal(sparse.table.to_dense(), torch.eye(4))
+
+
+def test_skip_after_one_rank_waited_for_the_save_in_flight_does_not_hang(tmp_path):
+    from test_resume import Run
+
+    results = Run("async_save.py", tmp_path / "out", "--root", tmp_path / "root", "--skip", nproc=2,
+                  launcher="torchrun", timeout=120).ok()
+    assert results[0]["second"] == results[1]["second"]  # the same choice on both ranks

@@ -74,6 +74,6 @@ def test_load_model_weights_takes_a_ddp_wrappers_keys_and_compiled_keys(tmp_path
 def test_names_keep_a_users_own_module_attribute():
     assert canonical("_orig_mod.body._checkpoint_wrapped_module.0.weight") == "body.0.weight"
     # a user's submodule really called "module" is not a wrapper: nothing is stripped when the names match
-    assert for_module({"module.w": 1}, ["module.w"]) == {"module.w": 1}
-    assert for_module({"w": 1}, ["_orig_mod.w"]) == {"_orig_mod.w": 1}
-    assert for_module({"unknown": 1}, ["w"]) == {"unknown": 1}  # left for a strict load to report
+    assert for_module({"module.w": 1}, {"module.w": 0}) == {"module.w": 1}
+    assert for_module({"w": 1}, {"_orig_mod.w": 0}) == {"_orig_mod.w": 1}
+    assert for_module({"unknown": 1}, {"w": 0}) == {"unknown": 1}  # left for a strict load to report

@@ -1,4 +1,4 @@
-"""A Trainer on 2 processes saving in the background (`ModelCheckpoint(async_save=True)` every 2 steps), where
+"""`--skip`: the raw door's `if_busy="skip"` after only one rank waited (must not hang). Otherwise: a Trainer on 2 processes saving in the background (`ModelCheckpoint(async_save=True)` every 2 steps), where
 rank `--fail-rank` cannot write the file of save number `--fail-save` (ENOSPC). Each rank reports the error it
 raised and the step it raised at (every rank must raise the same error at the same step), and the checkpoints
 left on disk."""
@@ -17,7 +17,7 @@ from fabric_lite.callbacks import Callback, ModelCheckpoint
 from fabric_lite.checkpoint.files import CheckpointWriter
 
 args = parse({"--root": {"required": True}, "--fail-rank": {"type": int, "default": 1},
-              "--fail-save": {"type": int, "default": 2}})
+              "--fail-save": {"type": int, "default": 2}, "--skip": {"action": "store_true"}})
 rank = int(os.environ.get("RANK", "0"))
 saves = {"count": 0}
 original = CheckpointWriter.write
@@ -51,6 +51,20 @@ class Steps(Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.step = trainer.global_step
 
+
+if args.skip:  # the raw door: one rank waits for the save in flight, then both ask for a save that may be skipped
+    from fabric_lite import Accelerator
+
+    CheckpointWriter.write = original
+    acc = Accelerator()
+    model = acc.prepare(nn.Linear(256, 256))
+    acc.save_state(os.path.join(args.root, "a"), blocking=False)
+    if rank == 0:
+        acc.wait_for_checkpoint()
+    second = acc.save_state(os.path.join(args.root, "b"), blocking=False, if_busy="skip")
+    acc.end_training()
+    write_result(args.out, rank, {"second": second})
+    raise SystemExit(0)
 
 set_seed(0)
 steps = Steps()
