@@ -86,6 +86,9 @@ class Killer(Callback):
             if os.path.exists(marker):
                 return
             open(marker, "w").close()
+        # Checkpoints are written in the background: let the one started be published first, so that the run
+        # resumes from the checkpoint these tests expect (kills during background saves: test_async.py).
+        trainer.accelerator.wait_for_checkpoint()
         print(f"worker: rank {self.rank} sends SIG{args.kill_signal} to itself at step {trainer.global_step}, "
               f"batch {batch_idx} of epoch {trainer.current_epoch}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), getattr(signal, f"SIG{args.kill_signal}"))
