@@ -26,7 +26,12 @@ import torch
 __all__ = ["CheckpointError", "CheckpointWriter", "read_manifest", "load_file", "save_file", "verify", "fit_problem", "shapes_of",
            "update_latest", "newest_whole_checkpoint", "copy_checkpoint", "FORMAT_VERSION"]
 
-FORMAT_VERSION = 2  # 2: main-process state in one training_state.pt
+FORMAT_VERSION = 3  # 2: main-process state in one training_state.pt; 3: "zip:" checksums (below)
+#: Versions this code reads: 2 differs from 3 only in having no "zip:" checksums.
+READABLE_VERSIONS = (2, 3)
+#: A checksum that starts with this is a digest of the file's zip directory (each record's CRC-32, which torch's
+#: writer computes as it writes), checked together with every record's bytes; others are over the whole file.
+ZIP_PREFIX = "zip:"
 MANIFEST = "manifest.json"
 LATEST = "latest"
 _CHUNK = 8 * 2**20
@@ -240,9 +245,36 @@ class CheckpointWriter:
                 self.fs.rm(p, recursive=True)
 
     def write(self, name: str, obj: Any) -> None:
+        """torch.save `obj` as `name` into the staging directory and record its checksum."""
+        target = _join(self.fs, self.staging, name)
+        if _is_local(self.fs):
+            local = self.fs._strip_protocol(target)
+            written = False
+            try:
+                # torch's own writer, straight to the file: as fast as a bare torch.save. The zip it writes has a
+                # CRC-32 per record; the manifest records a digest of that listing, and loading checks both.
+                torch.save(obj, local)
+                written = True
+            except Exception:
+                pass  # (outside this block the failed writer, and the file it holds open, are let go)
+            if not written:
+                # torch's writer reports a failed write (a full disk) in its own words: write again through a
+                # Python file, which says what the OS said (and succeeds if the failure was passing)
+                if os.path.exists(local):
+                    os.remove(local)
+                self._write_streamed(name, obj, target)
+                return
+            self.checksums[name] = _zip_listing_digest(local)
+            if self.durable:
+                _fsync(self.fs, target)
+            return
+        self._write_streamed(name, obj, target)
+
+    def _write_streamed(self, name: str, obj: Any, target: str) -> None:
+        """Through the store's file object, checksummed as the bytes go (any fsspec store)."""
         out: Optional[_HashingWriter] = None
         try:
-            with self.fs.open(_join(self.fs, self.staging, name), "wb") as f:
+            with self.fs.open(target, "wb") as f:
                 out = _HashingWriter(f)
                 # streamed (no in-memory copy of the whole file); torch's many small records are gathered
                 # into 64 KiB writes, large tensors pass straight through
@@ -258,7 +290,7 @@ class CheckpointWriter:
             raise
         self.checksums[name] = out.hexdigest()
         if self.durable:
-            _fsync(self.fs, _join(self.fs, self.staging, name))
+            _fsync(self.fs, target)
 
     def commit(self, checksums: Dict[str, str], meta: Optional[Dict[str, Any]] = None) -> None:
         meta = {"saved_at": time.time(), **(meta or {})}
@@ -371,11 +403,60 @@ def read_manifest(url: str, storage_options: Optional[dict] = None) -> Dict[str,
         raise CheckpointError(f"{url}/{MANIFEST} lists file names that are not plain names: {bad[:5]}. "
                               f"It is damaged or was not written by fabric_lite; nothing was read.")
     version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise CheckpointError(
-            f"{url} has checkpoint format version {version}; this fabric_lite reads version {FORMAT_VERSION}."
+            f"{url} has checkpoint format version {version}; this fabric_lite reads version {FORMAT_VERSION} "
+            f"(and {', '.join(map(str, READABLE_VERSIONS[:-1]))})."
         )
     return manifest
+
+
+def _is_local(fs: Any) -> bool:
+    protocol = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return bool({"file", "local"} & set(protocol))
+
+
+def _listing_digest(archive: Any) -> str:
+    value = 0
+    for info in archive.infolist():
+        value = zlib.crc32(f"{info.filename}:{info.CRC:08x}:{info.file_size}\n".encode(), value)
+    return f"{ZIP_PREFIX}{value:08x}"
+
+
+def _zip_listing_digest(path: str) -> str:
+    """The manifest entry of a file torch.save wrote: a digest of its zip directory (each record's CRC-32 and
+    size); reading only the directory, a few KB at the end of the file."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        return _listing_digest(archive)
+
+
+def _zip_digest(source: Any) -> str:
+    """The same digest, after checking every record's bytes against its CRC-32 (what loading does); a file
+    that is not a whole zip gives a value that matches nothing."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(source) as archive:
+            for info in archive.infolist():
+                with archive.open(info) as member:  # zipfile compares the CRC-32 once a record is read whole
+                    while member.read(_CHUNK):
+                        pass
+            return _listing_digest(archive)
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        return f"{ZIP_PREFIX}damaged"
+
+
+def _checksum_of(source: Any, expected: str, algorithm: str) -> str:
+    """`source` (a local path or bytes) checksummed the way `expected` was made."""
+    if expected.startswith(ZIP_PREFIX):
+        return _zip_digest(io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source)
+    if isinstance(source, (bytes, bytearray)):
+        digest = _digest(algorithm)
+        digest.update(source)
+        return digest.hexdigest()
+    return _digest_file(source, algorithm)
 
 
 def _digest_file(path: str, algorithm: str) -> str:
@@ -407,17 +488,12 @@ def load_file(
         local = fs._strip_protocol(full)
         if not os.path.exists(local):
             raise CheckpointError(f"{url} is missing {name}, which its manifest lists.")
-        pending = _on_helper_thread(_digest_file, local, algorithm)
+        pending = _on_helper_thread(_checksum_of, local, expected, algorithm)
         source: Any = local
     else:
         with fs.open(full, "rb") as f:
             data = f.read()
-        def digest_bytes() -> str:
-            d = _digest(algorithm)
-            d.update(data)
-            return d.hexdigest()
-
-        pending = _on_helper_thread(digest_bytes)
+        pending = _on_helper_thread(_checksum_of, data, expected, algorithm)
         source = io.BytesIO(data)
     try:
         # A local file is mapped, not read: tensors are views of the page cache until something
@@ -441,11 +517,15 @@ def verify(url: str, storage_options: Optional[dict] = None) -> Dict[str, Any]:
         digest = _digest(manifest.get("checksum", "sha256"))
         try:
             with fs.open(_join(fs, path, name), "rb") as f:
-                for chunk in iter(lambda: f.read(_CHUNK), b""):
-                    digest.update(chunk)
+                if expected.startswith(ZIP_PREFIX):
+                    found = _zip_digest(f)
+                else:
+                    for chunk in iter(lambda: f.read(_CHUNK), b""):
+                        digest.update(chunk)
+                    found = digest.hexdigest()
         except FileNotFoundError:
             raise CheckpointError(f"{url} is missing {name}, which its manifest lists.") from None
-        if digest.hexdigest() != expected:
+        if found != expected:
             raise CheckpointError(f"{url}/{name} does not match its checksum: the file is corrupt.")
     return manifest
 

@@ -269,8 +269,9 @@ def test_crash_at_every_operation_of_a_checkpoint_save_then_ckpt_path_last_is_ex
     assert len(ops) >= 40, ops
     assert report["counted"]["weights"] == report["reference"]   # the wrapping alone changes nothing
     kinds = {o.split(": ", 1)[1].split(" ")[0] for o in ops}
-    assert {"makedirs", "open(wb)", "write", "close", "mv", "rm", "_move_dir", "update_latest",
+    assert {"makedirs", "torch.save", "open(wb)", "write", "close", "mv", "rm", "_move_dir", "update_latest",
             "CheckpointWriter.write", "CheckpointWriter.commit"} <= kinds, kinds
+    assert any(o.split(": ", 1)[1].startswith("torch.save half of") for o in ops)  # a torn file
     assert any(o.startswith("2: rm half of") for o in ops) and any("-> last.old-" in o for o in ops)
     assert sorted(report["trials"], key=int) == [str(n) for n in range(1, len(ops) + 1)]
     failures = []
@@ -461,11 +462,22 @@ def _truncate(path: Path):
     path.write_bytes(data[: len(data) // 2])
 
 
-@pytest.mark.parametrize("name", ["model_0.pt", "training_state.pt", "rng_0.pt"])
-def test_a_truncated_file_is_a_checkpoint_error_naming_it(tmp_path, saved, name):
-    from fabric_lite.checkpoint.files import CheckpointError
+def _flip(path: Path):
+    """Damage a few bytes in the middle of a record, leaving the zip's structure intact."""
+    data = bytearray(path.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + 4):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
 
-    _truncate(saved / name)
+
+@pytest.mark.parametrize("damage", [_truncate, _flip], ids=["truncated", "flipped"])
+@pytest.mark.parametrize("name", ["model_0.pt", "training_state.pt", "rng_0.pt"])
+def test_a_truncated_file_is_a_checkpoint_error_naming_it(tmp_path, saved, name, damage):
+    from fabric_lite.checkpoint.files import CheckpointError, verify
+
+    damage(saved / name)
+    with pytest.raises(CheckpointError, match=re.escape(f"{saved}/{name}") + ".*corrupt"):
+        verify(str(saved))
     before_files = _hashes(saved)
     acc, model, opt, sched = _accelerator(dropout=True, lr=0.3, seed=1)
     with pytest.raises(CheckpointError, match=re.escape(f"{saved}/{name}") + ".*corrupt"):

@@ -167,6 +167,21 @@ def instrument():
 
     opener.write, opener.close, opener.__exit__ = write, close, exit_
 
+    original_torch_save = torch.save
+
+    def torch_save(obj, f, *a, **kw):   # the writer hands local files to torch's own writer, by path
+        if isinstance(f, (str, os.PathLike)):
+            if op(f"torch.save {base(f)}"):
+                die()
+            if op(f"torch.save half of {base(f)}"):   # a file torn part-way
+                original_torch_save(obj, f, *a, **kw)
+                with open(f, "r+b") as handle:
+                    handle.truncate(os.path.getsize(f) // 2)
+                die()
+        return original_torch_save(obj, f, *a, **kw)
+
+    torch.save = torch_save
+
     if hasattr(checkpoint_io, "_to_bytes"):   # the writer may stream instead of serializing first
         checkpoint_io._to_bytes = before(lambda obj: "_to_bytes", checkpoint_io._to_bytes)
     checkpoint_io._move_dir = before(lambda fs, s, d: f"_move_dir {base(s)} -> {base(d)}", checkpoint_io._move_dir)
