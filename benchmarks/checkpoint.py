@@ -21,8 +21,17 @@ kinds of work (file writes, hashing, torch's record reader/writer, ...) side by 
     python benchmarks/checkpoint.py --quick       # ~5M parameters, 2 repeats: smoke run, ~15 s
     python benchmarks/checkpoint.py --fsync       # both sides wait until their bytes reach the disk
     python benchmarks/checkpoint.py --cold-load   # evict the files from the page cache before each load
+    python benchmarks/checkpoint.py --blocked     # time the training thread waits per save: sync vs blocking=False
 
 Target (from the issue): fabric_lite >= 0.9x raw throughput, save and load.
+
+--blocked measures something else: how long one save holds up the training thread (from the call to
+its return), for trainer_overhead.py's tiny MLP (32 -> 64 -> 10, AdamW) and for the --params model
+(100M by default), three ways interleaved: raw torch.save of both state dicts, save_state(dir) and
+save_state(dir, blocking=False) (the background save is waited for, untimed, before the next round).
+It prints blocked-time ratios (goal from the issue: async < 0.1x sync), the CPU seconds, Python calls
+and fresh memory of the blocked call (which load does not move), the background write's duration and
+the snapshot buffers' size (checkpoint_saver.snapshot_bytes).
 """
 
 from __future__ import annotations
@@ -376,6 +385,250 @@ def fmt_pct(x: Optional[float]) -> str:
     return "n/a" if x is None else f"{100 * x:.0f}%"
 
 
+# -- --blocked: how long one save holds up the training thread -------------------------------------
+SYNC, ASYNC = "sync", "async"
+BLOCKED_KINDS = (RAW, SYNC, ASYNC)  # torch.save by hand; save_state(dir); save_state(dir, blocking=False)
+BLOCKED_GOAL = 0.1  # the issue's goal: blocked(async) < 10 % of blocked(sync); a figure to read, not a check
+
+
+def tiny_trained_model() -> Tuple[nn.Module, torch.optim.Optimizer, int, str]:
+    """The tiny MLP of overhead.py / trainer_overhead.py (32 -> 64 -> 10), AdamW after one step."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from overhead import SPECS, build_mlp
+
+    spec = SPECS["tiny"]
+    torch.manual_seed(0)
+    model = build_mlp(spec.sizes)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(spec.batch, spec.sizes[0])).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return model, optimizer, sum(p.numel() for p in model.parameters()), "MLP " + " -> ".join(map(str, spec.sizes))
+
+
+class BlockedCase:
+    """One model and its AdamW, saved three ways: raw torch.save, save_state blocking and in the background."""
+
+    def __init__(self, name: str, model: nn.Module, optimizer: torch.optim.Optimizer, n: int, desc: str) -> None:
+        self.name, self.desc, self.n = name, desc, n
+        self.accelerator = Accelerator()
+        self.accelerator.prepare(model, optimizer)  # the raw side saves the user's objects: the same tensors
+        self.raw = raw_side(model, optimizer, fsync=False)
+
+    def call(self, kind: str, d: Path) -> Callable[[], None]:
+        if kind == RAW:
+            return lambda: self.raw.save(d)
+        return lambda: self.accelerator.save_state(str(d), blocking=kind == SYNC)
+
+    def round(self, kind: str, root: Path) -> Dict[str, float]:
+        """One timed save of this kind: blocked seconds, CPU and fresh memory of the call; for async, the
+        background write (waited for after the timing, so saves never queue)."""
+        d = root / f"{self.name}_{kind}"
+        if d.exists():
+            shutil.rmtree(d)
+        settle()
+        out = measured("blocked", self.call(kind, d))
+        if kind == ASYNC:
+            saver = self.accelerator.checkpoint_saver
+            record = saver.history[-1]
+            self.accelerator.wait_for_checkpoint()
+            out["background_s"] = record.finished - (record.started + record.blocked)  # the thread's run
+            out["published_after_s"] = record.finished - record.started  # call to checkpoint published
+            out["saver_blocked_s"] = record.blocked
+            out["snapshot_bytes"] = saver.snapshot_bytes
+        out["bytes"] = bytes_under(d)
+        shutil.rmtree(d)
+        return out
+
+    def calls(self, kind: str, root: Path) -> int:
+        """Python and C function calls the training thread makes during one save."""
+        d = root / f"{self.name}_{kind}_counted"
+        settle()
+        n = thread_calls(self.call(kind, d))
+        if kind == ASYNC:
+            self.accelerator.wait_for_checkpoint()
+        shutil.rmtree(d)
+        return n
+
+    def profiled(self, kind: str, root: Path) -> dict:
+        """cProfile's stats of one save call (from Python 3.12 on they include other threads' calls too)."""
+        d = root / f"{self.name}_{kind}_profiled"
+        _, stats = profile(self.call(kind, d))
+        if kind == ASYNC:
+            self.accelerator.wait_for_checkpoint()
+        shutil.rmtree(d)
+        return stats
+
+    def close(self) -> None:
+        self.accelerator.wait_for_checkpoint()
+        self.accelerator.checkpoint_saver.close()
+
+
+def thread_calls(fn: Callable[[], None]) -> int:
+    """Python and C function calls made by this thread while fn() runs. sys.setprofile hooks the calling
+    thread only (threads started meanwhile are not followed), whereas cProfile sees every thread from
+    Python 3.12 on."""
+    count = 0
+
+    def hook(frame, event, arg) -> None:
+        nonlocal count
+        if event == "call" or event == "c_call":
+            count += 1
+
+    sys.setprofile(hook)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count
+
+
+def med_range(xs: List[float], scale: float = 1.0, fmt: str = ".2f") -> str:
+    return f"{statistics.median(xs) * scale:{fmt}} [{min(xs) * scale:{fmt}}..{max(xs) * scale:{fmt}}]"
+
+
+def measure_blocked(case: BlockedCase, root: Path, repeats: int, warmup: int) -> dict:
+    first_async: Optional[Dict[str, float]] = None
+    for _ in range(max(warmup, 1)):  # the first background save allocates the snapshot buffers: kept apart
+        for kind in BLOCKED_KINDS:
+            r = case.round(kind, root)
+            if kind == ASYNC and first_async is None:
+                first_async = r
+    runs: Dict[str, List[dict]] = {kind: [] for kind in BLOCKED_KINDS}
+    for r in range(repeats):
+        for kind in BLOCKED_KINDS if r % 2 == 0 else BLOCKED_KINDS[::-1]:
+            runs[kind].append(case.round(kind, root))
+    calls = {kind: case.calls(kind, root) for kind in BLOCKED_KINDS}
+    return {"runs": runs, "first_async": first_async, "calls": calls, "async_stats": case.profiled(ASYNC, root)}
+
+
+def report_blocked(cases: List[BlockedCase], results: Dict[str, dict], top_n: int) -> Dict[str, dict]:
+    out: Dict[str, dict] = {}
+    width = max(len(c.name) for c in cases) + 2
+    for case in cases:
+        res = results[case.name]
+        runs = res["runs"]
+        col = {kind: {key: [r[key] for r in runs[kind]] for key in runs[kind][0]} for kind in BLOCKED_KINDS}
+        med = {kind: {key: statistics.median(v) for key, v in col[kind].items()} for kind in BLOCKED_KINDS}
+        paired = [a / s for a, s in zip(col[ASYNC]["blocked_s"], col[SYNC]["blocked_s"])]
+        cpu = {kind: [u + k for u, k in zip(col[kind]["blocked_user_s"], col[kind]["blocked_sys_s"])]
+               for kind in BLOCKED_KINDS}
+        out[case.name] = {
+            "params": case.n, "model": case.desc, "repeats": len(runs[SYNC]),
+            "blocked_s": {kind: col[kind]["blocked_s"] for kind in BLOCKED_KINDS},
+            "median_blocked_s": {kind: med[kind]["blocked_s"] for kind in BLOCKED_KINDS},
+            "async_over_sync": med[ASYNC]["blocked_s"] / med[SYNC]["blocked_s"], "async_over_sync_paired": paired,
+            "sync_over_raw": med[SYNC]["blocked_s"] / med[RAW]["blocked_s"],
+            "async_over_raw": med[ASYNC]["blocked_s"] / med[RAW]["blocked_s"],
+            "first_async_blocked_s": res["first_async"]["blocked_s"],
+            "first_async_fault_mb": res["first_async"]["blocked_minflt"] * PAGE / MB,
+            "median_cpu_s": {kind: statistics.median(cpu[kind]) for kind in BLOCKED_KINDS},
+            "calls": res["calls"],
+            "median_fault_mb": {kind: med[kind]["blocked_minflt"] * PAGE / MB for kind in BLOCKED_KINDS},
+            "background_s": col[ASYNC]["background_s"], "published_after_s": col[ASYNC]["published_after_s"],
+            "saver_blocked_s": col[ASYNC]["saver_blocked_s"],
+            "snapshot_bytes": runs[ASYNC][-1]["snapshot_bytes"], "bytes_on_disk": med[SYNC]["bytes"],
+        }
+        out[case.name]["_col"] = col  # for the tables below; dropped before --json
+
+    print("\nblocked per save: the training thread, from the call to its return; ms, median [min..max]")
+    print(f"{'model':<{width}}{'MB on disk':>10} {'raw ms':>22} {'sync ms':>24} {'async ms':>22} "
+          f"{'first async ms':>14}")
+    for case in cases:
+        o, col = out[case.name], out[case.name]["_col"]
+        print(f"{case.name:<{width}}{o['bytes_on_disk'] / MB:>10.1f} {med_range(col[RAW]['blocked_s'], 1e3):>22} "
+              f"{med_range(col[SYNC]['blocked_s'], 1e3):>24} {med_range(col[ASYNC]['blocked_s'], 1e3):>22} "
+              f"{o['first_async_blocked_s'] * 1e3:>14.2f}")
+    print(f"\n{'model':<{width}}{'async/sync':>10} {'paired: median [min..max]':>26} {'goal':>6} "
+          f"{'sync/raw':>9} {'async/raw':>9}")
+    for case in cases:
+        o = out[case.name]
+        pp = o["async_over_sync_paired"]
+        print(f"{case.name:<{width}}{o['async_over_sync']:>10.3f} "
+              f"{f'{statistics.median(pp):.3f} [{min(pp):.3f}..{max(pp):.3f}]':>26} {'<' + str(BLOCKED_GOAL):>6} "
+              f"{o['sync_over_raw']:>9.3f} {o['async_over_raw']:>9.3f}")
+
+    print("\nwork of the blocked call, which load on the machine does not move (calls, fresh memory) or moves "
+          "little (CPU):")
+    print(f"{'model':<{width}}{'CPU s raw':>10} {'sync':>7} {'async':>7} {'async/sync':>10}   "
+          f"{'calls raw':>9} {'sync':>7} {'async':>7} {'async/sync':>10}   {'faults MB raw':>13} {'sync':>6} "
+          f"{'async':>6}")
+    for case in cases:
+        o = out[case.name]
+        c, f, k = o["median_cpu_s"], o["median_fault_mb"], o["calls"]
+        print(f"{case.name:<{width}}{c[RAW]:>10.4f} {c[SYNC]:>7.4f} {c[ASYNC]:>7.4f} "
+              f"{c[ASYNC] / c[SYNC] if c[SYNC] else float('nan'):>10.3f}   {k[RAW]:>9d} {k[SYNC]:>7d} {k[ASYNC]:>7d} "
+              f"{k[ASYNC] / k[SYNC]:>10.3f}   {f[RAW]:>13.1f} {f[SYNC]:>6.1f} {f[ASYNC]:>6.1f}")
+
+    print("\nthe background save (async): its thread's run (write, checksums, publish), ms, median [min..max]")
+    print(f"{'model':<{width}}{'background ms':>24} {'published after ms':>24} {'/ sync blocked':>14} "
+          f"{'snapshot MB':>11} {'first-save faults MB':>20}")
+    for case in cases:
+        o, col = out[case.name], out[case.name]["_col"]
+        pub = statistics.median(o["published_after_s"]) / o["median_blocked_s"][SYNC]
+        print(f"{case.name:<{width}}{med_range(o['background_s'], 1e3):>24} "
+              f"{med_range(o['published_after_s'], 1e3):>24} {pub:>14.3f} {o['snapshot_bytes'] / MB:>11.1f} "
+              f"{o['first_async_fault_mb']:>20.1f}")
+
+    for case in cases:
+        print(f"\ncProfile: one background save_state({case.name}) call -- top {top_n} by own time"
+              + (" (Python >= 3.12: the background thread's first moments count too)"
+                 if sys.version_info >= (3, 12) else ""))
+        for t, n_calls, fn in top(results[case.name]["async_stats"], 2, top_n):
+            print(f"{t * 1e3:8.2f} ms {n_calls:7d}  {fn}")
+
+    print("\n" + "\n".join(f"{c.name} = {c.desc} ({c.n / 1e6:.2f}M parameters) + AdamW state" for c in cases))
+    print("raw = torch.save(model.state_dict()) and torch.save(optimizer.state_dict()) by hand;\n"
+          "sync = save_state(dir); async = save_state(dir, blocking=False): a snapshot into reused host buffers\n"
+          "on the training thread, the write on a thread of its own (waited for, untimed, before the next save).\n"
+          "Rounds alternate "
+          "(raw, sync, async, async, sync, raw, ...), each after gc.collect() and os.sync(); the warm-up\n"
+          "rounds are left out, and the first async save (which allocates the snapshot buffers) is shown apart.\n"
+          "async/sync = median blocked ms; paired = per-round ratios. CPU s = the process's user+sys seconds\n"
+          "during the call (all threads: sync's checksum helper counts); calls = Python and C function calls\n"
+          "of the training thread (sys.setprofile, one save); faults MB = minor page faults x page size in the call.\n"
+          "background = the save's own thread from its start to the publish; published after = from the call\n"
+          "to the publish; snapshot MB = checkpoint_saver.snapshot_bytes (host memory kept between saves).")
+    for o in out.values():
+        del o["_col"]
+    return out
+
+
+def run_blocked(args: argparse.Namespace, params: int, base: Path) -> None:
+    t_all, load_before = time.perf_counter(), os.getloadavg()
+    big_repeats = args.repeats or (2 if args.quick else 5)
+    tiny_repeats = args.tiny_repeats or (5 if args.quick else 20)
+    print(f"fabric_lite checkpoint --blocked: training-thread time per save, raw torch.save vs save_state vs "
+          f"save_state(blocking=False) | torch {torch.__version__} | {torch.get_num_threads()} thread(s) | "
+          f"interleaved repeats: tiny {tiny_repeats}, large {big_repeats}" + (" | QUICK" if args.quick else ""),
+          flush=True)
+    results: Dict[str, dict] = {}
+    cases: List[BlockedCase] = []
+    with tempfile.TemporaryDirectory(prefix="fabric_lite_ckpt_blocked_", dir=base) as tmp:
+        root = Path(tmp)
+        print(f"writing under {root} on {filesystem_of(root)}", flush=True)
+        def large() -> Tuple[nn.Module, torch.optim.Optimizer, int, str]:
+            model, optimizer, n = trained_model(params)
+            width, layers = shape_for(params)
+            return model, optimizer, n, f"{layers} x Linear({width}, {width})"
+
+        for name, build, repeats in (("tiny", tiny_trained_model, tiny_repeats),
+                                     (f"{params / 1e6:.0f}M", large, big_repeats)):
+            case = BlockedCase(name, *build())
+            t0 = time.perf_counter()
+            results[name] = measure_blocked(case, root, repeats, args.warmup)
+            print(f"  {name}: {time.perf_counter() - t0:.0f} s", flush=True)
+            case.close()
+            cases.append(case)
+        summary = report_blocked(cases, results, min(args.top, 6))
+    load_after = os.getloadavg()
+    print(f"\n(total {time.perf_counter() - t_all:.0f} s; 1-min load average {load_before[0]:.2f} before, "
+          f"{load_after[0]:.2f} after, on {os.cpu_count()} CPUs)")
+    if args.json:
+        args.json.write_text(json.dumps({"mode": "blocked", "torch": torch.__version__, "models": summary,
+                                         "loadavg_before_after": [load_before, load_after]}, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=int, help="model parameters (default 100_000_000; 5_000_000 with --quick)")
@@ -394,6 +647,12 @@ def main() -> None:
                         help="also list raw's top functions (its split by kind is always printed)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory child processes")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    parser.add_argument("--blocked", action="store_true",
+                        help="instead: the training thread's time per save, raw torch.save vs save_state vs "
+                             "save_state(blocking=False), for the tiny MLP and the --params model "
+                             "(--repeats applies to the latter)")
+    parser.add_argument("--tiny-repeats", type=int,
+                        help="with --blocked: interleaved repeats for the tiny MLP (default 20; 5 with --quick)")
     parser.add_argument("--_memory-child", dest="memory_child", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -405,6 +664,11 @@ def main() -> None:
 
     if args.memory_child:
         memory_child(args.memory_child, params, base, args.fsync)
+        return
+    if args.blocked:
+        if args.fsync or args.cold_load:
+            parser.error("--blocked times the call to save_state only: --fsync and --cold-load do not apply")
+        run_blocked(args, params, base)
         return
 
     t_all, load_before = time.perf_counter(), os.getloadavg()

@@ -1,10 +1,14 @@
 """What the Trainer costs per training step, next to the same loop written in plain PyTorch.
 
-The tiny MLP of overhead.py (32 -> 64 -> 10, batch 32, AdamW) trained three ways in one process,
+The tiny MLP of overhead.py (32 -> 64 -> 10, batch 32, AdamW) trained four ways in one process,
 timed in interleaved repeats: the raw loop; the Trainer bare (no progress bar, no checkpoints,
 logging every 10^9 steps); the Trainer with a progress bar, `self.log` every step written every 50
-steps to TensorBoard, and a checkpoint at every epoch end. Each repeat runs a fresh `fit` of N steps
-(its set-up is part of the time, as it is for a user). Also: function calls per step (cProfile).
+steps to TensorBoard, and a checkpoint at every epoch end, written on the training thread
+(ModelCheckpoint(async_save=False): "full" measures what it did before background saves became the
+default); and "full-async", the same with ModelCheckpoint(async_save=True), the checkpoint written on a
+background thread. Each repeat runs a fresh `fit` of N steps (its set-up is part of the time, as it is for
+a user). Also: function calls per step (cProfile; before Python 3.12 it sees the training thread only, so
+not full-async's background writer; from 3.12 on it sees every thread).
 
 With --ddp (2 processes, gloo): the raw loop is DistributedDataParallel with a DistributedSampler set
 up by hand, as in overhead.py --ddp; the Trainers find the launch environment and the process group
@@ -66,9 +70,12 @@ class TinyModule(TrainModule):
 
 
 def trainer_loop(spec, data, full: bool, root: str, expect_ddp: bool = False,
-                 device: Optional[torch.device] = None) -> Callable[[int], None]:
+                 device: Optional[torch.device] = None, async_save: bool = False) -> Callable[[int], None]:
+    ckpt_dir = f"{root}/ckpt_async" if async_save else f"{root}/ckpt"
+
     def run(n: int) -> None:
-        callbacks = [TensorBoardLogger(root, name="tb"), ModelCheckpoint(dirpath=f"{root}/ckpt", save_top_k=1)] if full else []
+        callbacks = [TensorBoardLogger(root, name="tb"),
+                     ModelCheckpoint(dirpath=ckpt_dir, save_top_k=1, async_save=async_save)] if full else []
         # on the raw loop's device, the CPU by default (the Trainer alone would pick a GPU)
         trainer = Trainer(max_steps=n, accelerator=device.type if device is not None else "cpu", enable_progress_bar=full, enable_checkpointing=full,
                           callbacks=callbacks, log_every_n_steps=50 if full else 10**9, num_sanity_val_steps=0,
@@ -126,7 +133,7 @@ def measure() -> None:
     parser.add_argument("--profile-diff", action="store_true",
                         help="print the functions behind the Trainers' extra calls per step (rank 0)")
     parser.add_argument("--top", type=int, default=25, help="rows in the --profile-diff listing")
-    parser.add_argument("--only", choices=["raw", "bare", "full"],
+    parser.add_argument("--only", choices=["raw", "bare", "full", "full-async"],
                         help="run just this loop for --steps steps and exit (to time whole processes from outside, "
                              "e.g. with /usr/bin/time, one process per loop)")
     args = parser.parse_args()
@@ -144,9 +151,11 @@ def measure() -> None:
     with shared_root(args.ddp) as root:
         raw_run, raw_epoch = raw_loop(spec, data, ddp=args.ddp)
         loops = {"raw": raw_run, "trainer bare": trainer_loop(spec, data, False, root, args.ddp),
-                 "trainer full": trainer_loop(spec, data, True, root, args.ddp)}
+                 "trainer full": trainer_loop(spec, data, True, root, args.ddp),
+                 "trainer full-async": trainer_loop(spec, data, True, root, args.ddp, async_save=True)}
         if args.only:
-            loops[{"raw": "raw", "bare": "trainer bare", "full": "trainer full"}[args.only]](steps)
+            loops[{"raw": "raw", "bare": "trainer bare", "full": "trainer full",
+                   "full-async": "trainer full-async"}[args.only]](steps)
             return
         for run in loops.values():
             run(20)  # warm-up
@@ -186,7 +195,8 @@ def measure() -> None:
         print(f"Trainer overhead | torch {torch.__version__} | {world} process(es) x {torch.get_num_threads()} "
               f"thread(s) | {repeats} repeats of {steps} steps (epoch: {raw_epoch} steps){' | DDP (gloo)' if args.ddp else ''}"
               f"{' | QUICK' if args.quick else ''}\n")
-        print(f"{'loop':<14}{'median s/step':>15}{'min':>11}{'max':>11}{'ratio':>8}{'of mins':>9}"
+        w = max(14, max(map(len, results)) + 1)  # the loop names' column
+        print(f"{'loop':<{w}}{'median s/step':>15}{'min':>11}{'max':>11}{'ratio':>8}{'of mins':>9}"
               f"{'paired: median [min..max]':>28}{'calls/step':>12}{'calls ratio':>13}{'steady':>9}{'ratio':>7}"
               f"{'set-up calls':>14}  target")
         for name, r in results.items():
@@ -195,7 +205,7 @@ def measure() -> None:
             target = r["target"]
             verdict = "" if target is None else f"<={target:g} {'met' if r['ratio_median'] <= target else 'missed'}"
             setup = f"{r['setup_calls']:14.0f}" if name != "raw" else f"{'':14}"
-            print(f"{name:<14}{r['median']:>15.6f}{min(values):>11.6f}{max(values):>11.6f}{r['ratio_median']:>8.3f}"
+            print(f"{name:<{w}}{r['median']:>15.6f}{min(values):>11.6f}{max(values):>11.6f}{r['ratio_median']:>8.3f}"
                   f"{r['ratio_min']:>9.3f}{paired:>28}{r['calls_per_step']:>12.1f}{r['calls_ratio']:>13.3f}"
                   f"{r['steady_calls_per_step']:>9.1f}{r['steady_calls_ratio']:>7.3f}{setup}  {verdict}")
         raw_desc = "DDP + DistributedSampler by hand" if args.ddp else "plain loop"
@@ -203,9 +213,14 @@ def measure() -> None:
               f"fastest; paired = per-repeat ratios of back-to-back runs.\nEach Trainer repeat is a fresh fit "
               f"(set-up included); calls/step from cProfile over one fit of {window} steps"
               f"{' (rank 0)' if args.ddp else ''};\nsteady = calls/step without the fit's set-up (a fit of "
-              f"{raw_epoch + window} steps minus one of {raw_epoch}), set-up calls = what is left of the shorter fit.")
+              f"{raw_epoch + window} steps minus one of {raw_epoch}), set-up calls = what is left of the shorter fit.\n"
+              f"full-async = full with ModelCheckpoint(async_save=True); the fit ends by waiting for the last save, "
+              f"inside the time. Its calls are\n"
+              + ("the training thread's and the background writer's (from Python 3.12 on cProfile sees every thread)."
+                 if sys.version_info >= (3, 12) else
+                 "the training thread's only (cProfile does not see the background writer before Python 3.12)."))
         if args.profile_diff:
-            for name in ("trainer bare", "trainer full"):
+            for name in ("trainer bare", "trainer full", "trainer full-async"):
                 print_diff(f"{world} process(es)", steady["raw"], steady[name], args.top,
                            name=f"{name} (steady: set-up left out)", short=name.split()[1])
         if args.json:
