@@ -9,7 +9,7 @@ process, on the same tensors:
                model.load_state_dict(torch.load(a, weights_only=True)), the same for the optimizer
   fabric_lite  accelerator.save_state(dir) / accelerator.load_state(dir) after
                model, optimizer = accelerator.prepare(model, optimizer) on a plain Accelerator():
-               every file checksummed (SHA-256 in manifest.json), written in a staging directory
+               every file checksummed (in manifest.json), written in a staging directory
                that is published by a move, and verified again on load
 
 Timed repeats alternate between the two (raw, fabric_lite, fabric_lite, raw, ...). The table gives
