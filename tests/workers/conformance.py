@@ -375,6 +375,9 @@ class KillMidWindow(Callback):
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if trainer.global_step == KILL_STEP and batch_idx % 2 == 0:
+            # the checkpoint of SAVE_STEP may be written in the background: let it be published first, so that
+            # the resume starts where this suite expects (kills during background saves: test_async.py)
+            trainer.accelerator.wait_for_checkpoint()
             print(f"conformance: rank {RANK} SIGKILLs itself at step {trainer.global_step}, batch {batch_idx} of "
                   f"epoch {trainer.current_epoch}", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)

@@ -85,6 +85,7 @@ class Killer(Callback):
             marker = os.path.join(args.root, f"killed-{self.rank}")
             if os.path.exists(marker):
                 return
+            os.makedirs(args.root, exist_ok=True)  # (checkpoints written in the background may not have made it)
             open(marker, "w").close()
         # Checkpoints are written in the background: let the one started be published first, so that the run
         # resumes from the checkpoint these tests expect (kills during background saves: test_async.py).
