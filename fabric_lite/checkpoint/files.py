@@ -11,17 +11,17 @@ its manifest) that verifies, with a warning naming each one it skips.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
 import time
 import uuid
 import warnings
-import zlib
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+
+from fabric_lite.checkpoint import checksums as digests
 
 __all__ = ["CheckpointError", "CheckpointWriter", "read_manifest", "load_file", "save_file", "verify", "fit_problem", "shapes_of",
            "update_latest", "newest_whole_checkpoint", "copy_checkpoint", "FORMAT_VERSION"]
@@ -29,12 +29,8 @@ __all__ = ["CheckpointError", "CheckpointWriter", "read_manifest", "load_file", 
 FORMAT_VERSION = 3  # 2: main-process state in one training_state.pt; 3: "zip:" checksums (below)
 #: Versions this code reads: 2 differs from 3 only in having no "zip:" checksums.
 READABLE_VERSIONS = (2, 3)
-#: A checksum that starts with this is a digest of the file's zip directory (each record's CRC-32, which torch's
-#: writer computes as it writes), checked together with every record's bytes; others are over the whole file.
-ZIP_PREFIX = "zip:"
 MANIFEST = "manifest.json"
 LATEST = "latest"
-_CHUNK = 8 * 2**20
 
 
 class CheckpointError(RuntimeError):
@@ -110,106 +106,6 @@ def save_file(obj: Any, url: str, storage_options: Optional[dict] = None) -> Non
     fs.mv(tmp, path)
 
 
-_POOL: Any = None
-#: The checksum new checkpoints record. CRC-32 catches torn and corrupted files (what it is for:
-#: untrusted content is handled by `weights_only=True` loading) at ~3.7 GB/s, against ~1.7 GB/s for
-#: SHA-256, which made saving a large checkpoint half as fast as a bare torch.save. Manifests name
-#: their algorithm; "sha256" ones still verify.
-CHECKSUM = "crc32"
-
-
-class _Crc32:
-    def __init__(self) -> None:
-        self.value = 0
-
-    def update(self, data: Any) -> None:
-        self.value = zlib.crc32(data, self.value)  # releases the GIL on large buffers
-
-    def hexdigest(self) -> str:
-        return f"{self.value:08x}"
-
-
-def _digest(algorithm: str) -> Any:
-    if algorithm == "crc32":
-        return _Crc32()
-    if algorithm == "sha256":
-        return hashlib.sha256()
-    raise CheckpointError(f"Unknown checksum {algorithm!r} in a manifest; this fabric_lite knows crc32 and sha256.")
-
-
-def _on_helper_thread(fn: Any, *args: Any) -> Any:
-    """Run `fn(*args)` on the checksum thread (a Future); in place once the interpreter is shutting down, when
-    no new work is accepted but a background save still finishes."""
-    try:
-        return _pool().submit(fn, *args)
-    except RuntimeError:
-        from concurrent.futures import Future
-
-        done: Any = Future()
-        try:
-            done.set_result(fn(*args))
-        except BaseException as err:
-            done.set_exception(err)
-        return done
-
-
-def _pool() -> Any:
-    global _POOL
-    # A forked child (notebook_launcher, dataloader workers) inherits the pool but not its thread:
-    # work given to it would wait for ever, so each process makes its own.
-    if _POOL is None or _POOL[0] != os.getpid():
-        from concurrent.futures import ThreadPoolExecutor
-
-        _POOL = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="fabric_lite_checksum"))
-    return _POOL[1]
-
-
-class _HashingWriter(io.RawIOBase):
-    """A file-like `torch.save` writes into: bytes go to `f` and into a checksum at the same time.
-
-    Large chunks are hashed on a helper thread while this one writes them (both release the GIL),
-    so the checksum costs little beyond the write itself."""
-
-    _PARALLEL = 1 << 20
-
-    def __init__(self, f: Any) -> None:
-        super().__init__()
-        self.f = f
-        self.digest = _digest(CHECKSUM)
-        #: The first error the file gave (torch.save reports a failed write as its own RuntimeError).
-        self.error: Optional[OSError] = None
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data)
-        try:
-            if view.nbytes >= self._PARALLEL:
-                pending = _on_helper_thread(self.digest.update, view)
-                try:
-                    self.f.write(view)
-                finally:
-                    pending.result()  # before returning: the caller may reuse the buffer
-            else:
-                self.digest.update(view)
-                self.f.write(view)
-        except OSError as err:
-            self.error = self.error or err
-            raise
-        return view.nbytes
-
-    def flush(self) -> None:
-        try:
-            self.f.flush()
-        except OSError as err:
-            self.error = self.error or err
-            raise
-
-    def hexdigest(self) -> str:
-        return self.digest.hexdigest()
-
-
 class CheckpointWriter:
     """Write the files of one checkpoint directory; `commit` publishes them all at once.
 
@@ -247,7 +143,7 @@ class CheckpointWriter:
     def write(self, name: str, obj: Any) -> None:
         """torch.save `obj` as `name` into the staging directory and record its checksum."""
         target = _join(self.fs, self.staging, name)
-        if _is_local(self.fs):
+        if digests.is_local(self.fs):
             local = self.fs._strip_protocol(target)
             written = False
             try:
@@ -264,7 +160,7 @@ class CheckpointWriter:
                     os.remove(local)
                 self._write_streamed(name, obj, target)
                 return
-            self.checksums[name] = _zip_listing_digest(local)
+            self.checksums[name] = digests.zip_listing_digest(local)
             if self.durable:
                 _fsync(self.fs, target)
             return
@@ -272,10 +168,10 @@ class CheckpointWriter:
 
     def _write_streamed(self, name: str, obj: Any, target: str) -> None:
         """Through the store's file object, checksummed as the bytes go (any fsspec store)."""
-        out: Optional[_HashingWriter] = None
+        out: Optional[digests.HashingWriter] = None
         try:
             with self.fs.open(target, "wb") as f:
-                out = _HashingWriter(f)
+                out = digests.HashingWriter(f)
                 # streamed (no in-memory copy of the whole file); torch's many small records are gathered
                 # into 64 KiB writes, large tensors pass straight through
                 with io.BufferedWriter(out, 1 << 16) as buffered:
@@ -294,7 +190,7 @@ class CheckpointWriter:
 
     def commit(self, checksums: Dict[str, str], meta: Optional[Dict[str, Any]] = None) -> None:
         meta = {"saved_at": time.time(), **(meta or {})}
-        manifest = {"format_version": FORMAT_VERSION, "checksum": CHECKSUM, "files": checksums, "meta": meta}
+        manifest = {"format_version": FORMAT_VERSION, "checksum": digests.CHECKSUM, "files": checksums, "meta": meta}
         # under another name first: a manifest.json that exists is whole (a crash mid-write leaves no torn one)
         partial = _join(self.fs, self.staging, f"{MANIFEST}.partial")
         with self.fs.open(partial, "w") as f:
@@ -411,62 +307,6 @@ def read_manifest(url: str, storage_options: Optional[dict] = None) -> Dict[str,
     return manifest
 
 
-def _is_local(fs: Any) -> bool:
-    protocol = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-    return bool({"file", "local"} & set(protocol))
-
-
-def _listing_digest(archive: Any) -> str:
-    value = 0
-    for info in archive.infolist():
-        value = zlib.crc32(f"{info.filename}:{info.CRC:08x}:{info.file_size}\n".encode(), value)
-    return f"{ZIP_PREFIX}{value:08x}"
-
-
-def _zip_listing_digest(path: str) -> str:
-    """The manifest entry of a file torch.save wrote: a digest of its zip directory (each record's CRC-32 and
-    size); reading only the directory, a few KB at the end of the file."""
-    import zipfile
-
-    with zipfile.ZipFile(path) as archive:
-        return _listing_digest(archive)
-
-
-def _zip_digest(source: Any) -> str:
-    """The same digest, after checking every record's bytes against its CRC-32 (what loading does); a file
-    that is not a whole zip gives a value that matches nothing."""
-    import zipfile
-
-    try:
-        with zipfile.ZipFile(source) as archive:
-            for info in archive.infolist():
-                with archive.open(info) as member:  # zipfile compares the CRC-32 once a record is read whole
-                    while member.read(_CHUNK):
-                        pass
-            return _listing_digest(archive)
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
-        return f"{ZIP_PREFIX}damaged"
-
-
-def _checksum_of(source: Any, expected: str, algorithm: str) -> str:
-    """`source` (a local path or bytes) checksummed the way `expected` was made."""
-    if expected.startswith(ZIP_PREFIX):
-        return _zip_digest(io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source)
-    if isinstance(source, (bytes, bytearray)):
-        digest = _digest(algorithm)
-        digest.update(source)
-        return digest.hexdigest()
-    return _digest_file(source, algorithm)
-
-
-def _digest_file(path: str, algorithm: str) -> str:
-    digest = _digest(algorithm)
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(_CHUNK), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def load_file(
     url: str, name: str, manifest: Dict[str, Any], map_location: Any = "cpu",
     weights_only: bool = True, storage_options: Optional[dict] = None,
@@ -482,18 +322,18 @@ def load_file(
         raise CheckpointError(f"{url} has no file {name!r} in its manifest (it holds {sorted(manifest['files'])}).")
     full = _join(fs, path, name)
     algorithm = manifest.get("checksum", "sha256")
-    _digest(algorithm)  # an unknown algorithm is refused before anything is read
+    digests.digest(algorithm)  # an unknown algorithm is refused before anything is read
     protocol = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     if {"file", "local"} & set(protocol):
         local = fs._strip_protocol(full)
         if not os.path.exists(local):
             raise CheckpointError(f"{url} is missing {name}, which its manifest lists.")
-        pending = _on_helper_thread(_checksum_of, local, expected, algorithm)
+        pending = digests.on_helper_thread(digests.checksum_of, local, expected, algorithm)
         source: Any = local
     else:
         with fs.open(full, "rb") as f:
             data = f.read()
-        pending = _on_helper_thread(_checksum_of, data, expected, algorithm)
+        pending = digests.on_helper_thread(digests.checksum_of, data, expected, algorithm)
         source = io.BytesIO(data)
     try:
         # A local file is mapped, not read: tensors are views of the page cache until something
@@ -514,13 +354,13 @@ def verify(url: str, storage_options: Optional[dict] = None) -> Dict[str, Any]:
     manifest = read_manifest(url, storage_options)
     fs, path = filesystem(url, storage_options)
     for name, expected in sorted(manifest["files"].items()):
-        digest = _digest(manifest.get("checksum", "sha256"))
+        digest = digests.digest(manifest.get("checksum", "sha256"))
         try:
             with fs.open(_join(fs, path, name), "rb") as f:
-                if expected.startswith(ZIP_PREFIX):
-                    found = _zip_digest(f)
+                if expected.startswith(digests.ZIP_PREFIX):
+                    found = digests.zip_digest(f)
                 else:
-                    for chunk in iter(lambda: f.read(_CHUNK), b""):
+                    for chunk in iter(lambda: f.read(digests.CHUNK), b""):
                         digest.update(chunk)
                     found = digest.hexdigest()
         except FileNotFoundError:
