@@ -215,20 +215,20 @@ def test_background_saves_killed_at_random_moments_always_resume_exact(tmp_path)
     assert code == 0 and report is not None, output[-6000:]
     trials = report["trials"]
     assert len(trials) == 100
-    killed = [t for t in trials.values() if t["killed"] is not None]
+    killed = [t for t in trials.values() if t.get("killed") is not None]
     in_flight = [t for t in killed if t["killed"]["in_flight"]]
     assert len(killed) >= 70 and len(in_flight) >= 15, (len(killed), len(in_flight))
     failures = []
     for n, t in trials.items():
         problems = []
-        if t["killed"] is not None and not killed_by(t["crash_exit"], signal.SIGKILL):
+        if t.get("killed") is not None and not killed_by(t["crash_exit"], signal.SIGKILL):
             problems.append(f"crashed run ended with {t['crash_exit']}")
-        if t["resume_exit"] != 0 or "error" in t:
-            problems.append(f"resume failed ({t['resume_exit']}): {t.get('error')}")
+        if t.get("resume_exit") != 0 or "error" in t:
+            problems.append(f"resume failed ({t.get('resume_exit')}): {t.get('error')}")
         elif t["global_step"] != 6 or t["weights"] != report["reference"]:
             problems.append(f"resumed from step {t['start']} and ended at {t['global_step']} with other weights")
         if problems:
-            failures.append(f"trial {n} (killed: {t['killed']}): {'; '.join(problems)}; before={t.get('before')}")
+            failures.append(f"trial {n} (killed: {t.get('killed')}): {'; '.join(problems)}; before={t.get('before')}")
     assert not failures, "\n".join(failures)
 
 

@@ -257,14 +257,16 @@ def crash_run_at(root, delay):
     def kill():
         trainer = STATE["trainer"]
         saver = trainer.accelerator.checkpoint_saver if trainer is not None else None
-        with open(os.path.join(root, "killed.json"), "w") as f:
+        with open(os.path.join(root, "killed.json.tmp"), "w") as f:
             json.dump({"in_flight": bool(saver and saver.in_flight), "step": trainer and trainer.global_step}, f)
+        os.replace(os.path.join(root, "killed.json.tmp"), os.path.join(root, "killed.json"))
         die()
 
     timer = threading.Timer(delay, kill)
     timer.start()
     fit(root)
     timer.cancel()
+    timer.join()  # a kill that had already begun finishes (the process dies here) before this one may exit
 
 
 def resume_run(root, report):
@@ -330,8 +332,12 @@ while pending or slots:
         n = pending.pop(0)
 
         def runner(n=n):
+            try:
+                result = run_trial(n)
+            except Exception:
+                result = {"error": f"the trial runner failed: {traceback.format_exc()}"}
             with open(os.path.join(args.root, f"result{n:03d}.json"), "w") as f:
-                json.dump(run_trial(n), f)
+                json.dump(result, f)
 
         slots[in_child(runner)] = n
     pid, _ = os.wait()
