@@ -211,7 +211,12 @@ def save_state(acc: "Accelerator", output_dir: Optional[Union[str, os.PathLike]]
         job.error = err
     if automatic and project.total_limit is not None:
         root, limit = _checkpoints_root(acc), project.total_limit
-        job.after_commit.append(lambda: _prune(root, limit))
+
+        def prune() -> None:
+            """deleting numbered checkpoints beyond total_limit"""
+            _prune(root, limit)
+
+        job.after_commit.append(prune)
     saver.run(job, background, blocked_since)  # a blocking save that fails raises here
     if automatic:
         project.iteration += 1  # (a background save takes its name now, whatever becomes of it)
