@@ -218,8 +218,7 @@ class CheckpointWriter:
 
 def _fsync(fs: Any, path: str) -> None:
     """Flush a local file or directory to the disk (other stores make an upload durable when it completes)."""
-    protocol = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-    if not {"file", "local"} & set(protocol):
+    if not digests.is_local(fs):
         return
     fd = os.open(fs._strip_protocol(path), os.O_RDONLY)
     try:
@@ -323,8 +322,7 @@ def load_file(
     full = _join(fs, path, name)
     algorithm = manifest.get("checksum", "sha256")
     digests.digest(algorithm)  # an unknown algorithm is refused before anything is read
-    protocol = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-    if {"file", "local"} & set(protocol):
+    if digests.is_local(fs):
         local = fs._strip_protocol(full)
         if not os.path.exists(local):
             raise CheckpointError(f"{url} is missing {name}, which its manifest lists.")

@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from fabric_lite.checkpoint import files as checkpoint_io
+from fabric_lite.checkpoint.checksums import is_local
 from fabric_lite.checkpoint.files import CheckpointError, CheckpointWriter
 from fabric_lite.checkpoint.names import canonical, canonical_state, for_module
 
@@ -37,15 +38,10 @@ def is_shard_file(name: str) -> bool:
     return name == METADATA or (name.startswith("__") and name.endswith(".distcp"))
 
 
-def _is_local(fs: Any) -> bool:
-    protocol = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-    return bool({"file", "local"} & set(protocol))
-
-
 def _storage(fs: Any, path: str, write: bool) -> Any:
     import torch.distributed.checkpoint as dcp
 
-    if _is_local(fs):
+    if is_local(fs):
         return dcp.FileSystemWriter(path, sync_files=False) if write else dcp.FileSystemReader(path)
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
