@@ -17,13 +17,13 @@ import os
 import time
 import uuid
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
 from fabric_lite.checkpoint import checksums as digests
 
-__all__ = ["CheckpointError", "CheckpointWriter", "read_manifest", "load_file", "save_file", "verify", "fit_problem", "shapes_of",
+__all__ = ["CheckpointError", "CheckpointWriter", "read_manifest", "load_file", "save_file", "verify",
            "update_latest", "newest_whole_checkpoint", "copy_checkpoint", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 3  # 2: main-process state in one training_state.pt; 3: "zip:" checksums (below)
@@ -35,27 +35,6 @@ LATEST = "latest"
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, partial, corrupt or from an incompatible format."""
-
-
-def fit_problem(current: Dict[str, Any], saved: Dict[str, Any], strict: bool) -> Optional[str]:
-    """Why saved state cannot load into a model, or None. Both map names to shapes (None: not a tensor);
-    shapes that differ always count, missing or unexpected names only when `strict`."""
-    shapes = [f"{k}: saved {saved[k]}, model {shape}" for k, shape in current.items()
-              if shape is not None and saved.get(k) is not None and tuple(saved[k]) != tuple(shape)]
-    if shapes:
-        return f"{len(shapes)} tensor(s) differ in shape, first: {shapes[:5]}"
-    missing, unexpected = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
-    if strict and (missing or unexpected):
-        def show(keys: List[str]) -> str:
-            return ", ".join(keys[:10]) + (f" and {len(keys) - 10} more" if len(keys) > 10 else "") if keys else "none"
-
-        return f"missing keys: {show(missing)}; unexpected keys: {show(unexpected)}"
-    return None
-
-
-def shapes_of(state: Dict[str, Any]) -> Dict[str, Any]:
-    """name -> shape of a state dict's tensors (None for other entries), for `fit_problem`."""
-    return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in state.items()}
 
 
 def filesystem(url: str, storage_options: Optional[dict] = None) -> Tuple[Any, str]:

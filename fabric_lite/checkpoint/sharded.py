@@ -25,6 +25,7 @@ import torch
 from fabric_lite.checkpoint import files as checkpoint_io
 from fabric_lite.checkpoint.checksums import is_local
 from fabric_lite.checkpoint.files import CheckpointError, CheckpointWriter
+from fabric_lite.checkpoint.fit import fit_problem, shapes_of
 from fabric_lite.checkpoint.names import canonical, canonical_state, for_module
 
 __all__ = ["ENGINE", "save", "read", "consolidate", "is_shard_file", "optimizer_state_by_name"]
@@ -187,7 +188,7 @@ def _tensor_shapes(metadata: Any) -> Dict[str, Tuple[int, ...]]:
 def _check_model(url: str, index: int, current: Dict[str, Any], saved: Dict[str, Tuple[int, ...]], strict: bool) -> None:
     prefix = f"model_{index}."
     mine = {k[len(prefix):]: shape for k, shape in saved.items() if k.startswith(prefix)}
-    problem = checkpoint_io.fit_problem(checkpoint_io.shapes_of(current), mine, strict)
+    problem = fit_problem(shapes_of(current), mine, strict)
     if problem:
         raise CheckpointError(f"{url} does not fit model {index}: {problem}. Nothing was loaded. Load a checkpoint "
                               f"of this model (strict=False allows missing or unexpected keys).")

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 import torch
 
 from fabric_lite.checkpoint import files as checkpoint_io
-from fabric_lite.checkpoint import names, sharded
+from fabric_lite.checkpoint import fit, names, sharded
 from fabric_lite.checkpoint.files import CheckpointError, CheckpointWriter
 from fabric_lite.checkpoint.saver import SaveJob, checkpoint_format, snapshot
 from fabric_lite.seed import capture_rng_state, restore_rng_state
@@ -256,6 +256,9 @@ def _collect(acc: "Accelerator", url: str, engine: Optional[str]) -> Tuple[Dict[
         "dataloaders": [loader.state_dict() for loader in acc.dataloaders],
         "custom": [obj.state_dict() for obj in acc.registered_objects],
         "precision": strategy.precision.state_dict(),
+        # checked on load, before anything changes (fit.py)
+        "types": {"optimizers": [fit.type_name(opt) for opt in acc.optimizers],
+                  "schedulers": [fit.type_name(sched) for sched in acc.schedulers]},
     }
     if not strategy.is_global_zero:
         files = {}
@@ -292,11 +295,17 @@ def _restore_process_local_state(acc: "Accelerator", state: Dict[str, Any]) -> N
             p.grad = saved[name].to(p.device) if name in saved else None
 
 
-def _check_keys(url: str, index: int, current: Dict[str, Any], saved: Dict[str, Any], strict: bool) -> None:
-    problem = checkpoint_io.fit_problem(checkpoint_io.shapes_of(current), checkpoint_io.shapes_of(saved), strict)
-    if problem:
-        raise CheckpointError(f"{url}/model_{index}.pt does not fit model {index}: {problem}. Nothing was loaded. "
-                              f"Load a checkpoint of this model (strict=False allows missing or unexpected keys).")
+def _model_problems(index: int, current: Dict[str, Any], saved: Dict[str, Any], strict: bool) -> List[str]:
+    problem = fit.fit_problem(fit.shapes_of(current), fit.shapes_of(saved), strict)
+    problems = [f"model {index}: {problem}"] if problem else []
+    kinds = fit.dtype_problems(current, saved)
+    if kinds:
+        problems.append(f"model {index}: {len(kinds)} tensor(s) hold another kind of number, first: {kinds[:3]}")
+    return problems
+
+
+def _nth(values: Any, i: int) -> Optional[str]:
+    return values[i] if isinstance(values, list) and i < len(values) and isinstance(values[i], str) else None
 
 
 def _load(url: str, name: str, manifest: Dict[str, Any], weights_only: bool) -> Any:
@@ -357,10 +366,23 @@ def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]],
     else:
         apply_engine = strategy.read_engine_state(url, manifest, strict) if engine else None
     weights = [] if saved_as else [_load(url, f"model_{i}.pt", manifest, weights_only) for i in range(len(acc.models))]
+    problems: List[str] = []
     for i, model in enumerate(acc.models[:len(weights)]):
         current = strategy.unwrap_module(model).state_dict()
         weights[i] = names.for_module(weights[i], current)  # saved with or without torch.compile
-        _check_keys(url, i, current, weights[i], strict)
+        problems += _model_problems(i, current, weights[i], strict)
+    types = state.get("types", {})  # absent in checkpoints of older versions: settings are compared instead
+    for i, (opt, saved_state) in enumerate(zip(acc.optimizers, state["optimizers"])):
+        if saved_state is not None:  # None: an engine's optimizer, checked by the engine
+            problems += fit.optimizer_problems(f"optimizer {i}", opt, saved_state, _nth(types.get("optimizers"), i))
+    for i, (sched, saved_state) in enumerate(zip(acc.schedulers, state["schedulers"])):
+        problems += fit.scheduler_problems(f"scheduler {i}", sched, saved_state, _nth(types.get("schedulers"), i))
+    if problems:
+        raise CheckpointError(
+            f"{url} does not fit this run; nothing was loaded. {len(problems)} mismatch(es), first: "
+            f"{'; '.join(problems[:5])}. Load a checkpoint of these objects (the same model, optimizer and scheduler "
+            f"classes, built the same way); strict=False allows missing or unexpected model keys."
+        )
     rng_name = f"rng_{strategy.global_rank}.pt"
     local = _load(url, rng_name, manifest, weights_only=True) if rng_name in manifest["files"] else None
 

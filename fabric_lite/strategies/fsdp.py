@@ -16,7 +16,7 @@ from typing import Any, Callable, ClassVar, ContextManager, Dict, Iterable, List
 import torch
 from torch import nn
 
-from fabric_lite.checkpoint.files import fit_problem, shapes_of
+from fabric_lite.checkpoint.fit import fit_problem, shapes_of
 from fabric_lite.strategies.ddp import DDPStrategy
 from fabric_lite.strategies.moved_params import MovedParameters
 from fabric_lite.strategies.fsdp_blocks import (
