@@ -11,19 +11,22 @@ its manifest) that verifies, with a warning naming each one it skips.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import math
 import os
+import threading
 import time
 import uuid
 import warnings
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
 from fabric_lite.checkpoint import checksums as digests
 
-__all__ = ["CheckpointError", "CheckpointWriter", "read_manifest", "load_file", "save_file", "verify",
+__all__ = ["CheckpointError", "CheckpointWriter", "read_manifest", "manifest_problem", "publishing", "load_file", "save_file", "verify",
            "update_latest", "newest_whole_checkpoint", "copy_checkpoint", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 3  # 2: main-process state in one training_state.pt; 3: "zip:" checksums (below)
@@ -75,14 +78,136 @@ def _to_bytes(obj: Any) -> bytes:
 
 def save_file(obj: Any, url: str, storage_options: Optional[dict] = None) -> None:
     """torch.save `obj` to one fsspec URL, through a temporary name (atomic where the store renames)."""
+    save_bytes(_to_bytes(obj), url, storage_options)
+
+
+def save_bytes(data: bytes, url: str, storage_options: Optional[dict] = None) -> None:
+    """Write `data` as one file at an fsspec URL (its directory made if missing), through a temporary name:
+    a failed write leaves neither a partial file nor the temporary one."""
     fs, path = filesystem(url, storage_options)
     parent = path.rsplit("/", 1)[0] if "/" in path else ""
-    if parent:
-        fs.makedirs(parent, exist_ok=True)
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    with fs.open(tmp, "wb") as f:
-        f.write(_to_bytes(obj))
-    fs.mv(tmp, path)
+    try:
+        with _naming_failures(f"writing {url}"):
+            if parent:
+                fs.makedirs(parent, exist_ok=True)
+            with fs.open(tmp, "wb") as f:
+                f.write(data)
+            fs.mv(tmp, path)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            if fs.exists(tmp):
+                fs.rm(tmp)
+        raise
+
+
+# -- locks: two runs that save into one directory at once (local disks) ---------------------------------
+#
+# Publishing (the moves of a commit, recovery, cleanup of what interrupted saves left, `latest`, pruning)
+# holds an exclusive lock on the directory the checkpoints are published in; each writer holds a shared
+# lock on its staging directory for as long as it writes, so that another run's cleanup leaves a staging
+# directory alone while its writer lives (a crashed writer's lock goes with its process). flock() locks
+# are advisory, per open file, and released by the kernel when the process dies. Other stores (object
+# stores) have no locks: there, give each run its own directory.
+
+class _Held:
+    def __init__(self) -> None:
+        self.guard = threading.RLock()  # the threads of this process, one at a time (re-entrant)
+        self.depth = 0
+        self.fd: Optional[int] = None
+
+
+_HELD: Dict[str, _Held] = {}
+_HELD_GUARD = threading.Lock()
+#: Every lock descriptor open in this process. A flock belongs to the open file, which a forked child
+#: (a DataLoader worker) shares: the child closes its copies at once, or a lock taken by a background
+#: save would be held for as long as the worker lives, and the next publish would wait for ever.
+_LOCK_FDS: set = set()
+
+
+def _forget_locks_in_child() -> None:
+    global _HELD, _HELD_GUARD
+    for fd in list(_LOCK_FDS):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _LOCK_FDS.clear()
+    _HELD, _HELD_GUARD = {}, threading.Lock()  # (another thread may have held one at the fork)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_locks_in_child)
+
+
+def _unlock(fd: Optional[int]) -> None:
+    if fd is not None:
+        _LOCK_FDS.discard(fd)
+        os.close(fd)
+
+
+def _flock(path: str, flags: int) -> Optional[int]:
+    """An open descriptor of directory `path` holding flock `flags`; None where locks are not supported.
+    Raises BlockingIOError when `flags` has LOCK_NB and another holds a conflicting lock."""
+    try:
+        import fcntl
+    except ImportError:  # no flock on this platform
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, flags)
+    except BlockingIOError:
+        os.close(fd)
+        raise
+    except OSError:  # a file system without flock (some network mounts): go on unlocked, as before
+        os.close(fd)
+        return None
+    _LOCK_FDS.add(fd)
+    return fd
+
+
+@contextlib.contextmanager
+def publishing(fs: Any, directory: str) -> Iterator[None]:
+    """Hold the lock under which checkpoints are published into `directory` (re-entrant; local disks)."""
+    if not digests.is_local(fs):
+        yield
+        return
+    path = os.path.realpath(fs._strip_protocol(directory))
+    with _HELD_GUARD:
+        held = _HELD.setdefault(path, _Held())
+    with held.guard:
+        if held.depth == 0:
+            import fcntl
+
+            held.fd = _flock(path, fcntl.LOCK_EX)
+        held.depth += 1
+        try:
+            yield
+        finally:
+            held.depth -= 1
+            if held.depth == 0:
+                _unlock(held.fd)
+                held.fd = None
+
+
+def _parent_of(path: str) -> str:
+    target = path.rstrip("/")
+    return target.rsplit("/", 1)[0] if "/" in target else "."
+
+
+def _stale(fs: Any, path: str) -> bool:
+    """Whether the staging directory `path` has no live writer (its shared lock is gone)."""
+    if not digests.is_local(fs):
+        return True
+    import fcntl
+
+    try:
+        fd = _flock(fs._strip_protocol(path), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    _unlock(fd)
+    return True
 
 
 class CheckpointWriter:
@@ -101,23 +226,40 @@ class CheckpointWriter:
         self.token = staging_token or uuid.uuid4().hex[:12]
         self.staging = f"{self.path.rstrip('/')}.staging-{self.token}"
         self.checksums: Dict[str, str] = {}
-        self.fs.makedirs(self.staging, exist_ok=True)
+        self._lock_fd: Optional[int] = None
+        if digests.is_local(self.fs):
+            import fcntl
+
+            self.fs.makedirs(_parent_of(self.path), exist_ok=True)
+            with publishing(self.fs, _parent_of(self.path)):  # no cleanup sees it before it is locked
+                self.fs.makedirs(self.staging, exist_ok=True)
+                self._lock_fd = _flock(self.fs._strip_protocol(self.staging), fcntl.LOCK_SH)
+        else:
+            self.fs.makedirs(self.staging, exist_ok=True)
+
+    def release(self) -> None:
+        """Let go of the staging directory's lock (commit and abort do; other ranks call it when done)."""
+        _unlock(self._lock_fd)
+        self._lock_fd = None
 
     def clean_up_interrupted(self) -> None:
         """Recover or delete what an earlier, interrupted save left next to the target (main process)."""
         target = self.path.rstrip("/")
-        if not self.fs.exists(target):
-            _recover(self.fs, target)
-        parent, name = target.rsplit("/", 1) if "/" in target else (".", target)
-        try:
-            siblings = self.fs.ls(parent, detail=False)
-        except FileNotFoundError:  # an object store has no empty directories: nothing there yet
-            siblings = []
-        for p in siblings:
-            base = p.rstrip("/").rsplit("/", 1)[-1]
-            mine = base == f"{name}.staging-{self.token}"
-            if not mine and (base.startswith(f"{name}.staging-") or base.startswith(f"{name}.old-")):
-                self.fs.rm(p, recursive=True)
+        parent, name = _parent_of(target), target.rsplit("/", 1)[-1]
+        with publishing(self.fs, parent):
+            if not self.fs.exists(target):
+                _recover(self.fs, target)
+            try:
+                siblings = self.fs.ls(parent, detail=False)
+            except FileNotFoundError:  # an object store has no empty directories: nothing there yet
+                siblings = []
+            for p in siblings:
+                base = p.rstrip("/").rsplit("/", 1)[-1]
+                if base == f"{name}.staging-{self.token}":
+                    continue
+                # an `.old-` directory is only ever seen here when its commit died (commits hold the lock)
+                if (base.startswith(f"{name}.staging-") and _stale(self.fs, p)) or base.startswith(f"{name}.old-"):
+                    self.fs.rm(p, recursive=True)
 
     def write(self, name: str, obj: Any) -> None:
         """torch.save `obj` as `name` into the staging directory and record its checksum."""
@@ -158,10 +300,7 @@ class CheckpointWriter:
         except Exception as err:
             cause = out.error if out is not None and out.error is not None else err
             if isinstance(cause, OSError):  # a full disk, a failed upload: say so, not the serializer's words
-                where = f"(writing {name} of {self.url})"
-                if cause.errno is None:
-                    raise OSError(f"{cause} {where}") from err
-                raise OSError(cause.errno, f"{cause.strerror or cause} {where}") from err
+                raise _saying_what(cause, f"writing {name} of {self.url}") from err
             raise
         self.checksums[name] = out.hexdigest()
         if self.durable:
@@ -170,29 +309,50 @@ class CheckpointWriter:
     def commit(self, checksums: Dict[str, str], meta: Optional[Dict[str, Any]] = None) -> None:
         meta = {"saved_at": time.time(), **(meta or {})}
         manifest = {"format_version": FORMAT_VERSION, "checksum": digests.CHECKSUM, "files": checksums, "meta": meta}
-        # under another name first: a manifest.json that exists is whole (a crash mid-write leaves no torn one)
-        partial = _join(self.fs, self.staging, f"{MANIFEST}.partial")
-        with self.fs.open(partial, "w") as f:
-            json.dump(manifest, f, indent=1, sort_keys=True)
-        if self.durable:
-            _fsync(self.fs, partial)
-        self.fs.mv(partial, _join(self.fs, self.staging, MANIFEST))
-        if self.durable:  # the files and their names are on disk before the directory is renamed into place
-            _fsync(self.fs, self.staging)
         target = self.path.rstrip("/")
-        old = None
-        if self.fs.exists(target):
-            old = f"{target}.old-{self.token}"
-            _move_dir(self.fs, target, old)
-        _move_dir(self.fs, self.staging, target)
-        if self.durable:  # the rename itself
-            _fsync(self.fs, target.rsplit("/", 1)[0] if "/" in target else ".")
-        if old is not None:
-            self.fs.rm(old, recursive=True)
+        with publishing(self.fs, _parent_of(target)):  # another run's save into this directory waits
+            # under another name first: a manifest.json that exists is whole (a crash mid-write leaves no torn one)
+            partial = _join(self.fs, self.staging, f"{MANIFEST}.partial")
+            with _naming_failures(f"writing {MANIFEST} of {self.url}"):
+                with self.fs.open(partial, "w") as f:
+                    json.dump(manifest, f, indent=1, sort_keys=True)
+                if self.durable:
+                    _fsync(self.fs, partial)
+            self.fs.mv(partial, _join(self.fs, self.staging, MANIFEST))
+            if self.durable:  # the files and their names are on disk before the directory is renamed into place
+                _fsync(self.fs, self.staging)
+            old = None
+            if self.fs.exists(target):
+                old = f"{target}.old-{self.token}"
+                _move_dir(self.fs, target, old)
+            _move_dir(self.fs, self.staging, target)
+            if self.durable:  # the rename itself
+                _fsync(self.fs, _parent_of(target))
+            if old is not None:
+                self.fs.rm(old, recursive=True)
+        self.release()
 
     def abort(self) -> None:
-        if self.fs.exists(self.staging):
-            self.fs.rm(self.staging, recursive=True)
+        try:
+            if self.fs.exists(self.staging):
+                self.fs.rm(self.staging, recursive=True)
+        finally:
+            self.release()
+
+
+@contextlib.contextmanager
+def _naming_failures(what: str) -> Iterator[None]:
+    """An OSError inside says what was being written (a full disk names the file, not only its errno)."""
+    try:
+        yield
+    except OSError as err:
+        raise _saying_what(err, what) from err
+
+
+def _saying_what(err: OSError, what: str) -> OSError:
+    if err.errno is None:
+        return OSError(f"{err} ({what})")
+    return OSError(err.errno, f"{err.strerror or err} ({what})")
 
 
 def _fsync(fs: Any, path: str) -> None:
@@ -223,25 +383,34 @@ def copy_checkpoint(src: str, dst: str, storage_options: Optional[dict] = None) 
         raise
 
 
-def _whole_manifest(fs: Any, path: str) -> bool:
+def _whole(fs: Any, path: str) -> bool:
     try:
-        with fs.open(path, "r") as f:
-            return isinstance(json.load(f), dict)
-    except (OSError, ValueError):
+        _verify_at(fs, path, path)
+        return True
+    except (CheckpointError, OSError):
         return False
 
 
 def _recover(fs: Any, path: str) -> None:
     """Finish a publish that a crash interrupted between its two moves (see `CheckpointWriter.commit`)."""
     target = path.rstrip("/")
-    parent = target.rsplit("/", 1)[0] if "/" in target else "."
+    parent = _parent_of(target)
+    if not fs.exists(parent):
+        return
+    with publishing(fs, parent):
+        if not fs.exists(target):  # (a commit that held the lock may have just published it)
+            _recover_unlocked(fs, target, parent)
+
+
+def _recover_unlocked(fs: Any, target: str, parent: str) -> None:
     name = target.rsplit("/", 1)[-1]
     try:
         siblings = fs.ls(parent, detail=False)
     except FileNotFoundError:
         return
     staged = [p for p in siblings if p.rstrip("/").rsplit("/", 1)[-1].startswith(f"{name}.staging-")]
-    complete = [p for p in staged if _whole_manifest(fs, _join(fs, p, MANIFEST))]  # the manifest is written last
+    # the manifest is written last, but only a staging directory whose manifest and files check out is published
+    complete = [p for p in staged if _whole(fs, p)]
     old = [p for p in siblings if p.rstrip("/").rsplit("/", 1)[-1].startswith(f"{name}.old-")]
     if complete:
         _move_dir(fs, complete[0], target)
@@ -255,9 +424,14 @@ def _plain_name(name: Any) -> bool:
 
 
 def read_manifest(url: str, storage_options: Optional[dict] = None) -> Dict[str, Any]:
+    """The manifest of the checkpoint at `url`, checked to be whole (CheckpointError otherwise)."""
     fs, path = filesystem(url, storage_options)
     if not fs.exists(path):
         _recover(fs, path)
+    return _manifest_at(fs, path, url)
+
+
+def _manifest_at(fs: Any, path: str, url: str) -> Dict[str, Any]:
     manifest_path = _join(fs, path, MANIFEST)
     if not fs.exists(manifest_path):
         if fs.exists(path):
@@ -266,23 +440,53 @@ def read_manifest(url: str, storage_options: Optional[dict] = None) -> Dict[str,
                 f"Load an earlier checkpoint."
             )
         raise CheckpointError(f"No checkpoint at {url}.")
-    with fs.open(manifest_path, "r") as f:
-        try:
+    try:
+        with fs.open(manifest_path, "r") as f:
             manifest = json.load(f)
-        except ValueError as err:
-            raise CheckpointError(f"{url}/{MANIFEST} is not readable JSON ({err}): the checkpoint is damaged. "
-                                  f"Load an earlier checkpoint.") from None
-    bad = [n for n in manifest.get("files", {}) if not _plain_name(n)]
-    if bad:  # a name like "../x" or "/abs" would make loading read, or consolidation write, outside it
-        raise CheckpointError(f"{url}/{MANIFEST} lists file names that are not plain names: {bad[:5]}. "
-                              f"It is damaged or was not written by fabric_lite; nothing was read.")
-    version = manifest.get("format_version")
-    if version not in READABLE_VERSIONS:
-        raise CheckpointError(
-            f"{url} has checkpoint format version {version}; this fabric_lite reads version {FORMAT_VERSION} "
-            f"(and {', '.join(map(str, READABLE_VERSIONS[:-1]))})."
-        )
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{url}/{MANIFEST} is not readable JSON ({err}): the checkpoint is damaged. "
+                              f"Load an earlier checkpoint.") from None
+    problem = manifest_problem(manifest)
+    if problem:
+        raise CheckpointError(f"{url}/{MANIFEST} is damaged: {problem}. Load an earlier checkpoint; nothing was read.")
     return manifest
+
+
+def _count(value: Any, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and minimum <= value < 2 ** 63
+
+
+def manifest_problem(manifest: Any) -> Optional[str]:
+    """What is wrong with a parsed manifest (its layout and field types), or None."""
+    if not isinstance(manifest, dict):
+        return f"it holds a JSON {type(manifest).__name__}, not an object"
+    version = manifest.get("format_version")
+    if not _count(version, 0) or version not in READABLE_VERSIONS:
+        return (f"format version {version!r}; this fabric_lite reads version {FORMAT_VERSION} "
+                f"(and {', '.join(map(str, READABLE_VERSIONS[:-1]))})")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        return f"'files' is {files!r:.60}, not a map of file names to checksums"
+    bad = [n for n in files if not _plain_name(n)]
+    if bad:  # a name like "../x" or "/abs" would make loading read, or consolidation write, outside it
+        return f"it lists file names that are not plain names: {bad[:5]} (was it written by fabric_lite?)"
+    bad = [n for n, digest in files.items() if not isinstance(digest, str)]
+    if bad:
+        return f"the checksums of {bad[:5]} are not strings"
+    if not isinstance(manifest.get("checksum", "sha256"), str):
+        return f"'checksum' is {manifest['checksum']!r:.60}, not an algorithm's name"
+    meta = manifest.get("meta")
+    if not isinstance(meta, dict):
+        return f"'meta' is {meta!r:.60}, not an object"
+    for key, minimum in (("step", 0), ("world_size", 1), ("iteration", 0)):
+        if key in meta and meta[key] is not None and not _count(meta[key], minimum):
+            return f"meta {key!r} is {meta[key]!r:.60}, not an integer >= {minimum}"
+    saved_at = meta.get("saved_at", 0.0)
+    if isinstance(saved_at, bool) or not isinstance(saved_at, (int, float)) or not math.isfinite(saved_at):
+        return f"meta 'saved_at' is {saved_at!r:.60}, not a time"
+    if meta.get("engine") is not None and not isinstance(meta["engine"], str):
+        return f"meta 'engine' is {meta['engine']!r:.60}, not a name"
+    return None
 
 
 def load_file(
@@ -328,8 +532,14 @@ def load_file(
 
 def verify(url: str, storage_options: Optional[dict] = None) -> Dict[str, Any]:
     """Read every file of a checkpoint and check it against the manifest; returns the manifest."""
-    manifest = read_manifest(url, storage_options)
     fs, path = filesystem(url, storage_options)
+    if not fs.exists(path):
+        _recover(fs, path)
+    return _verify_at(fs, path, url)
+
+
+def _verify_at(fs: Any, path: str, url: str) -> Dict[str, Any]:
+    manifest = _manifest_at(fs, path, url)
     for name, expected in sorted(manifest["files"].items()):
         digest = digests.digest(manifest.get("checksum", "sha256"))
         try:
@@ -352,20 +562,37 @@ def update_latest(url: str, storage_options: Optional[dict] = None, durable: boo
     fs, path = filesystem(url, storage_options)
     parent, name = path.rstrip("/").rsplit("/", 1) if "/" in path.rstrip("/") else (".", path.rstrip("/"))
     tmp = f"{parent}/{LATEST}.tmp-{uuid.uuid4().hex[:8]}"
-    with fs.open(tmp, "w") as f:
-        json.dump({"name": name}, f)
-    if durable:
-        _fsync(fs, tmp)
-    fs.mv(tmp, f"{parent}/{LATEST}")
+    try:
+        with publishing(fs, parent), _naming_failures(f"writing {parent}/{LATEST}"):
+            with fs.open(tmp, "w") as f:
+                json.dump({"name": name}, f)
+            if durable:
+                _fsync(fs, tmp)
+            fs.mv(tmp, f"{parent}/{LATEST}")
+    except BaseException:
+        with contextlib.suppress(Exception):  # nothing half-written stays behind
+            if fs.exists(tmp):
+                fs.rm(tmp)
+        raise
     if durable:
         _fsync(fs, parent)
 
 
 def _saved_at(fs: Any, path: str) -> float:
+    """When the checkpoint at `path` was saved: the time in its manifest, or, where that cannot be read
+    (a damaged manifest, a staging directory), the time the store gives the directory, so that a
+    damaged newest checkpoint is tried (and reported) before older ones."""
     try:
         with fs.open(_join(fs, path, MANIFEST), "r") as f:
-            return float(json.load(f).get("meta", {}).get("saved_at", 0.0))
+            manifest = json.load(f)
+        if manifest_problem(manifest) is None:
+            return float(manifest["meta"].get("saved_at", 0.0))
     except (OSError, ValueError):
+        pass
+    try:
+        when = fs.modified(path)
+        return when.timestamp() if hasattr(when, "timestamp") else float(when)
+    except (OSError, NotImplementedError, ValueError, TypeError, AttributeError):
         return 0.0
 
 
@@ -383,7 +610,7 @@ def newest_whole_checkpoint(root: str, storage_options: Optional[dict] = None) -
     try:
         with fs.open(_join(fs, path, LATEST), "r") as f:
             pointed = json.load(f)["name"]
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, TypeError):  # a damaged pointer only loses its say in ties
         pass
     dirs = {e["name"].rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(path, detail=True) if e["type"] == "directory"}
     # a save interrupted between its two moves leaves only X.staging-*/X.old-*: reading X recovers it
@@ -397,8 +624,10 @@ def newest_whole_checkpoint(root: str, storage_options: Optional[dict] = None) -
         try:
             verify(candidate, storage_options)
         except CheckpointError as err:
-            if name in bases:
-                warnings.warn(f"Skipping checkpoint {candidate}: {err} Trying an older one.", stacklevel=2)
+            warnings.warn(f"Skipping checkpoint {candidate}: {err} Trying an older one.", stacklevel=2)
             continue
         return candidate
+    if names:
+        warnings.warn(f"None of the {len(names)} checkpoint(s) under {root} is whole (each was named above): "
+                      f"there is nothing to resume from.", stacklevel=2)
     return None

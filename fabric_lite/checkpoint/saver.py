@@ -120,8 +120,10 @@ def run_job(job: SaveJob, agreement: Any) -> None:
     reports = agreement.gather((_describe(error) if error else None, writer.checksums if writer else {}))
     failed = {rank: msg for rank, (msg, _) in enumerate(reports) if msg is not None}
     if failed:
-        if writer is not None and agreement.is_main:
-            writer.abort()  # the previous checkpoint at `url`, if any, is untouched
+        if writer is not None:
+            if agreement.is_main:
+                writer.abort()  # the previous checkpoint at `url`, if any, is untouched
+            writer.release()
         detail = "; ".join(f"rank {rank}: {msg}" for rank, msg in failed.items())
         raise CheckpointError(f"save_state({job.url}) failed and wrote nothing ({detail}). The previous checkpoint "
                               f"there, if any, is intact.") from error
@@ -134,10 +136,11 @@ def run_job(job: SaveJob, agreement: Any) -> None:
             assert writer is not None
             writer.commit(checksums, job.meta)
         except Exception as err:
-            error, outcome = err, f"could not publish the checkpoint: {_describe(err)}"
+            error, outcome = err, (f"could not publish the checkpoint and wrote nothing ({_describe(err)}). The "
+                                   f"previous checkpoint there, if any, is intact.")
             _abort_quietly(writer)
         if outcome is None:
-            step = "updating `latest`"
+            step = _LATEST_STEP
             try:
                 if job.update_latest:
                     checkpoint_io.update_latest(job.url, durable=job.durable)
@@ -145,10 +148,19 @@ def run_job(job: SaveJob, agreement: Any) -> None:
                     step = (action.__doc__ or getattr(action, "__name__", "a follow-up")).strip().rstrip(".")
                     action()
             except Exception as err:
-                error, outcome = err, f"published the checkpoint, but then {step} failed: {_describe(err)}"
+                error, outcome = err, (f"published the checkpoint, which is whole, but then {step} failed: "
+                                       f"{_describe(err)}.")
+                if step == _LATEST_STEP:
+                    outcome += (" `latest` still names the checkpoint before it; resuming from the newest "
+                                "(load_state() without a directory, fit(ckpt_path='last')) finds this one by its time.")
+    if writer is not None:
+        writer.release()  # (the main process's commit or abort already did)
     outcome = agreement.broadcast(outcome)
     if outcome is not None:
         raise CheckpointError(f"save_state({job.url}) {outcome}") from error
+
+
+_LATEST_STEP = "updating `latest`"
 
 
 def _describe(err: BaseException) -> str:

@@ -61,11 +61,7 @@ def save_object(obj: Any, url: str, safe_serialization: bool = False) -> None:
     if safe_serialization:
         from safetensors.torch import save as st_save
 
-        fs, path = checkpoint_io.filesystem(url)
-        tmp = f"{path}.tmp"
-        with fs.open(tmp, "wb") as f:
-            f.write(st_save(_unshare(obj)))
-        fs.mv(tmp, path)
+        checkpoint_io.save_bytes(st_save(_unshare(obj)), url)
     else:
         checkpoint_io.save_file(obj, url)
 
@@ -226,10 +222,11 @@ def save_state(acc: "Accelerator", output_dir: Optional[Union[str, os.PathLike]]
 
 def _prune(root: str, limit: int) -> None:
     """Delete the oldest numbered checkpoints beyond `limit` (main process, after a publish)."""
-    existing = _numbered_checkpoints(root)
-    for _, old in existing[: max(0, len(existing) - limit)]:
-        fs, path = checkpoint_io.filesystem(old)
-        fs.rm(path, recursive=True)
+    fs, path = checkpoint_io.filesystem(root)
+    with checkpoint_io.publishing(fs, path):  # another run pruning the same directory waits
+        existing = _numbered_checkpoints(root)
+        for _, old in existing[: max(0, len(existing) - limit)]:
+            fs.rm(checkpoint_io.filesystem(old)[1], recursive=True)
 
 
 def _collect(acc: "Accelerator", url: str, engine: Optional[str]) -> Tuple[Dict[str, Any], Optional[Callable]]:
@@ -418,12 +415,21 @@ def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]],
     return url
 
 
-def export_weights(checkpoint: Union[str, os.PathLike], out: Union[str, os.PathLike], model_index: int = 0) -> int:
+def export_weights(checkpoint: Union[str, os.PathLike], out: Union[str, os.PathLike],
+                   model_index: int = 0) -> Tuple[int, str]:
     """Write the weights of model `model_index` of a checkpoint as one file (safetensors if `out`
-    ends in .safetensors, else torch.save). Checks the checksum first; returns the number of tensors."""
+    ends in .safetensors, else torch.save; an existing directory gets ``model_{index}.pt`` inside).
+    Checks the checksum first; returns the number of tensors and the file written."""
     url = os.fspath(checkpoint)
     manifest = checkpoint_io.read_manifest(url)
     out = os.fspath(out)
+    fs, out_path = checkpoint_io.filesystem(out)
+    if out.endswith(("/", os.sep)) or fs.isdir(out_path):
+        out = f"{out.rstrip('/').rstrip(os.sep)}/model_{model_index}.pt"
+    return _export(url, manifest, out, model_index), out
+
+
+def _export(url: str, manifest: Dict[str, Any], out: str, model_index: int) -> int:
     engine = manifest["meta"].get("engine")
     if engine == sharded.ENGINE:
         state = sharded.consolidate(url, manifest, model_index)

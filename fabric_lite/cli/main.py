@@ -79,15 +79,16 @@ def _consolidate(args: List[str]) -> int:
         description="Write the model weights of a fabric_lite checkpoint (a save_state / Trainer checkpoint "
                     "directory, any fsspec URL) as one state dict: model.load_state_dict(...) takes it.")
     parser.add_argument("checkpoint")
-    parser.add_argument("out", help="a .safetensors file, or any other name for a torch.save file")
+    parser.add_argument("out", help="a .safetensors file, any other name for a torch.save file, or a directory "
+                                    "(model_INDEX.pt inside it); missing directories are made")
     parser.add_argument("--model-index", type=int, default=0, help="which prepared model (default 0)")
     parsed = parser.parse_args(args)
     try:
-        count = export_weights(parsed.checkpoint, parsed.out, parsed.model_index)
-    except (CheckpointError, ValueError, ImportError) as err:
+        count, written = export_weights(parsed.checkpoint, parsed.out, parsed.model_index)
+    except (CheckpointError, OSError, ValueError, ImportError) as err:
         print(f"fabric-lite consolidate: {err}", file=sys.stderr)
         return 1
-    print(f"wrote {count} tensors to {parsed.out}")
+    print(f"wrote {count} tensors to {written}")
     return 0
 
 

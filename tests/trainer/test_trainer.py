@@ -12,6 +12,7 @@ import csv
 import glob
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -1239,6 +1240,39 @@ def test_consolidate_refuses_what_is_not_a_checkpoint(tmp_path, capsys):
     assert main(["consolidate", str(tmp_path / "missing"), str(tmp_path / "w.pt")]) == 1
     assert "No checkpoint" in capsys.readouterr().err
     assert not (tmp_path / "w.pt").exists()
+
+
+def test_consolidate_output_in_a_directory_and_bad_input_in_one_line(tmp_path, capsys):
+    from fabric_lite.cli.main import main
+
+    module = Regressor()
+    make_trainer(tmp_path, max_epochs=1, enable_checkpointing=True).fit(module, loader(regression_data(n=8)))
+    (ckpt,) = [p for p in (tmp_path / "checkpoints").iterdir() if p.is_dir()]
+    existing = tmp_path / "exported"
+    existing.mkdir()
+    assert main(["consolidate", str(ckpt), str(existing)]) == 0  # an existing directory: a named file inside
+    assert os.listdir(existing) == ["model_0.pt"]
+    assert f"to {existing}/model_0.pt" in capsys.readouterr().out
+    plain = Regressor(seed=123)
+    plain.load_state_dict(torch.load(existing / "model_0.pt", weights_only=True))
+    assert torch.equal(weights(plain), weights(module))
+    nested = tmp_path / "new" / "dir" / "w.safetensors"  # missing directories are made
+    assert main(["consolidate", str(ckpt), str(nested)]) == 0 and os.listdir(nested.parent) == ["w.safetensors"]
+    capsys.readouterr()
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(ckpt, damaged)
+    (damaged / "manifest.json").write_text("{'not': json")
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    for source, out, expected in [(damaged, tmp_path / "w.pt", "manifest.json is not readable JSON"),
+                                  (ckpt, blocked / "w.pt", f"(writing {blocked}/w.pt)")]:
+        assert main(["consolidate", str(source), str(out)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("fabric-lite consolidate: ") and expected in err and err.count("\n") == 1, err
+        assert not out.exists()
+    assert sorted(os.listdir(tmp_path)) == sorted(["a-file", "checkpoints", "damaged", "exported", "new"]), \
+        os.listdir(tmp_path)  # nothing temporary left behind
 
 
 def test_step_monitors_report_once_per_optimizer_step_under_accumulation(tmp_path):
