@@ -7,6 +7,7 @@ import datetime
 import gc
 import weakref
 import contextlib
+import os
 import sys
 from typing import Any, ClassVar, ContextManager, Optional, Tuple
 
@@ -23,6 +24,8 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 # still referenced by the script's globals keeps its reducer, and through it the gloo process group,
 # alive into interpreter finalization, where tearing the group down can abort the process.
 _WRAPPERS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+#: Seconds a rank whose interpreter exits waits for the others to reach their end before leaving alone.
+ENV_EXIT_GRACE = "FABRIC_LITE_EXIT_GRACE_S"
 
 
 def _gpu_uuid(device: torch.device) -> Optional[str]:
@@ -160,7 +163,7 @@ class DDPStrategy(Strategy):
         import torch.distributed as dist
 
         died = getattr(sys, "last_value", None) is not None  # the script died of an exception: don't wait
-        if not died and self._owns_process_group and dist.is_initialized():
+        if not died and self._owns_process_group and dist.is_initialized() and not self._others_still_running():
             try:  # leave together: a rank that tears down alone makes its peers' gloo threads abort
                 dist.barrier()
             except Exception:  # a peer is already gone; nothing left to wait for
@@ -171,6 +174,36 @@ class DDPStrategy(Strategy):
             wrapper.__dict__.pop("logger", None)
             wrapper.__dict__["process_group"] = None
         gc.collect()
+
+    def _others_still_running(self) -> bool:
+        """At interpreter exit: whether other ranks are still running after a short wait (then this one
+        leaves without them: a barrier now would keep them waiting in their next collective, and this
+        one in the barrier, until the process group's timeout; leaving makes them fail at once)."""
+        guard = self.hang_guard
+        if guard is None or self.world_size == 1:
+            return False
+        guard.note_exit()
+        grace = float(os.environ.get(ENV_EXIT_GRACE, "5"))
+        late = guard.wait_for_exits(grace)
+        if late:
+            print(f"fabric_lite: rank {self.global_rank} is exiting, but rank(s) {', '.join(map(str, late))} did not "
+                  f"reach their end within {grace:g} s (set {ENV_EXIT_GRACE} to wait longer). This rank leaves now: "
+                  f"a rank waiting for it in a collective fails at once instead of after the process group's "
+                  f"timeout ({self.timeout.total_seconds():g} s). Call accelerator.end_training() on every rank "
+                  f"to end together.", file=sys.stderr, flush=True)
+        return bool(late)
+
+    def backward(self, loss: torch.Tensor, module: Optional[nn.Module] = None, **kwargs: Any) -> None:
+        try:
+            super().backward(loss, module, **kwargs)
+        except RuntimeError as err:  # a peer that left shows here first, in DDP's gradient all-reduce
+            guard = self.hang_guard
+            why = guard.explain_lost_peer("the gradient all-reduce in backward()", err) if guard else None
+            if why is None:
+                raise
+            from fabric_lite.strategies.hang_guard import CollectiveError
+
+            raise CollectiveError(why) from err
 
     @contextlib.contextmanager
     def force_backward_sync(self, module: nn.Module):  # type: ignore[override]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Callable, List, Optional, TypeVar
+from typing import Any, Callable, Dict, List, Optional, TypeVar
 
 __all__ = ["HangGuard", "CollectiveError"]
 
@@ -39,13 +39,74 @@ class HangGuard:
     def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float) -> None:
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
         self.count = 0
+        self.last: Optional[dict] = None
 
     def _key(self, rank: int) -> str:
         return f"fabric_lite/hang_guard/{rank}"
 
+    def _exit_key(self, rank: int) -> str:
+        return f"fabric_lite/exited/{rank}"
+
+    # -- leaving: a rank whose interpreter exits while the job still runs (sys.exit, the end of its script
+    # without end_training()) notes it, so that the others' errors name it
+    def note_exit(self) -> None:
+        entry = {"after": self.count, **({"op": self.last["op"], "at": self.last["at"]} if self.last else {})}
+        try:
+            self.store.set(self._exit_key(self.rank), json.dumps(entry))
+        except Exception:  # diagnosis only
+            pass
+
+    def wait_for_exits(self, seconds: float) -> List[int]:
+        """Wait up to `seconds` for every rank to note its exit; the ranks that did not."""
+        import time
+
+        keys = [self._exit_key(rank) for rank in range(self.world_size)]
+        deadline = time.monotonic() + seconds
+        while True:  # polled: the store's own wait logs a warning when it times out
+            try:
+                if self.store.check(keys):
+                    return []
+            except Exception:
+                break
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        late = []
+        for rank, key in enumerate(keys):
+            try:
+                if not self.store.check([key]):
+                    late.append(rank)
+            except Exception:
+                late.append(rank)
+        return late
+
+    def exited(self) -> Dict[int, dict]:
+        """The other ranks that have left the job, with their notes (empty when the store cannot tell)."""
+        out: Dict[int, dict] = {}
+        for rank in range(self.world_size):
+            if rank == self.rank:
+                continue
+            try:
+                key = self._exit_key(rank)
+                if self.store.check([key]):
+                    out[rank] = json.loads(self.store.get(key))
+            except Exception:
+                return out
+        return out
+
+    def explain_lost_peer(self, what: str, err: BaseException) -> Optional[str]:
+        """Why `what` (a collective outside `run`, like DDP's gradient all-reduce) failed, if a rank left."""
+        gone = self.exited()
+        if not gone:
+            return None
+        return (f"Rank {self.rank}: {what} failed because {_left(gone)}.\nCause: {_first_line(err)}\n"
+                f"Every rank must run to the end together; call accelerator.end_training() (or let fit() return) "
+                f"on every rank before a script ends.")
+
     def run(self, name: str, fn: Callable[[], T]) -> T:
         self.count += 1
         entry = {"n": self.count, "op": name, "at": _caller()}
+        self.last = entry
         try:
             self.store.set(self._key(self.rank), json.dumps(entry))
         except Exception:  # the store is only for diagnosis: never fail a collective because of it
@@ -72,7 +133,12 @@ class HangGuard:
             return (f"Rank {self.rank}: collective #{mine['n']} {mine['op']} (at {mine['at']}) failed: "
                     f"{_first_line(err)}. Could not read the other ranks' progress: {peers}.")
         missing, lines = [], []
+        gone = self.exited()
         for rank, entry in enumerate(entries):
+            if rank in gone:
+                missing.append(rank)
+                lines.append(f"  rank {rank}: {_left({rank: gone[rank]})}")
+                continue
             if entry is None:
                 lines.append(f"  rank {rank}: no collective yet")
                 missing.append(rank)
@@ -93,6 +159,14 @@ class HangGuard:
                 + "\n".join(lines)
                 + f"\nCause: {_first_line(err)}\nEvery rank must make the same collective calls in the same order; "
                   f"look for a collective inside a rank-dependent branch (e.g. `if accelerator.is_main_process:`).")
+
+
+def _left(gone: Dict[int, dict]) -> str:
+    parts = []
+    for rank, note in sorted(gone.items()):
+        where = f", after collective #{note['after']} {note['op']} at {note['at']}" if note.get("op") else ""
+        parts.append(f"rank {rank} left the job (its script ended or called sys.exit() before the others{where})")
+    return "; ".join(parts)
 
 
 def _first_line(err: BaseException) -> str:

@@ -66,3 +66,40 @@ def test_one_process_runs_no_guard():
     acc = Accelerator()
     assert acc.strategy.hang_guard is None
     assert torch.equal(acc.reduce(torch.ones(2)), torch.ones(2))
+
+
+def _launch_leave_early(tmp_path, *args):
+    import sys
+    import time
+
+    from conftest import WORKERS, free_port, run_command
+
+    cmd = [sys.executable, "-m", "fabric_lite.cli", "launch", "--nproc-per-node", "2", "--master-port",
+           str(free_port()), str(WORKERS / "leave_early.py"), "--out", str(tmp_path), *map(str, args)]
+    started = time.monotonic()
+    done = run_command(cmd, timeout=150)
+    return done, time.monotonic() - started
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("leaver,code", [(1, 0), (0, 0), (1, 3)], ids=["rank1-exit0", "rank0-exit0", "rank1-exit3"])
+def test_a_rank_that_exits_mid_training_makes_the_others_fail_at_once_naming_it(tmp_path, leaver, code):
+    """Before: the leaving rank's exit hook waited in a barrier while the others waited for it in their
+    gradient all-reduce, all of them until the process group's timeout (30 minutes), printing nothing."""
+    done, seconds = _launch_leave_early(tmp_path, "--leaver", leaver, "--code", code, "--steps", 100000)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output[-3000:]
+    assert seconds < 90, seconds  # the launch itself takes ~10 s here; the grace at exit 5 s
+    assert f"fabric_lite: rank {leaver} is exiting, but rank(s) {1 - leaver} did not reach their end" in output
+    if leaver == 1:  # (rank 0 hosts nothing here: the launcher's agent holds the store, so rank 1 can read it)
+        assert "the gradient all-reduce in backward() failed because rank 1 left the job" in output, output[-3000:]
+    else:
+        assert "rank 0 left the job" in output, output[-3000:]
+
+
+@pytest.mark.timeout(200)
+def test_ranks_that_end_together_without_end_training_leave_cleanly(tmp_path):
+    done, seconds = _launch_leave_early(tmp_path, "--leaver", -1, "--steps", 20)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert "is exiting, but" not in output and output.count("finished at") == 2
