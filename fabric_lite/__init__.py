@@ -6,9 +6,15 @@ Names are imported on first use, so `import fabric_lite` costs almost nothing be
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 __version__ = "0.1.0"
+
+if "FABRIC_LITE_LAUNCHER_PID" in os.environ:  # a worker of `fabric-lite launch`: it dies with the launcher
+    from fabric_lite.launch.lifeline import follow_launcher
+
+    follow_launcher()
 
 _EXPORTS = {
     "Accelerator": "fabric_lite.accelerator.accelerator",

@@ -22,6 +22,7 @@ from fabric_lite.launch.config_file import STRATEGIES, ConfigError, LaunchConfig
 from fabric_lite.strategies.environments import (
     ENV_GRAD_ACCUM, ENV_LAUNCHED, ENV_MIXED_PRECISION, ENV_STRATEGY, ENV_USE_CPU, read_xla_settings,
 )
+from fabric_lite.launch.lifeline import ENV_LAUNCHER_PID
 from fabric_lite.strategies.precision import resolve_precision
 
 __all__ = ["notebook_launcher", "launch_command_parser", "launch_command", "free_port"]
@@ -89,6 +90,8 @@ def launch_command_parser() -> argparse.ArgumentParser:
     group.add_argument("--mixed-precision", "--mixed_precision", default=None,
                        help="no | fp16 | bf16 (or 32-true, 16-mixed, bf16-mixed, bf16-true).")
     group.add_argument("--gradient-accumulation-steps", "--gradient_accumulation_steps", type=int, default=None)
+    group.add_argument("--oversubscribe", action="store_true", default=False,
+                       help="Start more processes per node than the machine has GPUs (or CPU cores, on CPUs).")
     group.add_argument("--strategy", default=None, choices=STRATEGIES,
                        help="What Accelerator(strategy='auto') / Trainer(strategy='auto') become in the workers.")
     xla = parser.add_argument_group("XLA / TPU (torch_xla's launcher instead of torchrun)")
@@ -213,8 +216,11 @@ def parse_with_config(parser: argparse.ArgumentParser, argv: Sequence[str], env:
 
 def launch_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None) -> int:
     """`fabric-lite launch`: config file defaults, then flags; checks; then torchrun."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
+
+    from fabric_lite.launch.preemption import EXIT_PREEMPTED
 
     env = os.environ if env is None else env
     parser = launch_command_parser()
@@ -234,8 +240,10 @@ def launch_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None)
                     raise LaunchError(f"{flag} applies to XLA launches (--tpu); for torchrun's processes use "
                                       f"--nproc-per-node (and --nnodes).")
             check_launch(args)
+            check_capacity(args.nproc_per_node, args.cpu, args.oversubscribe)
             _free_port_rendezvous(args)
         settings = settings_env(args.mixed_precision, args.gradient_accumulation_steps, args.cpu)
+        settings[ENV_LAUNCHER_PID] = str(os.getpid())  # the workers die with this process (lifeline.py)
     except ValueError as err:
         return _error(f"{err}{suffix}")
     if args.strategy is not None:
@@ -245,16 +253,62 @@ def launch_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None)
     if xla:
         return _launch_xla(args, settings)
     for name in ("cpu", "mixed_precision", "gradient_accumulation_steps", "config_file", "strategy", "tpu",
-                 "num_processes", "main_training_function"):
+                 "num_processes", "main_training_function", "oversubscribe"):
         delattr(args, name)
     with patched_environ(settings):
         try:
             run(args)
         except ChildFailedError as err:
+            codes = {rank: failure.exitcode for rank, failure in err.failures.items()}
+            if preempted_together(codes):
+                print(f"fabric-lite launch: every worker stopped for preemption after saving (exit {EXIT_PREEMPTED}); "
+                      f"requeue the job to resume.", file=sys.stderr)
+                return EXIT_PREEMPTED
             # the worker's own traceback is already on stderr; this is torchrun's summary of who failed
             print(err.format_msg(), file=sys.stderr)
             return 1
+        except SignalException as err:  # this launcher was told to stop (the workers were stopped with it)
+            print(f"fabric-lite launch: stopped by {err.sigval.name}; the workers were sent it too.", file=sys.stderr)
+            return 128 + int(err.sigval)
     return 0
+
+
+def preempted_together(codes: Mapping[int, int]) -> bool:
+    """Whether failed workers' exit codes mean "preempted, saved, requeue me": every worker exited with
+    EXIT_PREEMPTED, or some did and the others were stopped by the agent's SIGTERM as it took the job down
+    (a save is agreed by every worker before any exits, so a worker stopped then has already saved)."""
+    import signal
+
+    from fabric_lite.launch.preemption import EXIT_PREEMPTED
+
+    values = set(codes.values())
+    return EXIT_PREEMPTED in values and values <= {EXIT_PREEMPTED, -int(signal.SIGTERM)}
+
+
+def machine_capacity(cpu: bool) -> tuple:
+    """(how many worker processes this machine holds, what it counts): its GPUs when CUDA is in use, else
+    the CPU cores this process may run on."""
+    if not cpu:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+            return torch.cuda.device_count(), "GPU(s)"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores, "CPU core(s)"
+
+
+def check_capacity(nproc_per_node: Any, cpu: bool, oversubscribe: bool) -> None:
+    """Refuse more worker processes on this machine than it has GPUs or cores, unless told to oversubscribe:
+    each worker is a whole Python process with torch loaded (hundreds of MB), and a mistyped count would
+    start workers until memory runs out."""
+    nproc = str(nproc_per_node).strip()
+    if oversubscribe or not nproc.isdigit():
+        return
+    capacity, what = machine_capacity(cpu)
+    if int(nproc) > capacity:
+        raise LaunchError(f"--nproc-per-node={nproc} would start more worker processes than this machine has "
+                          f"{what} ({capacity}). Start at most {capacity}, or pass --oversubscribe to start "
+                          f"{nproc} anyway.")
 
 
 def check_xla_launch(args: argparse.Namespace) -> Optional[int]:

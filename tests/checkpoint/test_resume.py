@@ -391,6 +391,18 @@ def test_check_preemption_is_true_on_both_ranks_at_the_same_call(tmp_path):
     assert {"rng_0.pt", "rng_1.pt"} <= set(manifest["files"])
 
 
+def test_fabric_lite_launch_exits_75_when_every_worker_was_preempted(tmp_path):
+    """A scheduler requeues on 75: the launcher says so when every worker stopped for preemption and saved
+    (torchrun itself, and this launcher before, exit 1 as for a crash)."""
+    from fabric_lite import EXIT_PREEMPTED
+
+    code, output, results = Run("resume_raw.py", tmp_path / "out", "--root", tmp_path / "project", "--preempt",
+                                "--kill-rank", 1, nproc=2, launcher="fabric-lite").wait()
+    assert code == EXIT_PREEMPTED, (code, output[-6000:])
+    assert all(r is not None and r["exit"] == EXIT_PREEMPTED for r in results), results
+    assert "every worker stopped for preemption after saving" in output and "requeue" in output
+
+
 # -- 7. bad input: a clear error, and nothing overwritten ----------------------------------------------
 
 def _accelerator(dropout=False, lr=0.1, seed=0, **kwargs):

@@ -72,6 +72,72 @@ def test_launch_refuses_a_bad_flag_before_starting_anything():
     assert proc.returncode == 2 and "unknown command 'frobnicate'" in proc.stderr
 
 
+def test_launch_refuses_more_processes_than_the_machine_has_unless_told_to_oversubscribe(tmp_path):
+    import os
+
+    from conftest import WORKERS
+
+    cores = len(os.sched_getaffinity(0))
+    env = {"CUDA_VISIBLE_DEVICES": ""}
+    proc = run_command([sys.executable, "-m", "fabric_lite.cli", "launch", "--nproc-per-node", "100000",
+                        str(WORKERS / "sleeper.py"), "0"], timeout=60, env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert (f"--nproc-per-node=100000 would start more worker processes than this machine has CPU core(s) "
+            f"({cores})") in proc.stderr and "--oversubscribe" in proc.stderr
+    assert "worker pid" not in proc.stdout  # nothing was started
+    proc = run_command([sys.executable, "-m", "fabric_lite.cli", "launch", "--nproc-per-node", str(cores + 1),
+                        "--oversubscribe", "--master-port", str(free_port()), str(WORKERS / "sleeper.py"), "0"],
+                       timeout=120, env=env)
+    assert proc.returncode == 0 and proc.stdout.count("worker pid") == cores + 1, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+def test_workers_do_not_outlive_their_launcher(tmp_path, sig):
+    """torch's agent starts workers in sessions of their own: a launcher killed outright (SIGKILL) used to
+    leave them running, orphaned. Now they die with it; SIGTERM stops them and exits 128 + 15 in one line."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from conftest import WORKERS
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "fabric_lite.cli", "launch", "--nproc-per-node", "2",
+                             "--master-port", str(free_port()), str(WORKERS / "sleeper.py"), "120"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    workers = []
+    try:
+        while len(workers) < 2:
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read()[-3000:]
+            if line.startswith("worker pid"):
+                workers.append(int(line.split()[2]))
+        proc.send_signal(getattr(signal, sig))
+        _, err = proc.communicate(timeout=60)
+        deadline = time.monotonic() + 10
+        alive = workers
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+            alive = [pid for pid in workers if _running(pid)]
+        assert alive == [], f"workers {alive} outlived the launcher"
+        if sig == "SIGTERM":
+            assert proc.returncode == 128 + 15 and "stopped by SIGTERM" in err and "Traceback" not in err, err
+    finally:
+        proc.kill()
+        for pid in workers:
+            if _running(pid):
+                os.kill(pid, 9)
+
+
+def _running(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"  # a zombie has exited
+    except (FileNotFoundError, IndexError):
+        return False
+
+
 def test_trainer_example_writes_logs_and_checkpoints_and_resumes(tmp_path):
     root = tmp_path / "run"
     first = run_command([sys.executable, "examples/trainer_digits.py", "--epochs", "2", "--root", str(root)], timeout=120)
