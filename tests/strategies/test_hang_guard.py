@@ -82,7 +82,7 @@ def _launch_leave_early(tmp_path, *args):
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("leaver,code", [(1, 0), (0, 0), (1, 3)], ids=["rank1-exit0", "rank0-exit0", "rank1-exit3"])
+@pytest.mark.parametrize("leaver,code", [(1, 0), (0, 3)], ids=["rank1-exit0", "rank0-exit3"])
 def test_a_rank_that_exits_mid_training_makes_the_others_fail_at_once_naming_it(tmp_path, leaver, code):
     """Before: the leaving rank's exit hook waited in a barrier while the others waited for it in their
     gradient all-reduce, all of them until the process group's timeout (30 minutes), printing nothing."""
