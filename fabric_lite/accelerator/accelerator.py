@@ -16,22 +16,23 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from fabric_lite.accelerator.configs import (
-    DataLoaderConfiguration, DeepSpeedPlugin, DistributedDataParallelKwargs, DistributedType,
-    FullyShardedDataParallelPlugin,
-    GradientAccumulationPlugin, GradScalerKwargs, InitProcessGroupKwargs, KwargsHandler, ProjectConfiguration,
-    strategy_from_handlers,
+    DataLoaderConfiguration, DeepSpeedPlugin, DistributedType, FullyShardedDataParallelPlugin,
+    GradientAccumulationPlugin, GradScalerKwargs, KwargsHandler, ProjectConfiguration, strategy_from_handlers,
 )
 from fabric_lite.strategies.connector import connect, resolve_accelerator
 from fabric_lite.data.loader import DataLoaderShard, shard_dataloader, skip_first_batches
-from fabric_lite.engine import StepEngine
-from fabric_lite.strategies.environments import detect_process, read_launch_settings, records_explain_arguments
+from fabric_lite.engine import LOSS_DIVISIONS, StepEngine
+from fabric_lite.strategies.environments import (
+    ENV_GRAD_ACCUM, detect_process, read_launch_settings, records_explain_arguments,
+)
+from fabric_lite.arguments import ArgumentCheck, is_int
 from fabric_lite.accelerator.wrappers import AcceleratedOptimizer, AcceleratedScheduler, is_scheduler
 from fabric_lite.accelerator.model_state import ModelState
 from fabric_lite.checkpoint.saver import CheckpointSaver
 from fabric_lite.strategies.precision import PrecisionForward
 from fabric_lite.accelerator.process_control import ProcessControl
 from fabric_lite.strategies import Strategy
-from fabric_lite.accelerator.tracking import GeneralTracker, make_trackers
+from fabric_lite.accelerator.tracking import KNOWN_TRACKERS, GeneralTracker, make_trackers
 
 __all__ = ["Accelerator", "DistributedType"]
 
@@ -56,7 +57,7 @@ class Accelerator(StepEngine, ProcessControl, ModelState):
         gradient_accumulation_steps: Optional[int] = None,
         cpu: bool = False,
         dataloader_config: Optional[DataLoaderConfiguration] = None,
-        log_with: Any = None,
+        log_with: Union[None, str, GeneralTracker, Sequence[Union[str, GeneralTracker]]] = None,
         project_dir: Optional[Union[str, os.PathLike]] = None,
         project_config: Optional[ProjectConfiguration] = None,
         gradient_accumulation_plugin: Optional[GradientAccumulationPlugin] = None,
@@ -73,34 +74,74 @@ class Accelerator(StepEngine, ProcessControl, ModelState):
         fsdp_plugin: Optional[FullyShardedDataParallelPlugin] = None,
         divide_loss_by: str = "gradient_accumulation_steps",
     ) -> None:
+        # Every argument is checked here, before anything starts (the process group, the strategy).
+        check = ArgumentCheck("Accelerator")
+        check.bool("device_placement", device_placement)
+        check.bool("split_batches", split_batches, allow_none=True, hint="None: dataloader_config's")
+        mixed_precision = check.precision("mixed_precision", mixed_precision, allow_none=True)
+        gradient_accumulation_steps = check.int("gradient_accumulation_steps", gradient_accumulation_steps, minimum=1,
+                                                allow_none=True, hint="None: the launch's setting, else 1")
+        check.bool("cpu", cpu)
+        check.instance("dataloader_config", dataloader_config, DataLoaderConfiguration)
+        log_with = _check_log_with(check, log_with)
+        project_dir = check.path("project_dir", project_dir)
+        check.instance("project_config", project_config, ProjectConfiguration)
+        check.instance("gradient_accumulation_plugin", gradient_accumulation_plugin, GradientAccumulationPlugin)
+        if gradient_accumulation_plugin is not None:
+            _check_plugin_steps("gradient_accumulation_plugin", "GradientAccumulationPlugin", "num_steps",
+                                gradient_accumulation_plugin.num_steps)
+        check.bool("step_scheduler_with_optimizer", step_scheduler_with_optimizer)
+        kwargs_handlers = check.instances(
+            "kwargs_handlers", kwargs_handlers, KwargsHandler,
+            what="KwargsHandler objects (DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs)")
+        check.bool("even_batches", even_batches, allow_none=True, hint="None: dataloader_config's")
+        if rng_types is not None and not isinstance(rng_types, str):  # (accepted, and not needed: see above)
+            check.instances("rng_types", rng_types, str, what="RNG names ('torch', 'cuda', 'generator', ...)")
+        if dynamo_backend is not None and (not isinstance(dynamo_backend, str) or not dynamo_backend.strip()):
+            check.fail("dynamo_backend", dynamo_backend, "must be a torch.compile backend name ('inductor', 'eager', "
+                       "...), or 'no' or None for no compilation.",
+                       ValueError if isinstance(dynamo_backend, str) else TypeError)
+        strategy = check.strategy("strategy", strategy)
+        devices = check.devices("devices", devices)
+        accelerator = check.accelerator("accelerator", accelerator)
+        check.instance("deepspeed_plugin", deepspeed_plugin, DeepSpeedPlugin)
+        if deepspeed_plugin is not None and deepspeed_plugin.gradient_accumulation_steps is not None:
+            _check_plugin_steps("deepspeed_plugin", "DeepSpeedPlugin", "gradient_accumulation_steps",
+                                deepspeed_plugin.gradient_accumulation_steps)
+        check.instance("fsdp_plugin", fsdp_plugin, FullyShardedDataParallelPlugin)
+        check.choice("divide_loss_by", divide_loss_by, LOSS_DIVISIONS)
+
         launch = read_launch_settings()
-        if launch.explain_dry_run and isinstance(devices, int) and not isinstance(devices, bool) and devices > 1:
+        if launch.explain_dry_run and isinstance(devices, int) and devices > 1:
             devices = None  # this lone process stands in for rank 0 of a planned launch; the plan checks devices
         if deepspeed_plugin is not None:
             if strategy != "auto":
                 raise ValueError(f"Pass strategy={strategy!r} or deepspeed_plugin, not both.")
             strategy = deepspeed_plugin.to_strategy()
-            gradient_accumulation_steps = gradient_accumulation_steps or deepspeed_plugin.gradient_accumulation_steps
+            if gradient_accumulation_steps is None:
+                gradient_accumulation_steps = deepspeed_plugin.gradient_accumulation_steps
         if fsdp_plugin is not None:
             if strategy != "auto" or deepspeed_plugin is not None:
                 raise ValueError(f"Pass one of strategy={strategy!r}, deepspeed_plugin and fsdp_plugin, not several.")
             strategy = fsdp_plugin.to_strategy()
         process = detect_process()
-        handlers = {type(h): h for h in (kwargs_handlers or [])}
-        for h in handlers.values():
-            if not isinstance(h, KwargsHandler):
-                raise TypeError(f"kwargs_handlers takes KwargsHandler objects, got {type(h).__name__}.")
+        handlers = {type(h): h for h in kwargs_handlers}
 
-        plugin = gradient_accumulation_plugin or GradientAccumulationPlugin(
-            num_steps=gradient_accumulation_steps or launch.gradient_accumulation_steps or 1
-        )
-        if gradient_accumulation_plugin is not None and gradient_accumulation_steps not in (None, plugin.num_steps):
-            raise ValueError(
-                f"gradient_accumulation_steps={gradient_accumulation_steps} disagrees with "
-                f"gradient_accumulation_plugin.num_steps={plugin.num_steps}; pass only one of them."
-            )
-        if not isinstance(plugin.num_steps, int) or plugin.num_steps < 1:
-            raise ValueError(f"gradient_accumulation_steps={plugin.num_steps!r} must be an integer >= 1.")
+        if gradient_accumulation_plugin is not None:
+            plugin = gradient_accumulation_plugin
+            if gradient_accumulation_steps not in (None, plugin.num_steps):
+                raise ValueError(
+                    f"gradient_accumulation_steps={gradient_accumulation_steps} disagrees with "
+                    f"gradient_accumulation_plugin.num_steps={plugin.num_steps}; pass only one of them."
+                )
+        else:
+            steps = gradient_accumulation_steps
+            if steps is None and launch.gradient_accumulation_steps is not None:
+                steps = launch.gradient_accumulation_steps
+                if steps < 1:
+                    raise ValueError(f"gradient_accumulation_steps={steps} from the launch environment "
+                                     f"({ENV_GRAD_ACCUM}) must be an integer >= 1.")
+            plugin = GradientAccumulationPlugin(num_steps=1 if steps is None else steps)
 
         config = dataloader_config or DataLoaderConfiguration()
         if split_batches is not None:
@@ -210,7 +251,7 @@ class Accelerator(StepEngine, ProcessControl, ModelState):
 
     @gradient_accumulation_steps.setter
     def gradient_accumulation_steps(self, value: int) -> None:
-        if not isinstance(value, int) or value < 1:
+        if not is_int(value) or value < 1:
             raise ValueError(f"gradient_accumulation_steps={value!r} must be an integer >= 1.")
         self.gradient_accumulation_plugin.num_steps = value
 
@@ -452,3 +493,25 @@ class Accelerator(StepEngine, ProcessControl, ModelState):
 
     def __repr__(self) -> str:
         return f"Accelerator({self.strategy!r}, gradient_accumulation_steps={self.gradient_accumulation_steps})"
+
+
+def _check_plugin_steps(argument: str, plugin: str, field: str, value: Any) -> None:
+    """The accumulation steps a plugin gives (GradientAccumulationPlugin, DeepSpeedPlugin): an integer >= 1."""
+    if not is_int(value) or value < 1:
+        raise (ValueError if is_int(value) else TypeError)(
+            f"Accelerator({argument}={plugin}({field}={value!r}, ...)): gradient_accumulation_steps={value!r} "
+            f"must be an integer >= 1.")
+
+
+def _check_log_with(check: ArgumentCheck, value: Any) -> Any:
+    """None, a tracker name (KNOWN_TRACKERS, or 'all'), a GeneralTracker, or a list of those."""
+    if value is None:
+        return None
+    allowed = f"{', '.join(map(repr, [*KNOWN_TRACKERS, 'all']))}, or a GeneralTracker"
+    single = isinstance(value, (str, GeneralTracker))
+    items = [value] if single else check.instances("log_with", value, (str, GeneralTracker),
+                                                   what=f"trackers ({allowed})")
+    for item in items:
+        if isinstance(item, str) and item != "all" and item.lower() not in KNOWN_TRACKERS:
+            check.fail("log_with", value, f"unknown tracker {item!r}; allowed: {allowed}, or a list of them.")
+    return value if single else items

@@ -14,9 +14,9 @@ from fabric_lite.strategies.environments import ProcessInfo, read_xla_settings
 from fabric_lite.strategies.precision import Precision, resolve_precision
 from fabric_lite.strategies import Strategy, create_strategy
 
-__all__ = ["connect", "resolve_accelerator", "check_devices"]
+__all__ = ["connect", "resolve_accelerator", "check_devices", "ACCELERATORS"]
 
-_ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps", "tpu", "xla")
+ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps", "tpu", "xla")
 
 
 def _mps_available() -> bool:
@@ -29,9 +29,9 @@ def resolve_accelerator(accelerator: str) -> str:
     'auto' picks XLA only where PJRT_DEVICE names a TPU (or another XLA accelerator); replicas that
     `fabric-lite launch --tpu` started are told by the launch settings (the doors read them)."""
     name = str(accelerator).lower()
-    if name not in _ACCELERATORS:
+    if name not in ACCELERATORS:
         raise ValueError(
-            f"Unknown accelerator {accelerator!r}. Allowed values: {', '.join(map(repr, _ACCELERATORS))}."
+            f"Unknown accelerator {accelerator!r}. Allowed values: {', '.join(map(repr, ACCELERATORS))}."
         )
     if name in ("tpu", "xla"):
         return "xla"

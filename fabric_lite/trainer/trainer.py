@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from fabric_lite.accelerator.accelerator import Accelerator
+from fabric_lite.arguments import ArgumentCheck, is_int
 from fabric_lite.callbacks.base import Callback
 from fabric_lite.strategies.environments import detect_process, read_launch_settings, records_explain_arguments
 from fabric_lite.trainer.logged_metrics import MetricStore
@@ -106,14 +107,16 @@ class Trainer:
     def __init__(
         self, *, max_epochs: Optional[int] = None, max_steps: int = -1, max_time: Optional[float] = None,
         accelerator: str = "auto", devices: Union[int, str] = "auto", num_nodes: int = 1,
-        strategy: Any = "auto", precision: Any = "32-true", callbacks: Optional[Sequence[Callback]] = None,
+        strategy: Any = "auto", precision: Any = "32-true",
+        callbacks: Union[Sequence[Callback], Callback, None] = None,
         gradient_clip_val: Optional[float] = None, gradient_clip_algorithm: str = "norm",
         accumulate_grad_batches: int = 1, val_check_interval: Union[int, float] = 1.0,
         check_val_every_n_epoch: int = 1, limit_train_batches: Union[int, float, None] = None,
         limit_val_batches: Union[int, float, None] = None, limit_test_batches: Union[int, float, None] = None,
         limit_predict_batches: Union[int, float, None] = None, fast_dev_run: Union[bool, int] = False,
         num_sanity_val_steps: int = 2, log_every_n_steps: int = 50, default_root_dir: Optional[str] = None,
-        enable_progress_bar: bool = True, enable_checkpointing: bool = True, deterministic: bool = False,
+        enable_progress_bar: bool = True, enable_checkpointing: bool = True,
+        deterministic: Union[bool, str, None] = False,
         explain: bool = False,
         **unknown: Any,
     ) -> None:
@@ -122,17 +125,52 @@ class Trainer:
             hints = {k: difflib.get_close_matches(k, known, n=1) for k in unknown}
             detail = ", ".join(f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in hints.items())
             raise TypeError(f"Unknown Trainer argument(s): {detail}. Known arguments: {', '.join(known)}.")
-        if gradient_clip_algorithm not in ("norm", "value"):
-            raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}: allowed values are 'norm', 'value'.")
-        if not isinstance(accumulate_grad_batches, int) or accumulate_grad_batches < 1:
-            raise ValueError(f"accumulate_grad_batches={accumulate_grad_batches!r} must be an integer >= 1.")
+        # Every argument is checked here, before anything starts (a relaunch, the strategy, torch's settings).
+        check = ArgumentCheck("Trainer")
+        max_epochs = check.int("max_epochs", max_epochs, minimum=-1, allow_none=True, hint="-1: no epoch limit")
+        max_steps = check.int("max_steps", max_steps, minimum=-1, hint="-1: no step limit")
+        max_time = check.number("max_time", max_time, minimum=0, above=True, allow_none=True,
+                                hint="seconds of training; None: no time limit")
+        accelerator = check.accelerator("accelerator", accelerator)
+        devices = check.devices("devices", devices)
+        num_nodes = check.int("num_nodes", num_nodes, minimum=1)
+        strategy = check.strategy("strategy", strategy)
+        precision = check.precision("precision", precision)
+        callbacks = check.instances("callbacks", callbacks, Callback, what="fabric_lite Callback instances",
+                                    single=True)
+        # (0 turns clipping off, as in Lightning; clipping to a norm of 0 would zero every gradient)
+        gradient_clip_val = check.number("gradient_clip_val", gradient_clip_val, minimum=0, allow_none=True,
+                                         hint="0 or None turns clipping off") or None
+        gradient_clip_algorithm = check.choice("gradient_clip_algorithm", gradient_clip_algorithm, ("norm", "value"))
+        accumulate_grad_batches = check.int("accumulate_grad_batches", accumulate_grad_batches, minimum=1)
+        val_check_interval = _check_val_check_interval(check, val_check_interval)
+        check_val_every_n_epoch = check.int("check_val_every_n_epoch", check_val_every_n_epoch, minimum=1,
+                                            hint="validate at the end of every N-th epoch")
+        limit_train_batches, limit_val_batches, limit_test_batches, limit_predict_batches = (
+            _check_batch_limit(check, name, value) for name, value in (
+                ("limit_train_batches", limit_train_batches), ("limit_val_batches", limit_val_batches),
+                ("limit_test_batches", limit_test_batches), ("limit_predict_batches", limit_predict_batches)))
+        if not isinstance(fast_dev_run, bool):
+            fast_dev_run = check.int("fast_dev_run", fast_dev_run, minimum=0,
+                                     hint="or True/False: True runs 1 batch, N runs N batches of each stage")
+        num_sanity_val_steps = check.int("num_sanity_val_steps", num_sanity_val_steps, minimum=0,
+                                         hint="0 skips the sanity check")
+        log_every_n_steps = check.int("log_every_n_steps", log_every_n_steps, minimum=1,
+                                      hint="step metrics are written every N optimizer steps and at epoch ends")
+        default_root_dir = check.path("default_root_dir", default_root_dir)
+        enable_progress_bar = check.bool("enable_progress_bar", enable_progress_bar)
+        enable_checkpointing = check.bool("enable_checkpointing", enable_checkpointing)
+        if deterministic is not None and deterministic != "warn":
+            check.bool("deterministic", deterministic, allow_none=True,
+                       hint="or 'warn': deterministic kernels, warning where torch has none")
+        explain = check.bool("explain", explain)
         if fast_dev_run:
             n = 1 if fast_dev_run is True else int(fast_dev_run)
             max_epochs, max_steps, num_sanity_val_steps = 1, n, 0
             limit_train_batches = limit_val_batches = limit_test_batches = limit_predict_batches = n
             enable_checkpointing = False
         if deterministic:
-            torch.use_deterministic_algorithms(True)
+            torch.use_deterministic_algorithms(True, warn_only=deterministic == "warn")
         if read_launch_settings().explain_dry_run:  # one process stands in for the planned launch
             num_nodes = 1  # the plan compares the requested nodes with the launch
         else:
@@ -164,7 +202,7 @@ class Trainer:
         self.default_root_dir = os.fspath(default_root_dir) if default_root_dir is not None else os.getcwd()
         self.fast_dev_run = fast_dev_run
         self.explain = explain  # fit() prints the plan (explain.py) and returns without training
-        self.callbacks: List[Callback] = list(callbacks or [])
+        self.callbacks: List[Callback] = callbacks  # (a new list: the checks above copied it)
         self._add_default_callbacks(enable_progress_bar, enable_checkpointing)
         self.current_epoch = 0
         self.global_step = 0
@@ -437,6 +475,24 @@ class Trainer:
                 return  # nothing saved yet: a fresh start, as Lightning does
             ckpt_path = found
         self.accelerator.load_state(ckpt_path)
+
+
+def _check_val_check_interval(check: ArgumentCheck, value: Any) -> Union[int, float]:
+    """An int >= 1 (validate every N training batches) or a float in (0, 1] (a fraction of the epoch)."""
+    if is_int(value):
+        return check.int("val_check_interval", value, minimum=1,
+                         hint="validate every N training batches; or a float in (0.0, 1.0]: a fraction of the epoch")
+    return check.number("val_check_interval", value, minimum=0.0, maximum=1.0, above=True,
+                        hint="a fraction of the epoch, 1.0: at its end; or an integer >= 1: every N training batches")
+
+
+def _check_batch_limit(check: ArgumentCheck, name: str, value: Any) -> Union[int, float, None]:
+    """None (every batch), an int >= 0 (that many batches) or a float in [0, 1] (that fraction of the loader)."""
+    if value is None or is_int(value):
+        return check.int(name, value, minimum=0, allow_none=True,
+                         hint="that many batches; or a float in [0.0, 1.0]: that fraction of the loader")
+    return check.number(name, value, minimum=0.0, maximum=1.0, allow_none=True,
+                        hint="a fraction of the loader; or an integer >= 0: that many batches; None: all of them")
 
 
 def _xla_replicas(accelerator: str, strategy: Any) -> Optional[bool]:
