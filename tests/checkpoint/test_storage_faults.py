@@ -26,22 +26,26 @@ def _can_mount_tmpfs(tmp_path) -> bool:
     return done.returncode == 0
 
 
-@pytest.mark.parametrize("background", [False, True], ids=["blocking", "background"])
-def test_a_full_disk_leaves_the_previous_checkpoint_and_no_staging(tmp_path, background):
+def _on_a_small_disk(tmp_path, size, worker, args):
+    """Run `worker` with a tmpfs of `size` mounted at --dir (in a user and mount namespace of its own); its report."""
     if not _can_mount_tmpfs(tmp_path):
         pytest.skip("mounting a small tmpfs needs `unshare -rm` (unprivileged user namespaces), not allowed here")
     mount = tmp_path / "small-disk"
     mount.mkdir()
     out = tmp_path / "out"
     out.mkdir()
-    flags = " --background" if background else ""
-    # 1600 KiB: one ~1 MB checkpoint fits, a second copy of it beside the first does not
-    script = (f"mount -t tmpfs -o size=1600k tmpfs {mount} && exec {sys.executable} {WORKERS / 'full_disk.py'} "
-              f"--out {out} --dir {mount}{flags}")
+    script = (f"mount -t tmpfs -o size={size} tmpfs {mount} && exec {sys.executable} {WORKERS / worker} "
+              f"--out {out} --dir {mount} {' '.join(args)}")
     done = subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=WORKERS, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=180)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    r = json.loads((out / "rank0.json").read_text())
+    return json.loads((out / "rank0.json").read_text())
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["blocking", "background"])
+def test_a_full_disk_leaves_the_previous_checkpoint_and_no_staging(tmp_path, background):
+    # 1600 KiB: one ~1 MB checkpoint fits, a second copy of it beside the first does not
+    r = _on_a_small_disk(tmp_path, "1600k", "full_disk.py", ["--background"] if background else [])
     assert r["error"].startswith("CheckpointError: save_state(") and \
         "OSError: [Errno 28] No space left on device (writing model_0.pt of " in r["error"], r["error"]
     assert "The previous checkpoint there, if any, is intact" in r["error"]
@@ -57,19 +61,7 @@ def test_a_disk_that_fills_at_every_point_of_a_save(tmp_path, background):
     manifest and then `latest` are written. Every failure says what it was writing and whether the checkpoint
     was published; nothing half-written stays; `latest` always names a whole checkpoint; the run resumes
     from the newest whole one."""
-    if not _can_mount_tmpfs(tmp_path):
-        pytest.skip("mounting a small tmpfs needs `unshare -rm` (unprivileged user namespaces), not allowed here")
-    mount = tmp_path / "small-disk"
-    mount.mkdir()
-    out = tmp_path / "out"
-    out.mkdir()
-    flags = " --background" if background else ""
-    script = (f"mount -t tmpfs -o size=1m tmpfs {mount} && exec {sys.executable} {WORKERS / 'full_disk_sweep.py'} "
-              f"--out {out} --dir {mount} --pages 20{flags}")
-    done = subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=WORKERS, capture_output=True, text=True,
-                          timeout=180)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    r = json.loads((out / "rank0.json").read_text())
+    r = _on_a_small_disk(tmp_path, "1m", "full_disk_sweep.py", ["--pages", "20"] + (["--background"] if background else []))
     attempts = r["attempts"]
     assert attempts[-1]["error"] is None, attempts[-1]   # with room enough the save goes through
     seen = set()
