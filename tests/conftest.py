@@ -40,6 +40,9 @@ def _lone_process(monkeypatch, tmp_path_factory):
         monkeypatch.delenv(name, raising=False)
     # a developer's own `fabric-lite config` file must not change what launches in tests do
     monkeypatch.setenv("FABRIC_LITE_CONFIG_DIR", str(tmp_path_factory.getbasetemp() / "no_config"))
+    # nor an Accelerate config file, which `fabric-lite launch` reads where no fabric_lite one exists
+    monkeypatch.setenv("HF_HOME", str(tmp_path_factory.getbasetemp() / "no_hf_home"))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
 
 
 def free_port() -> int:

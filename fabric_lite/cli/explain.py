@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import inspect
 import json
 import os
 import sys
-from typing import Any, Dict, Iterator, Mapping, Optional, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence
 
 from fabric_lite.explain.plan import mark_explained, was_explained
 
@@ -35,7 +32,8 @@ def explain_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None
     from fabric_lite.launch.config_file import ConfigError
     from fabric_lite.strategies.environments import ENV_EXPLAIN, ENV_STRATEGY
     from fabric_lite.launch.launcher import (
-        check_launch, patched_environ, settings_env, free_port, launch_command_parser, parse_with_config,
+        check_launch, config_notice, patched_environ, settings_env, free_port, launch_command_parser,
+        parse_with_config, resolve_accelerate_flags,
     )
 
     env = os.environ if env is None else env
@@ -53,6 +51,11 @@ def explain_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None
         flags, args, config_path, config = parse_with_config(parser, argv, env)
     except ConfigError as err:
         return _error(str(err))
+    total = args.num_processes  # (Accelerate's total over every machine; resolved into --nproc-per-node below)
+    try:
+        worker_env, ignored = resolve_accelerate_flags(args, config)
+    except ValueError as err:
+        return _error(f"{err} (the real launch would stop here too)")
     if args.tpu or args.strategy in ("xla", "xla_spmd"):
         return _error("explain plans launches over torchrun; an XLA launch (--tpu, --strategy xla or xla_spmd) is "
                       "not planned here. Start it with `fabric-lite launch --tpu ...`; the README's TPU section says "
@@ -61,6 +64,7 @@ def explain_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None
         check_launch(args)
         settings: Dict[str, Optional[str]] = dict(settings_env(args.mixed_precision, args.gradient_accumulation_steps,
                                                                 args.cpu))
+        settings.update(worker_env)
         per_node = determine_local_world_size(str(args.nproc_per_node))
     except ValueError as err:
         return _error(f"{err} (the real launch would stop here too)")
@@ -87,17 +91,26 @@ def explain_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None
         origins["strategy"] = (f"--strategy {flags.strategy}" if flags.strategy is not None
                                else f"{in_file} (strategy: {args.strategy})")
     if config is not None:
-        print(f"fabric-lite explain: using config file {config_path}", file=sys.stderr)
+        print(config_notice("fabric-lite explain", config_path, config), file=sys.stderr)
+    if ignored:
+        print(f"fabric-lite explain: ignoring Accelerate flags that have no meaning here: {', '.join(ignored)}",
+              file=sys.stderr)
 
     def where(flag: str, key: str, value: Any) -> str:
         if _flag_given(argv, script, flag, flag.replace("-", "_").replace("__", "--")):
             return f"{flag} {value}"
         return f"{in_file} ({key}: {value})" if config is not None else f"the default {flag} {value}"
 
-    nproc_origin = where("--nproc-per-node", "nproc_per_node", args.nproc_per_node)
+    if total is not None and not _flag_given(argv, script, "--nproc-per-node", "--nproc_per_node"):
+        total_origin = (f"--num_processes {total}" if _flag_given(argv, script, "--num-processes", "--num_processes")
+                        else f"{in_file} (num_processes: {total})")
+        nproc_origin = f"{total_origin} over {nnodes_spec} machine(s) = {args.nproc_per_node} per machine"
+    else:
+        nproc_origin = where("--nproc-per-node", "nproc_per_node", args.nproc_per_node)
     if str(args.nproc_per_node) != str(per_node):
         nproc_origin += f" = {per_node}"
-    nnodes_origin = where("--nnodes", "nnodes", nnodes_spec)
+    nnodes_origin = (f"--num_machines {nnodes_spec}" if _flag_given(argv, script, "--num-machines", "--num_machines")
+                     else where("--nnodes", "nnodes", nnodes_spec))
     source = f"torchrun, as `fabric-lite launch` would start it ({nproc_origin}, {nnodes_origin})"
     if ":" in nnodes_spec:
         source += f"; an elastic range of nodes: planned with the maximum, {nodes}"

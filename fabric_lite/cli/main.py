@@ -23,17 +23,20 @@ commands:
 
 
 def _env(args: List[str]) -> int:
-    import argparse
     import os
     import platform
 
     import torch
 
     import fabric_lite
-    from fabric_lite.launch.config_file import ConfigError, default_config_path, find_config, load_config
+    from fabric_lite.cli.parsing import CliParser
+    from fabric_lite.launch.config_file import (
+        AccelerateConfig, ConfigError, accelerate_config_path, default_config_path, find_config, load_config,
+    )
 
-    parser = argparse.ArgumentParser(prog="fabric-lite env", description="Print versions, devices and config.")
-    parser.add_argument("--config-file", "--config_file", default=None, metavar="PATH")
+    parser = CliParser(prog="fabric-lite env", description="Print versions, devices and config.")
+    parser.add_argument("--config-file", "--config_file", default=None, metavar="PATH",
+                        help="a fabric_lite or an Accelerate config file (default: the one `fabric-lite launch` reads)")
     parsed = parser.parse_args(args)
     lines = [
         f"fabric_lite {fabric_lite.__version__}",
@@ -50,12 +53,19 @@ def _env(args: List[str]) -> int:
             lines.append(f"{name:<11} not installed")
     path = find_config(parsed.config_file, os.environ)
     if path is None:
-        lines.append(f"config      no config file (none at {default_config_path(os.environ)}; "
-                     f"write one with `fabric-lite config`)")
+        lines.append(f"config      no config file (none at {default_config_path(os.environ)}, nor Accelerate's at "
+                     f"{accelerate_config_path(os.environ)}; write one with `fabric-lite config`)")
     else:
         try:
-            load_config(path)
+            config = load_config(path)
             verdict = ""
+            if isinstance(config, AccelerateConfig):
+                verdict = (f" (Accelerate's format: {config.nproc_per_node} process(es) per machine on "
+                           f"{config.nnodes} machine(s), strategy {config.strategy}, mixed precision "
+                           f"{config.mixed_precision}{', on CPU' if config.use_cpu else ''}"
+                           f"{', XLA' if config.tpu else ''})")
+                if config.ignored:
+                    verdict += f"; ignored, no meaning here: {', '.join(config.ignored)}"
         except ConfigError as err:
             verdict = f" -- INVALID: {err}"
         lines.append(f"config      {path}{verdict}")
@@ -69,19 +79,19 @@ def _env(args: List[str]) -> int:
 
 
 def _consolidate(args: List[str]) -> int:
-    import argparse
 
     from fabric_lite.checkpoint.files import CheckpointError
     from fabric_lite.checkpoint.state import export_weights
+    from fabric_lite.cli.parsing import CliParser
 
-    parser = argparse.ArgumentParser(
+    parser = CliParser(
         prog="fabric-lite consolidate",
         description="Write the model weights of a fabric_lite checkpoint (a save_state / Trainer checkpoint "
                     "directory, any fsspec URL) as one state dict: model.load_state_dict(...) takes it.")
     parser.add_argument("checkpoint")
     parser.add_argument("out", help="a .safetensors file, any other name for a torch.save file, or a directory "
                                     "(model_INDEX.pt inside it); missing directories are made")
-    parser.add_argument("--model-index", type=int, default=0, help="which prepared model (default 0)")
+    parser.add_argument("--model-index", "--model_index", type=int, default=0, help="which prepared model (default 0)")
     parsed = parser.parse_args(args)
     try:
         count, written = export_weights(parsed.checkpoint, parsed.out, parsed.model_index)
@@ -96,34 +106,42 @@ def _config(args: List[str]) -> int:
     import argparse
     import os
 
+    from fabric_lite.cli.parsing import CliParser
     from fabric_lite.launch.config_file import (
         COMPUTE_ENVIRONMENTS, MIXED_PRECISIONS, STRATEGIES, ConfigError, LaunchConfigFile, default_config_path,
         dump_config, questionnaire, save_config, validate,
     )
 
-    parser = argparse.ArgumentParser(
+    parser = CliParser(
         prog="fabric-lite config",
         description="Write the config file `fabric-lite launch` and `fabric-lite test` read their defaults from. "
                     "Without options it asks a few questions; with --default or any setting below it asks nothing "
-                    "(for scripts). Example: fabric-lite config --nproc-per-node 2 --mixed-precision bf16")
+                    "(for scripts). Example: fabric-lite config --nproc-per-node 2 --mixed-precision bf16. Every flag "
+                    "takes dashes or underscores (--mixed_precision). --num-processes here counts the processes on "
+                    "each machine, as the file's nproc_per_node does.")
     parser.add_argument("--config-file", "--config_file", default=None, metavar="PATH",
                         help="where to write (default: $FABRIC_LITE_CONFIG_DIR/default_config.yaml, else "
                              "$XDG_CONFIG_HOME/fabric_lite/..., else ~/.config/fabric_lite/...)")
     parser.add_argument("--default", action="store_true", help="write the default config without asking")
     settings = parser.add_argument_group("settings (any of these: no questions)")
-    settings.add_argument("--compute-environment", choices=COMPUTE_ENVIRONMENTS)
-    settings.add_argument("--nnodes", "--num-machines", dest="nnodes", type=str)
-    settings.add_argument("--node-rank", "--machine-rank", dest="node_rank", type=str)
-    settings.add_argument("--master-addr", "--main-process-ip", dest="master_addr")
-    settings.add_argument("--master-port", "--main-process-port", dest="master_port", type=str)
-    settings.add_argument("--nproc-per-node", "--num-processes", dest="nproc_per_node", type=str)
+    settings.add_argument("--compute-environment", "--compute_environment", choices=COMPUTE_ENVIRONMENTS)
+    settings.add_argument("--nnodes", "--num-machines", "--num_machines", dest="nnodes", type=str)
+    settings.add_argument("--node-rank", "--node_rank", "--machine-rank", "--machine_rank", dest="node_rank", type=str)
+    settings.add_argument("--master-addr", "--master_addr", "--main-process-ip", "--main_process_ip", dest="master_addr")
+    settings.add_argument("--master-port", "--master_port", "--main-process-port", "--main_process_port",
+                          dest="master_port", type=str)
+    settings.add_argument("--nproc-per-node", "--nproc_per_node", "--num-processes", "--num_processes",
+                          dest="nproc_per_node", type=str)
     settings.add_argument("--strategy", help="/".join(STRATEGIES))
-    settings.add_argument("--mixed-precision", help="/".join(MIXED_PRECISIONS))
-    settings.add_argument("--gradient-accumulation-steps", type=str)
+    settings.add_argument("--mixed-precision", "--mixed_precision", help="/".join(MIXED_PRECISIONS))
+    settings.add_argument("--gradient-accumulation-steps", "--gradient_accumulation_steps", type=str)
     settings.add_argument("--cpu", dest="use_cpu", action=argparse.BooleanOptionalAction, default=None)
+    settings.add_argument("--use-cpu", "--use_cpu", dest="use_cpu", action="store_const", const=True,
+                          default=argparse.SUPPRESS, help="= --cpu")
     parsed = parser.parse_args(args)
     path = parsed.config_file or default_config_path(os.environ)
-    given = {k: v for k, v in vars(parsed).items() if k not in ("config_file", "default") and v is not None}
+    given = {k: v for k, v in vars(parsed).items()
+             if k not in ("config_file", "default", "command_line") and v is not None}
     defaults = LaunchConfigFile(nproc_per_node=_default_nproc())
     try:
         if given or parsed.default:
@@ -158,22 +176,23 @@ def _default_nproc() -> int:
 
 
 def _test(args: List[str]) -> int:
-    import argparse
     import os
     import shutil
     import tempfile
 
+    from fabric_lite.cli.parsing import CliParser
     from fabric_lite.launch.config_file import ConfigError, find_config, load_config
     from fabric_lite.launch.launcher import launch_command
 
-    parser = argparse.ArgumentParser(
+    parser = CliParser(
         prog="fabric-lite test",
         description="Check this setup end to end: start the configured number of processes on this machine "
                     "(2 on CPU without a config file) through `fabric-lite launch`, run every collective, a "
                     "short DDP training compared with one process, and a checkpoint round-trip.")
     parser.add_argument("--config-file", "--config_file", default=None, metavar="PATH")
-    parser.add_argument("--nproc-per-node", "--num-processes", dest="nproc_per_node", type=int, default=None,
-                        help="processes to start (default: the config's nproc_per_node, else 2)")
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", "--num-processes", "--num_processes",
+                        dest="nproc_per_node", type=int, default=None,
+                        help="processes to start on this machine (default: the config's processes per machine, else 2)")
     parsed = parser.parse_args(args)
     if parsed.nproc_per_node is not None and parsed.nproc_per_node < 1:
         print(f"fabric-lite test: error: --nproc-per-node={parsed.nproc_per_node} must be >= 1.", file=sys.stderr)
@@ -182,11 +201,13 @@ def _test(args: List[str]) -> int:
     launch_args: List[str] = []
     if path is not None:
         try:
-            load_config(path)  # a bad file: its one-line error, not a launch attempt
+            config = load_config(path)  # a bad file: its one-line error, not a launch attempt
         except ConfigError as err:
             print(f"fabric-lite test: error: {err}", file=sys.stderr)
             return 2
         launch_args += ["--config-file", str(path)]
+        if parsed.nproc_per_node is None:  # the config's count per machine (an Accelerate total is divided)
+            launch_args += ["--nproc-per-node", str(config.nproc_per_node)]
     else:
         launch_args += ["--nproc-per-node", "2", "--cpu"]
     if parsed.nproc_per_node is not None:

@@ -535,13 +535,12 @@ def _relaunch_if_needed(devices: Union[int, str], num_nodes: int, xla: Optional[
         )
     import subprocess
 
-    from fabric_lite.launch.launcher import free_port
+    from fabric_lite.launch.launcher import torchrun_command
 
     if xla:  # (torch_xla's launcher, without `fabric-lite launch`'s config file: as torchrun below)
         cmd = [sys.executable, "-m", "fabric_lite.launch.xla_launch", str(devices), script, *sys.argv[1:]]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(devices), "--nnodes",
-               str(num_nodes), "--master-addr", "127.0.0.1", "--master-port", str(free_port()), script, *sys.argv[1:]]
+    else:  # (the script's own arguments pass through untouched)
+        cmd = torchrun_command(devices, num_nodes, script, sys.argv[1:])
     raise SystemExit(subprocess.call(cmd))
 
 

@@ -172,12 +172,15 @@ def test_trainer_with_devices_2_starts_its_own_processes(tmp_path):
         trainer = Trainer(max_epochs=1, devices=2, accelerator="cpu", strategy="ddp",
                           enable_progress_bar=False, enable_checkpointing=False)
         trainer.fit(M(), DataLoader(TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,))), batch_size=4))
-        print(f"RANK {trainer.strategy.global_rank} OF {trainer.world_size} STEPS {trainer.global_step}")
+        import sys
+        print(f"RANK {trainer.strategy.global_rank} OF {trainer.world_size} STEPS {trainer.global_step} "
+              f"ARGS {' '.join(sys.argv[1:])}")
     '''))
-    proc = run_command([sys.executable, str(script)], timeout=120)
+    # the script's own arguments (`--run` once read as torchrun's `--run-path`) reach every process untouched
+    proc = run_command([sys.executable, str(script), "--run", "x", "--nnodes", "3"], timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     # two processes share the pipe, so their lines may interleave: look for both reports anywhere
-    assert sorted(re.findall(r"RANK (\d) OF 2 STEPS 4", proc.stdout)) == ["0", "1"]
+    assert sorted(re.findall(r"RANK (\d) OF 2 STEPS 4 ARGS --run x --nnodes 3", proc.stdout)) == ["0", "1"]
 
 
 def test_trainer_example_on_two_processes_in_bf16(tmp_path):
