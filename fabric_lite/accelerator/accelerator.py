@@ -17,7 +17,8 @@ from torch.utils.data import DataLoader
 
 from fabric_lite.accelerator.configs import (
     DataLoaderConfiguration, DeepSpeedPlugin, DistributedType, FullyShardedDataParallelPlugin,
-    GradientAccumulationPlugin, GradScalerKwargs, KwargsHandler, ProjectConfiguration, strategy_from_handlers,
+    GradientAccumulationPlugin, GradScalerKwargs, KwargsHandler, LoggerType, ProjectConfiguration, TorchDynamoPlugin,
+    strategy_from_handlers,
 )
 from fabric_lite.strategies.connector import connect, resolve_accelerator
 from fabric_lite.data.loader import DataLoaderShard, shard_dataloader, skip_first_batches
@@ -33,6 +34,8 @@ from fabric_lite.strategies.precision import PrecisionForward
 from fabric_lite.accelerator.process_control import ProcessControl
 from fabric_lite.strategies import Strategy
 from fabric_lite.accelerator.tracking import KNOWN_TRACKERS, GeneralTracker, make_trackers
+# (the module, not its names: fabric_lite.state imports this package, and may be the one imported first)
+from fabric_lite import state as run_state
 
 __all__ = ["Accelerator", "DistributedType"]
 
@@ -72,6 +75,7 @@ class Accelerator(StepEngine, ProcessControl, ModelState):
         accelerator: str = "auto",
         deepspeed_plugin: Optional[DeepSpeedPlugin] = None,
         fsdp_plugin: Optional[FullyShardedDataParallelPlugin] = None,
+        dynamo_plugin: Optional[TorchDynamoPlugin] = None,
         divide_loss_by: str = "gradient_accumulation_steps",
     ) -> None:
         # Every argument is checked here, before anything starts (the process group, the strategy).
@@ -101,6 +105,10 @@ class Accelerator(StepEngine, ProcessControl, ModelState):
             check.fail("dynamo_backend", dynamo_backend, "must be a torch.compile backend name ('inductor', 'eager', "
                        "...), or 'no' or None for no compilation.",
                        ValueError if isinstance(dynamo_backend, str) else TypeError)
+        check.instance("dynamo_plugin", dynamo_plugin, TorchDynamoPlugin)
+        if dynamo_plugin is not None and dynamo_backend is not None:
+            raise ValueError("Pass dynamo_backend or dynamo_plugin, not both (TorchDynamoPlugin(backend=...) "
+                             "says the backend).")
         strategy = check.strategy("strategy", strategy)
         devices = check.devices("devices", devices)
         accelerator = check.accelerator("accelerator", accelerator)
@@ -182,6 +190,8 @@ class Accelerator(StepEngine, ProcessControl, ModelState):
         )
         # The step engine: the prepared models, optimizers and schedulers, and the accumulation window.
         self.init_engine(strategy, plugin, divide_loss_by)
+        # (with Accelerate's names on top: `active_dataloader`, `num_steps`, ...)
+        self.gradient_state = run_state.GradientState(self.gradient_accumulation_plugin)
         strategy.setup_environment()
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
@@ -194,52 +204,22 @@ class Accelerator(StepEngine, ProcessControl, ModelState):
         self.checkpoint_saver = CheckpointSaver(strategy)
         self.log_with = log_with
         self.trackers: List[GeneralTracker] = []
-        self.dynamo_backend = None if dynamo_backend in (None, "no", "NO") else str(dynamo_backend).lower()
+        #: How `prepare` compiles models (`torch.compile`); `dynamo_backend` is its backend, None when off.
+        self.dynamo_plugin = dynamo_plugin or TorchDynamoPlugin(backend=dynamo_backend)
+        self.dynamo_backend = self.dynamo_plugin.backend if self.dynamo_plugin.enabled else None
+        self.deepspeed_plugin = deepspeed_plugin
+        self.fsdp_plugin = fsdp_plugin
         #: `register_save_state_pre_hook` / `register_load_state_pre_hook` hooks, by handle id.
         self.save_state_pre_hooks: Dict[int, Callable] = {}
         self.load_state_pre_hooks: Dict[int, Callable] = {}
         self._trigger = torch.zeros(1, device=self.device)
+        run_state.bind_accelerator(self)  # PartialState() and fabric_lite.utils' functions answer from this run
 
-    # -- where this process is ---------------------------------------------------------------------
+    # -- where this process is (`device`, `num_processes`, `process_index`, ...: ProcessFacts) ---------------
     @property
-    def device(self) -> torch.device:
-        return self.strategy.root_device
-
-    @property
-    def num_processes(self) -> int:
-        return self.strategy.world_size
-
-    @property
-    def process_index(self) -> int:
-        return self.strategy.global_rank
-
-    @property
-    def local_process_index(self) -> int:
-        return self.strategy.local_rank
-
-    @property
-    def is_main_process(self) -> bool:
-        return self.strategy.is_global_zero
-
-    @property
-    def is_local_main_process(self) -> bool:
-        return self.strategy.is_local_zero
-
-    @property
-    def is_last_process(self) -> bool:
-        return self.process_index == self.num_processes - 1
-
-    @property
-    def use_distributed(self) -> bool:
-        return self.num_processes > 1
-
-    @property
-    def distributed_type(self) -> str:
-        if self.strategy.accelerate_type is not None:
-            return getattr(DistributedType, self.strategy.accelerate_type)
-        if self.num_processes == 1:
-            return DistributedType.NO
-        return DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
+    def state(self) -> "run_state.AcceleratorState":
+        """This run's `AcceleratorState` (Accelerate's `accelerator.state`): process facts and settings."""
+        return run_state.AcceleratorState.of(self)
 
     @property
     def mixed_precision(self) -> str:
@@ -350,8 +330,7 @@ class Accelerator(StepEngine, ProcessControl, ModelState):
             prepared = precision.convert_module(model)
         else:
             prepared = self.strategy.setup_module(model)
-        if self.dynamo_backend is not None:
-            prepared = torch.compile(prepared, backend=self.dynamo_backend)
+        prepared = self.dynamo_plugin.compile(prepared)
         self.models.append(prepared)
         return prepared
 
@@ -415,10 +394,18 @@ class Accelerator(StepEngine, ProcessControl, ModelState):
         return self.strategy.precision.is_mixed
 
     # -- models and checkpoints --------------------------------------------------------------------
-    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True) -> nn.Module:
-        """The user's model without DDP (or other) wrappers; optionally without the autocast forward."""
-        inner = self.strategy.unwrap_module(model)
-        inner = getattr(inner, "_orig_mod", inner)  # torch.compile
+    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True,
+                     keep_torch_compile: bool = False) -> nn.Module:
+        """The user's model without DDP (or other) wrappers and without torch.compile's; optionally without the
+        autocast forward. `keep_torch_compile=True` gives the compiled model back as is where nothing else wraps
+        it (on one process), else the plain module."""
+        compiled = getattr(model, "_orig_mod", None)  # torch.compile
+        if keep_torch_compile and compiled is not None and self.strategy.unwrap_module(compiled) is compiled:
+            if not keep_fp32_wrapper:
+                PrecisionForward.remove(compiled)
+            return model
+        inner = self.strategy.unwrap_module(model if compiled is None else compiled)
+        inner = getattr(inner, "_orig_mod", inner)
         if not keep_fp32_wrapper:
             PrecisionForward.remove(inner)
         return inner
@@ -504,9 +491,14 @@ def _check_plugin_steps(argument: str, plugin: str, field: str, value: Any) -> N
 
 
 def _check_log_with(check: ArgumentCheck, value: Any) -> Any:
-    """None, a tracker name (KNOWN_TRACKERS, or 'all'), a GeneralTracker, or a list of those."""
+    """None, a tracker name (KNOWN_TRACKERS, or 'all'; a `LoggerType` member is one), a GeneralTracker, or a
+    list of those. Names come back as plain strings."""
     if value is None:
         return None
+    if isinstance(value, LoggerType):
+        value = value.value
+    elif isinstance(value, (list, tuple)):
+        value = [item.value if isinstance(item, LoggerType) else item for item in value]
     allowed = f"{', '.join(map(repr, [*KNOWN_TRACKERS, 'all']))}, or a GeneralTracker"
     single = isinstance(value, (str, GeneralTracker))
     items = [value] if single else check.instances("log_with", value, (str, GeneralTracker),

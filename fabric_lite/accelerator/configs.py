@@ -3,16 +3,32 @@
 from __future__ import annotations
 
 import datetime
+import enum
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Optional, Sequence, Union
 
 __all__ = [
     "KwargsHandler", "DistributedDataParallelKwargs", "GradScalerKwargs", "InitProcessGroupKwargs",
     "DataLoaderConfiguration", "ProjectConfiguration", "GradientAccumulationPlugin", "DeepSpeedPlugin",
-    "FullyShardedDataParallelPlugin",
+    "FullyShardedDataParallelPlugin", "TorchDynamoPlugin",
     "strategy_from_handlers",
-    "DistributedType",
+    "DistributedType", "LoggerType", "PrecisionType", "DynamoBackend",
 ]
+
+
+class StrEnum(str, enum.Enum):
+    """An enum whose members are their string values: ``LoggerType.WANDB == "wandb"``, and ``str()`` and
+    f-strings give the value, so a member goes wherever the plain string is accepted (and into JSON)."""
+
+    def __str__(self) -> str:
+        return str.__str__(self)
+
+    __format__ = str.__format__
+
+    @classmethod
+    def list(cls) -> list:
+        """The members' values."""
+        return [member.value for member in cls]
 
 
 class KwargsHandler:
@@ -197,18 +213,134 @@ class FullyShardedDataParallelPlugin:
         return MixedPrecisionPolicy(**fields_)
 
 
-class DistributedType:
-    """Accelerate's names for the kind of run, as plain strings (compare with ==)."""
+class DistributedType(StrEnum):
+    """The kind of run, with Accelerate's names; each member equals its name as a string
+    (``accelerator.distributed_type == "MULTI_GPU"`` and ``== DistributedType.MULTI_GPU`` both work)."""
 
-    NO = "NO"
+    NO = "NO"  # one process
     MULTI_CPU = "MULTI_CPU"
     MULTI_GPU = "MULTI_GPU"
-    MULTI_XPU = "MULTI_XPU"
     MULTI_NPU = "MULTI_NPU"
     MULTI_MLU = "MULTI_MLU"
-    FSDP = "FSDP"
+    MULTI_SDAA = "MULTI_SDAA"
+    MULTI_MUSA = "MULTI_MUSA"
+    MULTI_XPU = "MULTI_XPU"
+    MULTI_HPU = "MULTI_HPU"
     DEEPSPEED = "DEEPSPEED"
+    FSDP = "FSDP"
     XLA = "XLA"
+    MEGATRON_LM = "MEGATRON_LM"  # a name only: fabric_lite has no Megatron-LM
+    TPU = "XLA"  # the older name of XLA (an alias: DistributedType.TPU is DistributedType.XLA)
+
+
+class LoggerType(StrEnum):
+    """Experiment tracker names for `Accelerator(log_with=...)`; each member is the tracker's plain name."""
+
+    ALL = "all"
+    AIM = "aim"
+    TENSORBOARD = "tensorboard"
+    WANDB = "wandb"
+    TRACKIO = "trackio"
+    COMETML = "comet_ml"
+    MLFLOW = "mlflow"
+    CLEARML = "clearml"
+    DVCLIVE = "dvclive"
+    SWANLAB = "swanlab"
+
+
+class PrecisionType(StrEnum):
+    """`mixed_precision` values."""
+
+    NO = "no"
+    FP8 = "fp8"
+    FP16 = "fp16"
+    BF16 = "bf16"
+
+
+class DynamoBackend(StrEnum):
+    """Common `torch.compile` backend names for `dynamo_backend` / `TorchDynamoPlugin(backend=...)` (any name
+    torch knows is accepted as a plain string too); NO turns compilation off."""
+
+    NO = "no"
+    EAGER = "eager"
+    AOT_EAGER = "aot_eager"
+    INDUCTOR = "inductor"
+    CUDAGRAPHS = "cudagraphs"
+    ONNXRT = "onnxrt"
+    TENSORRT = "tensorrt"
+    OPENXLA = "openxla"
+    TVM = "tvm"
+
+
+@dataclass
+class TorchDynamoPlugin(KwargsHandler):
+    """How `prepare` compiles models with `torch.compile`: ``Accelerator(dynamo_plugin=TorchDynamoPlugin(
+    backend="inductor", mode="max-autotune"))``. `backend` None or "no" compiles nothing (as
+    ``Accelerator(dynamo_backend=...)`` unset). `use_regional_compilation` compiles each block of the model's
+    repeated layers (every `nn.ModuleList` of same-class blocks) in place instead of the whole model: the
+    compile is shorter, and the blocks share one compiled code."""
+
+    backend: Optional[str] = None
+    mode: Optional[str] = None  # "default", "reduce-overhead", "max-autotune", ...
+    fullgraph: bool = False
+    dynamic: Optional[bool] = None
+    options: Optional[Dict[str, Any]] = None
+    disable: bool = False
+    use_regional_compilation: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend is not None and not isinstance(self.backend, str):
+            raise TypeError(f"TorchDynamoPlugin(backend={self.backend!r}): pass a torch.compile backend name "
+                            f"('inductor', 'eager', ...) or 'no'.")
+        backend = "no" if self.backend is None else str(self.backend).strip().lower()
+        if not backend:
+            raise ValueError("TorchDynamoPlugin(backend=''): pass a torch.compile backend name or 'no'.")
+        self.backend = backend
+
+    @property
+    def enabled(self) -> bool:
+        """Whether `prepare` compiles at all."""
+        return self.backend != "no" and not self.disable
+
+    def compile_kwargs(self) -> Dict[str, Any]:
+        """The keywords for `torch.compile` (only those set)."""
+        kwargs: Dict[str, Any] = {"backend": self.backend}
+        if self.mode is not None:
+            kwargs["mode"] = self.mode
+        if self.fullgraph:
+            kwargs["fullgraph"] = True
+        if self.dynamic is not None:
+            kwargs["dynamic"] = self.dynamic
+        if self.options is not None:
+            kwargs["options"] = self.options
+        return kwargs
+
+    def compile(self, model: Any) -> Any:
+        """`model` compiled as configured (the model itself when compilation is off)."""
+        if not self.enabled:
+            return model
+        import torch
+
+        kwargs = self.compile_kwargs()
+        if self.use_regional_compilation and _compile_regions(model, kwargs):
+            return model
+        return torch.compile(model, **kwargs)
+
+
+def _compile_regions(module: Any, kwargs: Dict[str, Any]) -> int:
+    """Compile, in place, each block of every `nn.ModuleList` of two or more blocks of one class (not looking
+    inside those blocks); returns how many were compiled (0: the model has no such repeated blocks)."""
+    from torch import nn
+
+    count = 0
+    for child in module.children():
+        if isinstance(child, nn.ModuleList) and len(child) > 1 and len({type(block) for block in child}) == 1:
+            for block in child:
+                block.compile(**kwargs)
+            count += len(child)
+        else:
+            count += _compile_regions(child, kwargs)
+    return count
 
 
 def strategy_from_handlers(name: str, handlers: Dict[type, Any], world_size: int) -> Any:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Callable, Dict, Iterator, Optional, Union
+from typing import Any, Callable, ContextManager, Dict, Iterator, Optional, Union
 
 import torch
 from torch import nn
@@ -18,7 +18,68 @@ from fabric_lite.accelerator.wrappers import HookHandle
 from fabric_lite.checkpoint import names
 from fabric_lite.checkpoint import state as state_io
 
-__all__ = ["ModelState"]
+__all__ = ["ModelState", "init_empty_weights", "init_on_device"]
+
+
+@contextlib.contextmanager
+def init_on_device(device: Union[str, torch.device], include_buffers: bool = False) -> Iterator[None]:
+    """Build modules inside this context with their parameters on `device` (and their buffers too with
+    `include_buffers`; then every tensor created inside lands there). On the meta device nothing is allocated
+    to stay: parameters are made where torch makes them, then moved (a meta tensor holds no memory).
+
+    >>> with init_on_device("meta"):
+    ...     layer = torch.nn.Linear(4, 4)
+    >>> layer.weight.device.type
+    'meta'
+    """
+    device = torch.device(device)
+    register_parameter, register_buffer = nn.Module.register_parameter, nn.Module.register_buffer
+
+    def parameter_on_device(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+        register_parameter(module, name, param)
+        if param is not None and param.device != device:
+            module._parameters[name] = _moved_parameter(param, device)
+
+    def buffer_on_device(module: nn.Module, name: str, tensor: Optional[torch.Tensor], persistent: bool = True) -> None:
+        if tensor is not None:
+            tensor = tensor.to(device)
+        register_buffer(module, name, tensor, persistent=persistent)
+
+    nn.Module.register_parameter = parameter_on_device  # type: ignore[method-assign]
+    if include_buffers:
+        nn.Module.register_buffer = buffer_on_device  # type: ignore[method-assign]
+    try:
+        with torch.device(device) if include_buffers else contextlib.nullcontext():
+            yield
+    finally:
+        nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+        nn.Module.register_buffer = register_buffer  # type: ignore[method-assign]
+
+
+def init_empty_weights(include_buffers: bool = False) -> ContextManager[None]:
+    """Build a model without allocating its weights: parameters are created on the meta device (buffers too
+    with `include_buffers`; by default they stay real, as small state that is not loaded). Load weights into
+    it afterwards, e.g. `model.to_empty(device=...)` then `load_state_dict`, or build it under
+    `Accelerator.init_module()` to let FSDP materialize each process's shards.
+
+    >>> with init_empty_weights():
+    ...     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+    >>> model[0].weight.is_meta, model[1].running_mean.is_meta
+    (True, False)
+    """
+    return init_on_device(torch.device("meta"), include_buffers=include_buffers)
+
+
+def _moved_parameter(param: nn.Parameter, device: torch.device) -> nn.Parameter:
+    """`param` on `device`, of the same Parameter class, with its attributes."""
+    data = param.data.to(device)
+    cls = type(param)
+    try:
+        moved = cls(data, requires_grad=param.requires_grad)
+    except TypeError:  # a Parameter subclass with another constructor
+        moved = nn.Parameter(data, requires_grad=param.requires_grad)
+    moved.__dict__.update(param.__dict__)
+    return moved
 
 
 class ModelState:
@@ -70,7 +131,7 @@ class ModelState:
             raise ValueError(f"init_module(empty_init=True) builds the model on the meta device, which "
                              f"{type(self.strategy).__name__} cannot materialize. Use strategy='fsdp', or "
                              f"empty_init=False.")
-        with torch.device("meta" if meta else self.device):
+        with init_on_device(torch.device("meta") if meta else self.device, include_buffers=True):
             yield
 
     def load_model_weights(self, model: nn.Module, source: Any, strict: bool = True) -> None:

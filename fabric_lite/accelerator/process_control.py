@@ -1,7 +1,9 @@
 """Collectives and process control of the raw door (gather, reduce, main_process_first, ...).
 
-A mixin of `Accelerator`: it needs `self.strategy`, `self.gradient_state`, `self.dataloader_config`
-and `self._trigger`, and nothing else of it.
+`ProcessFacts` answers where this process is and runs the collectives over `self.strategy` alone; it is
+shared by `Accelerator` and by `fabric_lite.state.PartialState`, so both give the same answers.
+`ProcessControl` (a mixin of `Accelerator`) adds what needs more of it: `self.gradient_state`,
+`self.dataloader_config` and `self._trigger`.
 """
 
 from __future__ import annotations
@@ -13,12 +15,63 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence
 import torch
 
 from fabric_lite._tree import tree_map
+from fabric_lite.accelerator.configs import DistributedType
 
-__all__ = ["ProcessControl"]
+__all__ = ["ProcessFacts", "ProcessControl"]
+
+# Accelerate's names of multi-process runs, by device type (others: "MULTI_" + the type in capitals).
+_MULTI_TYPES = {"cuda": "MULTI_GPU", "cpu": "MULTI_CPU"}
 
 
-class ProcessControl:
-    """Accelerate's collective and per-process helpers, written once over the strategy's collectives."""
+class ProcessFacts:
+    """Where this process is and the collectives between processes, read from `self.strategy` only."""
+
+    strategy: Any
+
+    # -- where this process is ---------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.strategy.root_device
+
+    @property
+    def num_processes(self) -> int:
+        return self.strategy.world_size
+
+    @property
+    def process_index(self) -> int:
+        return self.strategy.global_rank
+
+    @property
+    def local_process_index(self) -> int:
+        return self.strategy.local_rank
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.strategy.is_global_zero
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.strategy.is_local_zero
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.process_index == self.num_processes - 1
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.num_processes > 1
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        """Accelerate's name of this kind of run: the strategy's own (DEEPSPEED, FSDP, XLA), else NO for one
+        process, else MULTI_<device> (MULTI_GPU on CUDA)."""
+        if self.strategy.accelerate_type is not None:
+            return DistributedType(self.strategy.accelerate_type)
+        if self.num_processes == 1:
+            return DistributedType.NO
+        kind = self.device.type
+        name = _MULTI_TYPES.get(kind, f"MULTI_{kind.upper()}")
+        return DistributedType(name) if name in DistributedType.__members__ else DistributedType.MULTI_GPU
 
     # -- collectives -------------------------------------------------------------------------------
     def gather(self, tensor: Any) -> Any:
@@ -31,21 +84,6 @@ class ProcessControl:
         if all(isinstance(p, (list, tuple)) for p in parts):
             return [x for p in parts for x in p]
         return parts
-
-    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        """Gather for evaluation, dropping the samples that even-batch padding repeated at the end."""
-        leaves: List[bool] = []
-        tree_map(lambda t: leaves.append(True) or t, input_data, lambda o: leaves.append(False) or o)
-        if use_gather_object or not all(leaves):
-            data = self.gather_object(input_data)
-        else:
-            data = self.gather(input_data)
-        state = self.gradient_state
-        if state.end_of_dataloader and state.remainder > 0:
-            if isinstance(data, list):
-                return data[: state.remainder]
-            return tree_map(lambda t: t[: state.remainder], data)
-        return data
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         """All-reduce tensors across processes with "sum", "mean" or "none"."""
@@ -80,6 +118,11 @@ class ProcessControl:
 
     def broadcast(self, tensor: Any, from_process: int = 0) -> Any:
         return tree_map(lambda t: self.strategy.broadcast(t, from_process), tensor, _reject_non_tensor("broadcast"))
+
+    def broadcast_object_list(self, object_list: List[Any], from_process: int = 0) -> List[Any]:
+        """Replace the list's items, on every process, with those of process `from_process`; returns the list."""
+        object_list[:] = self.strategy.broadcast_object(list(object_list), from_process)
+        return object_list
 
     def wait_for_everyone(self) -> None:
         self.strategy.barrier()
@@ -134,6 +177,32 @@ class ProcessControl:
     def on_last_process(self, function: Callable) -> Callable:
         return self.on_process(function, process_index=self.num_processes - 1)
 
+    def on_local_main_process(self, function: Callable) -> Callable:
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return function(*args, **kwargs) if self.is_local_main_process else None
+
+        return wrapper
+
+
+class ProcessControl(ProcessFacts):
+    """The Accelerator's process control beyond `ProcessFacts`: metrics gathering, triggers, uneven inputs."""
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """Gather for evaluation, dropping the samples that even-batch padding repeated at the end."""
+        leaves: List[bool] = []
+        tree_map(lambda t: leaves.append(True) or t, input_data, lambda o: leaves.append(False) or o)
+        if use_gather_object or not all(leaves):
+            data = self.gather_object(input_data)
+        else:
+            data = self.gather(input_data)
+        state = self.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            if isinstance(data, list):
+                return data[: state.remainder]
+            return tree_map(lambda t: t[: state.remainder], data)
+        return data
+
     def set_trigger(self) -> None:
         """Raise a flag on this process that `check_trigger` will see on every process (e.g. early stop)."""
         self._trigger.fill_(1)
@@ -161,13 +230,6 @@ class ProcessControl:
                 yield
         finally:
             self.dataloader_config.even_batches = saved
-
-    def on_local_main_process(self, function: Callable) -> Callable:
-        @functools.wraps(function)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return function(*args, **kwargs) if self.is_local_main_process else None
-
-        return wrapper
 
 
 def _reject_non_tensor(verb: str) -> Callable[[Any], Any]:

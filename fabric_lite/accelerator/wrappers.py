@@ -156,13 +156,12 @@ class AcceleratedScheduler:
 
 
 def is_scheduler(obj: Any) -> bool:
-    """Whether `obj` is an LR scheduler (duck-typed: schedulers from other libraries exist)."""
-    # Duck-typed (schedulers from other libraries exist), but a prepared optimizer also has `.optimizer`.
-    return (
-        not isinstance(obj, torch.optim.Optimizer)
-        and hasattr(obj, "step")
-        and isinstance(getattr(obj, "optimizer", None), torch.optim.Optimizer)
-    )
+    """Whether `prepare` wraps `obj` as an LR scheduler: a torch `LRScheduler` (ReduceLROnPlateau included).
+
+    As in Accelerate, only objects of PyTorch's classes are prepared: a scheduler of another kind (an object
+    with a `step()`) is given back untouched, and steps whenever it is called.
+    """
+    return isinstance(obj, torch.optim.lr_scheduler.LRScheduler)
 
 
 _HANDLE_IDS = itertools.count(1)
