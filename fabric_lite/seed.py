@@ -18,15 +18,20 @@ _xla_started = False
 _xla_seed_pending: Optional[int] = None
 
 
-def set_seed(seed: int, deterministic: bool = False, device_specific: bool = False, process_index: int = 0) -> int:
+def set_seed(seed: int, deterministic: bool = False, device_specific: bool = False,
+             process_index: Optional[int] = None) -> int:
     """Seed python, numpy and torch (CPU and every CUDA device); returns the seed used.
 
-    `device_specific=True` offsets the seed by `process_index`, so ranks draw different numbers.
-    `deterministic=True` also asks torch for deterministic kernels.
+    `device_specific=True` offsets the seed by `process_index` (default: this process's rank in the
+    launch), so ranks draw different numbers. `deterministic=True` also asks torch for deterministic kernels.
     """
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f"seed must be an int, got {seed!r}.")
     if device_specific:
+        if process_index is None:
+            from fabric_lite.strategies.environments import detect_process
+
+            process_index = detect_process().global_rank
         seed += process_index
     random.seed(seed)
     np.random.seed(seed % 2**32)

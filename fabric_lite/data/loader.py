@@ -1,8 +1,10 @@
 """Dataloaders that shard by rank, reshuffle every epoch, resume mid-epoch and move batches to the device.
 
-The user's batch order is kept: their sampler draws the order (seeded from one seed shared by all
-ranks, plus the epoch), and global step k is made of the W consecutive batches kW ... kW+W-1, one
-per rank. So W processes with batch b see exactly the samples one process with batch W*b sees.
+The user's batch order is kept: their sampler draws the order, every epoch, from the generator a
+plain loop would draw it from (the user's own generator object, or the global RNG: see
+`data/order.py`), the same order on every rank; global step k is made of the W consecutive batches
+kW ... kW+W-1, one per rank. So on one process the batches are the plain loader's, and W processes
+with batch b see in step k exactly the samples of a plain loader's batch k of W*b, every epoch.
 Padding that makes every rank get the same number of full batches sits only in the final global
 step, where `remainder` says how many of its samples are real.
 """
@@ -16,8 +18,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
+from fabric_lite.data.order import EpochRandomness
 from fabric_lite.data.sharding import IterableDatasetShard, ShardedBatchSampler
 from fabric_lite.data.transfer import CudaFeed, move_to_device
 
@@ -31,7 +34,6 @@ __all__ = [
 class _Position:
     """Where a loader is: shared by a loader and its `skip_first_batches` views."""
 
-    base_seed: int = 0
     epoch: int = 0
     batches_seen: int = 0  # batches of this rank yielded in the current epoch
     samples_skipped: int = 0  # global samples of this epoch seen before a resume with another global batch
@@ -50,20 +52,20 @@ class DataLoaderShard(DataLoader):
 
     def __init__(
         self, dataset: Any, *, device: Optional[torch.device], gradient_state: Any,
-        sampler_generator: Optional[torch.Generator], sharded_sampler: Optional[ShardedBatchSampler],
+        randomness: EpochRandomness, sharded_sampler: Optional[ShardedBatchSampler],
         position: _Position, remainder: int, total_batch_size: Optional[int],
         convert_batch: Optional[Callable[[Any], Any]] = None, non_blocking: bool = False,
-        draws_before_sampler: int = 0, device_feed: Optional[Callable[[Any], Any]] = None, **loader_kwargs: Any,
+        device_feed: Optional[Callable[[Any], Any]] = None, **loader_kwargs: Any,
     ) -> None:
-        # The DataLoader draws worker seeds from its own generator, and only when it builds a new
-        # iterator (not every epoch with persistent workers): it must not share the sampler's.
-        self._loader_generator = torch.Generator()
-        self._draws_before_sampler = draws_before_sampler
-        super().__init__(dataset, generator=self._loader_generator, **loader_kwargs)
+        # The DataLoader draws its workers' seed from the user's generator (or the global RNG) when it
+        # builds an iterator, as the plain loader does (see data/order.py).
+        super().__init__(dataset, generator=randomness.loader_generator, **loader_kwargs)
         batch_sampler = sharded_sampler
         self.device = device
         self.gradient_state = gradient_state
-        self._generator = sampler_generator
+        self._randomness = randomness
+        if batch_sampler is not None:
+            batch_sampler.before_draw = randomness.before_order
         self._batch_sampler = batch_sampler
         self._position = position
         self._epoch_remainder = remainder  # of a whole epoch (a resumed one may end with another)
@@ -96,11 +98,15 @@ class DataLoaderShard(DataLoader):
         return self._position.epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Choose which epoch's order the next iteration draws (done automatically each epoch)."""
+        """Number the epoch the next iteration starts (done automatically each epoch): the number the
+        sampler's and dataset's own `set_epoch` hear and checkpoints keep. The shuffled order does not
+        come from it but from the generator, as in a plain loop: to replay an epoch, reseed the
+        generator (or load a checkpoint)."""
         if epoch != self._position.epoch:
             self._position.epoch = epoch
             self._position.batches_seen = 0
             self._skip_samples(0)
+            self._randomness.end_epoch()
 
     def _start_epoch(self) -> int:
         pos = self._position
@@ -110,12 +116,8 @@ class DataLoaderShard(DataLoader):
             pos.epoch += 1
             pos.batches_seen = 0
             self._skip_samples(0)
+        self._randomness.start_epoch(resumed=pos.restored)
         pos.restored = False
-        if self._generator is not None:
-            self._generator.manual_seed(pos.base_seed + pos.epoch)
-            for _ in range(self._draws_before_sampler):
-                torch.empty((), dtype=torch.int64).random_(generator=self._generator)
-        self._loader_generator.manual_seed(pos.base_seed + pos.epoch + (1 << 40))
         for obj in self._epoch_listeners:
             obj.set_epoch(pos.epoch)
         request = self._skip_request
@@ -146,7 +148,7 @@ class DataLoaderShard(DataLoader):
         if custom is not None:
             device = None  # the strategy's feed moves the batch
         try:
-            iterator = super().__iter__()
+            iterator = self._new_iterator()
             if self._batch_sampler is not None:
                 self._batch_sampler.skip = 0
             if skip_loaded:
@@ -197,11 +199,22 @@ class DataLoaderShard(DataLoader):
             pos.epoch += 1
             pos.batches_seen = 0
             self._skip_samples(0)
+            self._randomness.end_epoch()
         finally:
             if feed is not None:
                 feed.wait_host()  # (also when the loop was left early: the next iteration may reuse memory)
             self._at_last = False
             state.leave(self)
+
+    def _new_iterator(self) -> Iterator[Any]:
+        randomness = self._randomness
+        self.generator = randomness.iterator_generator()
+        try:
+            iterator = super().__iter__()
+        finally:
+            self.generator = randomness.loader_generator
+        randomness.iterator_built()
+        return iterator
 
     def _cuda_feed(self) -> CudaFeed:
         feed = self.__dict__.get("_feed")
@@ -248,9 +261,9 @@ class DataLoaderShard(DataLoader):
         epoch_samples = self._epoch_samples()
         if seen is not None and epoch_samples is not None:
             seen = min(seen, epoch_samples)  # the last step's padding is not samples seen
-        return {"base_seed": pos.base_seed, "epoch": pos.epoch, "batches_seen": pos.batches_seen,
-                "draws_before_sampler": self._draws_before_sampler, "samples_seen": seen,
-                "total_batch_size": self.total_batch_size, "num_replicas": self._replicas()}
+        # generator_state: what the epoch's order and worker seed are drawn from (data/order.py)
+        return {"epoch": pos.epoch, "batches_seen": pos.batches_seen, "generator_state": self._randomness.state(),
+                "samples_seen": seen, "total_batch_size": self.total_batch_size, "num_replicas": self._replicas()}
 
     def _replicas(self) -> Optional[int]:
         sampler = self._batch_sampler
@@ -281,12 +294,15 @@ class DataLoaderShard(DataLoader):
                         f"size, or from a checkpoint saved at an epoch's end.")
                 batches, skipped = 0, int(seen)
             self._position.converted_from = int(state["batches_seen"])
-        self._position.base_seed = int(state["base_seed"])
         self._position.epoch = int(state["epoch"])
         self._position.batches_seen = batches
         self._position.restored = True
         self._skip_samples(skipped)
-        self._draws_before_sampler = int(state.get("draws_before_sampler", self._draws_before_sampler))
+        if "generator_state" in state:
+            self._randomness.load(state["generator_state"])
+        else:  # saved by an older version, which seeded each epoch with base_seed + epoch
+            self._randomness.load_legacy(int(state["base_seed"]), int(state["epoch"]),
+                                         int(state.get("draws_before_sampler", 0)))
 
     def view_skipping(self, num_batches: int) -> "DataLoaderShard":
         """A view of this loader (sharing its position) whose next iteration skips `num_batches`."""
@@ -308,19 +324,18 @@ def _loader_kwargs(loader: DataLoader) -> Dict[str, Any]:
     return kwargs
 
 
-def _draw_seed(user_generator: Optional[torch.Generator]) -> int:
-    if user_generator is not None:
-        return int(user_generator.initial_seed())
-    return int(torch.empty((), dtype=torch.int64).random_().item()) & 0x7FFF_FFFF_FFFF
-
-
 def shard_dataloader(
     loader: DataLoader, *, num_replicas: int, rank: int, device: Optional[torch.device],
     gradient_state: Any, split_batches: bool = False, even_batches: bool = True,
-    broadcast_seed: Callable[[int], int] = lambda s: s, convert_batch: Optional[Callable[[Any], Any]] = None,
+    broadcast_seed: Callable[[Any], Any] = lambda obj: obj, convert_batch: Optional[Callable[[Any], Any]] = None,
     non_blocking: bool = False, device_feed: Optional[Callable[[Any], Any]] = None,
 ) -> DataLoaderShard:
-    """Rebuild `loader` so this rank reads its shard of the user's order, reshuffled every epoch."""
+    """Rebuild `loader` so this rank reads its shard of the user's order, reshuffled every epoch.
+
+    `broadcast_seed` hands rank 0's object to every rank (the strategy's `broadcast_object`): the ranks
+    agree on their generators' states here, and each epoch on the global RNG's draw that seeds a sampler
+    without a generator of its own (see data/order.py).
+    """
     if isinstance(loader, DataLoaderShard):
         return loader
     if not isinstance(loader, DataLoader):
@@ -329,15 +344,13 @@ def shard_dataloader(
     dataset = loader.dataset
     batch_size = loader.batch_size
     drop_last = loader.drop_last
-    generator = torch.Generator()
-    common = dict(device=device, gradient_state=gradient_state, sampler_generator=generator,
-                  convert_batch=convert_batch, non_blocking=non_blocking, device_feed=device_feed)
+    common = dict(device=device, gradient_state=gradient_state, convert_batch=convert_batch,
+                  non_blocking=non_blocking, device_feed=device_feed)
     if isinstance(dataset, IterableDataset):
         if batch_size is None:
             raise ValueError("prepare() of an IterableDataset loader needs batch_size set on the DataLoader.")
         shard = IterableDatasetShard(dataset, batch_size, num_replicas, rank, split_batches, even_batches, drop_last)
         per_rank = batch_size // num_replicas if split_batches else batch_size
-        base_seed = broadcast_seed(_draw_seed(loader.generator))
         # Several processes: the shard drops or pads the tail itself. One process: the loader does.
         total = batch_size if split_batches else batch_size * num_replicas
         remainder = -1
@@ -345,43 +358,55 @@ def shard_dataloader(
             remainder = len(dataset) % total
         return DataLoaderShard(
             shard, batch_size=per_rank, drop_last=drop_last and num_replicas == 1, sharded_sampler=None,
-            position=_Position(base_seed), remainder=remainder, total_batch_size=total, **common, **kwargs,
+            position=_Position(), remainder=remainder, total_batch_size=total,
+            randomness=_randomness(loader.generator, None, num_replicas, broadcast_seed), **common, **kwargs,
         )
 
-    unbatched = loader.batch_sampler is None  # DataLoader(batch_size=None): one sample at a time
-    if unbatched and num_replicas > 1:
+    # The batches: the loader's batch sampler, or, with batch_size=None, a BatchSampler given as the
+    # sampler (each item it yields is a batch of indices, as Accelerate shards it); else single samples.
+    batches = loader.batch_sampler
+    if batches is None and isinstance(loader.sampler, BatchSampler):
+        batches = loader.sampler
+    if batches is None and num_replicas > 1:
         raise ValueError(
             "prepare() shards batches, but this DataLoader has batch_size=None (no automatic batching). "
-            "Give it a batch_size, or batch inside the dataset and shard it yourself with split_between_processes."
+            "Give it a batch_size (or sampler=BatchSampler(...)), or batch inside the dataset and shard it "
+            "yourself with split_between_processes."
         )
-    user_generator = loader.generator
-    sampler = loader.sampler if unbatched else getattr(loader.batch_sampler, "sampler", None)
+    sampler = loader.sampler if batches is None else getattr(batches, "sampler", None)
+    shuffled = None  # the loader's copy of a sampler that draws from a generator (the user's object, or its own)
     if sampler is not None and hasattr(sampler, "generator"):
-        # DataLoader(shuffle=True, generator=g): the loader draws a worker seed from g before the
-        # sampler draws its order; the prepared loader repeats that draw so epoch 0 matches a plain one.
-        common["draws_before_sampler"] = int(loader.generator is not None and sampler.generator is loader.generator)
-        user_generator = sampler.generator or user_generator
-        sampler = copy.copy(sampler)
-        sampler.generator = generator  # every rank draws the same order from the shared seed
-    if unbatched:
+        sampler = shuffled = copy.copy(sampler)
+    randomness = _randomness(loader.generator, shuffled, num_replicas, broadcast_seed)
+    if batches is None:
         sharded = ShardedBatchSampler(sampler, 1, 0, None)  # one process: passes samples through, can skip
         kwargs.update(sampler=sharded, batch_size=None)
     else:
-        batch_sampler = copy.copy(loader.batch_sampler)
-        if sampler is not None and hasattr(batch_sampler, "sampler"):
-            batch_sampler.sampler = sampler
+        batch_sampler = copy.copy(batches)
+        if shuffled is not None and hasattr(batch_sampler, "sampler"):
+            batch_sampler.sampler = shuffled
         sharded = ShardedBatchSampler(batch_sampler, num_replicas, rank, batch_size, split_batches, even_batches,
                                       drop_last)
-        kwargs.update(batch_sampler=sharded)
-    base_seed = broadcast_seed(_draw_seed(user_generator))
+        if loader.batch_sampler is None:  # (sampler=BatchSampler(...), batch_size=None)
+            kwargs.update(sampler=sharded, batch_size=None)
+        else:
+            kwargs.update(batch_sampler=sharded)
     total = None if batch_size is None else (batch_size if split_batches else batch_size * num_replicas)
     remainder = -1
     if num_replicas > 1 and total is not None and not drop_last and sampler is not None and hasattr(sampler, "__len__"):
         remainder = len(sampler) % total
     return DataLoaderShard(
-        dataset, sharded_sampler=sharded, position=_Position(base_seed),
+        dataset, sharded_sampler=sharded, position=_Position(), randomness=randomness,
         remainder=remainder, total_batch_size=total, **common, **kwargs,
     )
+
+
+def _randomness(loader_generator: Optional[torch.Generator], sampler: Any, num_replicas: int,
+                broadcast: Callable[[Any], Any]) -> EpochRandomness:
+    randomness = EpochRandomness(loader_generator, sampler, num_replicas, broadcast)
+    if num_replicas > 1:
+        randomness.agree()
+    return randomness
 
 
 def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:

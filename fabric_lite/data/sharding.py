@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
-import torch
 from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SequentialSampler
 
 __all__ = ["ShardedBatchSampler", "IterableDatasetShard"]
@@ -42,6 +41,9 @@ class ShardedBatchSampler:
         #: Samples at the start of this epoch's order already seen by a run with another global batch (a
         #: checkpoint resumed on another number of processes): the epoch goes on from the next one.
         self.skip_samples = 0
+        #: Called once an iteration, right before the epoch's order is drawn (the prepared loader's
+        #: generators get ready: see `data/order.py`).
+        self.before_draw: Optional[Callable[[], None]] = None
 
     def can_skip_samples(self) -> bool:
         """Whether the epoch's order can be cut at any sample (torch's BatchSampler over a plain
@@ -54,17 +56,26 @@ class ShardedBatchSampler:
             type(sampler) is RandomSampler and not sampler.replacement and sampler.generator is not None
             and sampler.num_samples == len(sampler.data_source))
 
-    def _draw_order(self) -> Optional[List[int]]:
-        """For torch's own BatchSampler over a RandomSampler or SequentialSampler: the epoch's order,
-        drawn exactly as the sampler would draw it (same generator, same call). None otherwise."""
+    def _draw_order(self) -> Optional[Tuple[List[int], Iterator[int]]]:
+        """For torch's own BatchSampler over a RandomSampler or SequentialSampler: the epoch's order, pulled
+        whole from the sampler, and the sampler's iterator, which `_finish` runs out where a BatchSampler
+        would (a RandomSampler draws from its generator once more then, and the next epoch starts after
+        that draw). None otherwise."""
         if not self.can_skip_samples():
             return None
         sampler = self.batch_sampler.sampler
-        if type(sampler) is SequentialSampler:
-            order = list(range(len(sampler.data_source)))
-        else:
-            order = torch.randperm(sampler.num_samples, generator=sampler.generator).tolist()
-        return order[self.skip_samples:] if self.skip_samples else order
+        pulls = iter(sampler)
+        order = list(itertools.islice(pulls, len(sampler)))
+        return (order[self.skip_samples:] if self.skip_samples else order), pulls
+
+    @staticmethod
+    def _finish(pulls: Iterator[int]) -> None:
+        for _ in pulls:
+            pass
+
+    def _ready(self) -> None:
+        if self.before_draw is not None:
+            self.before_draw()
 
     def _user_batch_count(self) -> int:
         """How many batches the user's batch sampler makes of this epoch's samples (those left, after a skip)."""
@@ -74,29 +85,30 @@ class ShardedBatchSampler:
         b = self.batch_sampler.batch_size
         return left // b if self.batch_sampler.drop_last else math.ceil(left / b)
 
-    def _user_batches(self, order: Optional[List[int]] = None) -> Iterator[List[int]]:
-        """The user's batches for this epoch, cut from `_draw_order` where there is one instead of
-        pulling the indices one by one. A generator, so nothing is drawn until the first batch is
-        asked for (DataLoader may call iter() twice)."""
-        if order is None:
-            order = self._draw_order()
+    def _user_batches(self, drawn: Optional[Tuple[List[int], Iterator[int]]]) -> Iterator[List[int]]:
+        """The user's batches for this epoch, cut from the order `_draw_order` drew where there is one
+        instead of pulling the indices one by one."""
         bs = self.batch_sampler
-        if order is None:
+        if drawn is None:
             yield from bs
             return
+        order, pulls = drawn
         b, n = bs.batch_size, len(order)
         for i in range(0, n - n % b if bs.drop_last else n, b):
+            if i + b > n:
+                self._finish(pulls)  # a BatchSampler runs the sampler out while it fills a short last batch
             yield order[i:i + b]
+        self._finish(pulls)
 
-    def _groups(self) -> Iterator[Tuple[List[List[int]], bool]]:
+    def _groups(self, drawn: Optional[Tuple[List[int], Iterator[int]]]) -> Iterator[Tuple[List[List[int]], bool]]:
         """Yield (batches making one global step, whether that step is complete); only the last may not be."""
         W, b = self.num_replicas, self.batch_size
         if self.split_batches:
-            for batch in self._user_batches():
+            for batch in self._user_batches(drawn):
                 yield [batch], len(batch) == b
             return
         group: List[List[int]] = []
-        for batch in self._user_batches():
+        for batch in self._user_batches(drawn):
             group.append(batch)
             if len(group) == W and (b is None or len(batch) == b):
                 yield group, True
@@ -137,13 +149,19 @@ class ShardedBatchSampler:
         # `skip` is read now but not cleared: a DataLoader with workers calls iter() twice and uses the
         # second iterator, so the prepared loader clears it once its own iter() has returned.
         if self.num_replicas == 1:  # one process: the user's batches exactly as their sampler makes them
-            return itertools.islice(self._user_batches(), self.skip, None)
+            return self._iter_one(self.skip)
         return self._iter_sharded(self.skip)
+
+    def _iter_one(self, skip: int) -> Iterator[List[int]]:
+        self._ready()
+        yield from itertools.islice(self._user_batches(self._draw_order()), skip, None)
 
     def _iter_sharded(self, skip: int) -> Iterator[List[int]]:
         r = self.rank
-        order = self._draw_order() if not self.split_batches and self.batch_size else None
-        if order is not None:
+        self._ready()
+        drawn = self._draw_order()
+        if drawn is not None and not self.split_batches and self.batch_size:
+            order, pulls = drawn
             # The common case in one generator (one resumption a step, not four): global step k is the
             # W batches order[(kW + j)b : (kW + j + 1)b], and this rank's is j = r. What is left after
             # the whole steps is one incomplete step, dealt with below as on the general path.
@@ -152,6 +170,7 @@ class ShardedBatchSampler:
             for k in range(skip, whole):
                 start = (k * W + r) * b
                 yield order[start:start + b]
+            self._finish(pulls)  # (where a plain loader with batch W*b runs its sampler out, or about)
             if whole < skip:
                 return
             rest = order[whole * W * b:]
@@ -164,7 +183,7 @@ class ShardedBatchSampler:
                     yield mine
             return
         head: List[List[int]] = []  # the epoch's first global step: what padding repeats
-        for n, (group, complete) in enumerate(self._groups()):
+        for n, (group, complete) in enumerate(self._groups(drawn)):
             if not head:
                 head = group
             if n < skip:

@@ -51,7 +51,10 @@ def loader_share(loader: Any, world: int) -> Share:
     if not isinstance(sharded, ShardedBatchSampler):  # not prepared by fabric_lite: report what it is
         return Share(world, _len(dataset), getattr(loader, "batch_size", None), _len(loader))
     inner = sharded.batch_sampler
-    if getattr(loader, "batch_sampler", None) is None:  # DataLoader(batch_size=None): one sample at a time
+    from torch.utils.data import BatchSampler
+
+    # DataLoader(batch_size=None) over single samples (not over a BatchSampler given as its sampler)
+    if getattr(loader, "batch_sampler", None) is None and not isinstance(inner, BatchSampler):
         n = _len(inner)
         share = Share(world, _len(dataset), None, n, n, unbatched=True)
         if world > 1:

@@ -704,7 +704,7 @@ def test_save_state_leaves_no_staging_directories(tmp_path):
     ]
 
 
-def test_set_seed_reproducibility():
+def test_set_seed_reproducibility(monkeypatch):
     def draw():
         return torch.rand(4), np.random.rand(3), random.random(), nn.Linear(3, 3).weight.detach().clone()
 
@@ -717,6 +717,9 @@ def test_set_seed_reproducibility():
     assert torch.equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and a[2] == b[2] and torch.equal(a[3], b[3])
     assert not torch.equal(a[0], c[0]) and a[2] != c[2]
     assert set_seed(10, device_specific=True, process_index=3) == 13
+    monkeypatch.setenv("RANK", "2")  # the rank comes from the launch when not given
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert set_seed(10, device_specific=True) == 12
     with pytest.raises(ValueError, match="seed"):
         set_seed("1")  # type: ignore[arg-type]
 

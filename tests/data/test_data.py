@@ -289,18 +289,21 @@ def test_every_epoch_reshuffles_and_same_seed_gives_same_orders():
         assert sorted(order) == list(range(16))
 
 
-def test_epoch_property_and_set_epoch_replays_an_epoch():
-    prepared = Accelerator().prepare(
-        DataLoader(list(range(12)), batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(3)))
+def test_epoch_property_and_set_epoch_number_epochs_the_generator_draws_the_order():
+    g = torch.Generator().manual_seed(3)
+    prepared = Accelerator().prepare(DataLoader(list(range(12)), batch_size=3, shuffle=True, generator=g))
     assert prepared.epoch == 0
     first = _batches(prepared)
     assert prepared.epoch == 1
     second = _batches(prepared)
     assert first != second
+    # As in a plain loop, the order comes from the generator, not from the epoch number: reseeding it replays.
     prepared.set_epoch(0)
+    assert prepared.epoch == 0
+    g.manual_seed(3)
     assert _batches(prepared) == first
-    prepared.set_epoch(1)
     assert _batches(prepared) == second
+    assert prepared.epoch == 2
 
 
 @pytest.mark.parametrize("n, b", [(12, 4), (10, 3)])
@@ -570,12 +573,9 @@ def test_position_moves_to_another_world_size_by_samples(new_world):
         return DataLoader(TensorDataset(torch.arange(48)), batch_size=4, shuffle=True,
                           generator=torch.Generator().manual_seed(3))
 
-    reference = _ranks(1, make)[0]
-    reference.load_state_dict({**reference.state_dict(), "base_seed": 0})
+    reference = _ranks(1, make)[0]  # every loader draws from its own generator, all seeded alike
     full_epoch = [i for batch in reference for i in batch[0].tolist()]  # one process, the whole epoch
     old = _ranks(2, make)
-    for loader in old:
-        loader.load_state_dict({**loader.state_dict(), "base_seed": 0})  # the seed a prepared loader shares
     seen = []
     iterators = [iter(loader) for loader in old]
     for _ in range(3):
@@ -630,7 +630,6 @@ def _shuffled48():
 
 def _epoch_order():
     reference = _ranks(1, _shuffled48)[0]
-    reference.load_state_dict({**reference.state_dict(), "base_seed": 0})
     return [i for batch in reference for i in batch[0].tolist()]
 
 
@@ -648,8 +647,6 @@ def _steps(loaders, n=None):
 
 def _saved_at(world, steps):
     loaders = _ranks(world, _shuffled48)
-    for loader in loaders:
-        loader.load_state_dict({**loader.state_dict(), "base_seed": 0})
     seen = _steps(loaders, steps)
     return seen, loaders[0].state_dict()
 
@@ -690,8 +687,6 @@ def test_a_checkpoint_from_the_padded_last_step_resumes_into_the_next_epoch():
                           generator=torch.Generator().manual_seed(3))
 
     loaders = _ranks(5, fifty)
-    for loader in loaders:
-        loader.load_state_dict({**loader.state_dict(), "base_seed": 0})
     its = [iter(loader) for loader in loaders]
     for _ in range(3):  # 3 steps of 20: the last one padded (60 > 50)
         for it in its:
