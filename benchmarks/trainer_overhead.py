@@ -79,7 +79,7 @@ def trainer_loop(spec, data, full: bool, root: str, expect_ddp: bool = False,
         # on the raw loop's device, the CPU by default (the Trainer alone would pick a GPU)
         trainer = Trainer(max_steps=n, accelerator=device.type if device is not None else "cpu", enable_progress_bar=full, enable_checkpointing=full,
                           callbacks=callbacks, log_every_n_steps=50 if full else 10**9, num_sanity_val_steps=0,
-                          default_root_dir=root)
+                          default_root_dir=root, enable_model_summary=full)
         loader = DataLoader(TensorDataset(*data), batch_size=spec.batch, shuffle=True)
         with open(os.devnull, "w") as sink, contextlib.redirect_stderr(sink):
             trainer.fit(TinyModule(spec.sizes), loader)

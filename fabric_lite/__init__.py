@@ -46,6 +46,7 @@ _EXPORTS = {
     "TrainModule": "fabric_lite.trainer.module",
     "DataModule": "fabric_lite.trainer.module",
     "EXIT_PREEMPTED": "fabric_lite.launch.preemption",
+    "Callback": "fabric_lite.callbacks.base",
 }
 
 __all__ = ["__version__", *_EXPORTS]

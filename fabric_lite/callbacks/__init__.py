@@ -3,10 +3,12 @@
 from fabric_lite.callbacks.base import Callback
 from fabric_lite.callbacks.checkpoint import ModelCheckpoint
 from fabric_lite.callbacks.early_stopping import EarlyStopping
-from fabric_lite.callbacks.loggers import CSVLogger, TensorBoardLogger
+from fabric_lite.callbacks.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from fabric_lite.callbacks.lr_monitor import LearningRateMonitor
 from fabric_lite.callbacks.progress import ProgressBar, ProgressBarBase, RichProgressBar
+from fabric_lite.callbacks.summary import ModelSummary
 from fabric_lite.callbacks.throughput import ThroughputMonitor
 
-__all__ = ["Callback", "ModelCheckpoint", "EarlyStopping", "TensorBoardLogger", "CSVLogger",
-           "LearningRateMonitor", "ProgressBar", "ProgressBarBase", "RichProgressBar", "ThroughputMonitor"]
+__all__ = ["Callback", "ModelCheckpoint", "EarlyStopping", "Logger", "TensorBoardLogger", "CSVLogger", "MLFlowLogger",
+           "WandbLogger", "LearningRateMonitor", "ProgressBar", "ProgressBarBase", "RichProgressBar",
+           "ThroughputMonitor", "ModelSummary"]

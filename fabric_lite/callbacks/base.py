@@ -8,7 +8,7 @@ if TYPE_CHECKING:
     from fabric_lite.trainer.module import TrainModule
     from fabric_lite.trainer.trainer import Trainer
 
-__all__ = ["Callback"]
+__all__ = ["Callback", "is_logger"]
 
 
 class Callback:
@@ -58,3 +58,15 @@ class Callback:
 
     def on_hyperparameters(self, trainer: "Trainer", params: Dict[str, Any]) -> None:
         """The module's (and datamodule's) saved hyperparameters, once at the start of fit."""
+
+
+def is_logger(callback: Any) -> bool:
+    """Whether `callback` is a logger: a Callback that implements `on_log` (TensorBoardLogger, CSVLogger, ...),
+    or an instance of the loggers' base class in `fabric_lite.callbacks.loggers`."""
+    if not isinstance(callback, Callback):
+        return False
+    if type(callback).on_log is not Callback.on_log or "on_log" in vars(callback):
+        return True
+    from fabric_lite.callbacks import loggers
+
+    return isinstance(callback, getattr(loggers, "Logger", loggers.VersionedLogger))

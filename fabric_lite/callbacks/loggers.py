@@ -1,4 +1,9 @@
-"""Loggers are callbacks: TensorBoardLogger writes event files, CSVLogger a metrics.csv (rank 0 only)."""
+"""Loggers are callbacks (rank 0 only): TensorBoardLogger writes event files, CSVLogger a metrics.csv,
+MLFlowLogger an MLflow run, WandbLogger a Weights & Biases run. All are `Logger`s, which `Trainer(logger=...)`
+takes.
+
+mlflow and wandb are extras (`pip install 'fabric-lite[mlflow]'`), imported when the logger starts its run.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ import io
 import json
 import os
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Union
 
 from fabric_lite.callbacks.base import Callback
 
@@ -15,7 +20,40 @@ if TYPE_CHECKING:
     from fabric_lite.trainer.module import TrainModule
     from fabric_lite.trainer.trainer import Trainer
 
-__all__ = ["TensorBoardLogger", "CSVLogger"]
+__all__ = ["Logger", "TensorBoardLogger", "CSVLogger", "MLFlowLogger", "WandbLogger"]
+
+
+class Logger(Callback):
+    """The base of the loggers: the Trainer sends it metrics (`on_log`) and the module's hyperparameters
+    (`on_hyperparameters`, once a fit), and on the main process it writes them with `log_metrics` and
+    `log_hyperparams`. As in Lightning, `experiment` is the underlying object (a SummaryWriter, an MLflow client, a
+    wandb run), and `name`, `version` and `save_dir` say where the run is.
+    """
+
+    name: Optional[str] = None
+    version: Any = None
+    save_dir: Optional[str] = None
+
+    @property
+    def experiment(self) -> Any:
+        return None
+
+    def log_metrics(self, metrics: Mapping[str, float], step: Optional[int] = None) -> None:
+        """Write `metrics` (names to floats) at `step`."""
+
+    def log_hyperparams(self, params: Any) -> None:
+        """Write the hyperparameters (a dict, nested dicts allowed, or an argparse.Namespace)."""
+
+    def finalize(self, status: str) -> None:
+        """The run is over: `status` is "success", "failed" or "killed"."""
+
+    def on_log(self, trainer: "Trainer", metrics: Dict[str, float], step: int) -> None:
+        if trainer.is_global_zero:
+            self.log_metrics(metrics, step)
+
+    def on_hyperparameters(self, trainer: "Trainer", params: Dict[str, Any]) -> None:
+        if trainer.is_global_zero and params:
+            self.log_hyperparams(params)
 
 
 def version_dir(root: str, name: str, version: Optional[int]) -> str:
@@ -34,7 +72,7 @@ def version_dir(root: str, name: str, version: Optional[int]) -> str:
     return f"{base}/version_{version}"
 
 
-class VersionedLogger(Callback):
+class VersionedLogger(Logger):
     """A logger writing under save_dir/name/version_N, N chosen by rank 0 (the next free one)."""
 
     def __init__(self, save_dir: str = "runs", name: str = "", version: Optional[int] = None) -> None:
@@ -119,13 +157,16 @@ class TensorBoardLogger(VersionedLogger):
         self.writer.flush()
         self._graph_logged = True
 
-    def on_log(self, trainer: "Trainer", metrics: Dict[str, float], step: int) -> None:
-        if trainer.is_global_zero:
-            for key, value in metrics.items():
-                self.writer.add_scalar(key, value, global_step=step)
+    @property
+    def experiment(self) -> Any:
+        return self.writer
 
-    def on_hyperparameters(self, trainer: "Trainer", params: Dict[str, Any]) -> None:
-        if trainer.is_global_zero and params:
+    def log_metrics(self, metrics: Mapping[str, float], step: Optional[int] = None) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, global_step=step)
+
+    def log_hyperparams(self, params: Any) -> None:
+        if params:
             self.writer.add_text("hparams", "```\n" + json.dumps(params, indent=2, default=str) + "\n```")
 
     def on_train_epoch_end(self, trainer: "Trainer", module: "TrainModule") -> None:
@@ -145,9 +186,12 @@ class CSVLogger(VersionedLogger):
         super().__init__(save_dir, name, version)
         self.rows: List[Dict[str, Any]] = []
 
-    def on_log(self, trainer: "Trainer", metrics: Dict[str, float], step: int) -> None:
-        if trainer.is_global_zero:
-            self.rows.append({"step": step, **metrics})
+    @property
+    def experiment(self) -> Any:
+        return self
+
+    def log_metrics(self, metrics: Mapping[str, float], step: Optional[int] = None) -> None:
+        self.rows.append({"step": step, **metrics})
 
     def on_train_epoch_end(self, trainer: "Trainer", module: "TrainModule") -> None:
         self._write(trainer)
@@ -169,3 +213,250 @@ class CSVLogger(VersionedLogger):
         fs.makedirs(path, exist_ok=True)
         with fs.open(f"{path}/metrics.csv", "w") as f:
             f.write(buffer.getvalue())
+
+
+class _NoOpExperiment:
+    """What `experiment` is on the other processes: every attribute and call does nothing."""
+
+    def __getattr__(self, name: str) -> "_NoOpExperiment":
+        return self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> "_NoOpExperiment":
+        return self
+
+    def __getitem__(self, key: Any) -> "_NoOpExperiment":
+        return self
+
+
+def _main_process_by_environment() -> bool:
+    return int(os.environ.get("RANK", "0") or 0) == 0
+
+
+def _status_of(exception: BaseException) -> str:
+    return "killed" if isinstance(exception, KeyboardInterrupt) else "failed"
+
+
+class _RunLogger(Logger):
+    """A logger whose run starts on first use (main process only) and ends with the fit: finalize("success") at
+    teardown, "failed" (or "killed", on KeyboardInterrupt) when the fit raises."""
+
+    def __init__(self) -> None:
+        self._main_process = _main_process_by_environment()
+        self._finalized = False
+
+    def setup(self, trainer: "Trainer", module: "TrainModule", stage: str) -> None:
+        self._main_process = trainer.is_global_zero
+        self._finalized = False
+
+    def on_exception(self, trainer: "Trainer", module: "TrainModule", exception: BaseException) -> None:
+        if trainer.is_global_zero and not self._finalized:
+            self.finalize(_status_of(exception))
+
+    def teardown(self, trainer: "Trainer", module: "TrainModule", stage: str) -> None:
+        if trainer.is_global_zero and not self._finalized:
+            self.finalize("success")
+
+
+def _with_prefix(metrics: Mapping[str, Any], prefix: str, separator: str) -> Dict[str, Any]:
+    return {f"{prefix}{separator}{k}" if prefix else k: v for k, v in metrics.items()}
+
+
+class MLFlowLogger(_RunLogger):
+    """Log to an MLflow run (Lightning's arguments): metrics at the Trainer's step, the module's hyperparameters as
+    params (nested dicts flattened with '/'), the run FINISHED at the end of fit (FAILED if it raised).
+
+    Where: `tracking_uri` (e.g. "http://127.0.0.1:5000"), else MLFLOW_TRACKING_URI, else a SQLite store in
+    `save_dir` (`save_dir/mlflow.db`, artifacts in `save_dir/mlartifacts`; MLflow no longer opens a plain
+    `./mlruns` folder by default). `run_id` goes on logging to an existing run. `experiment` is the
+    `mlflow.MlflowClient`; `name` is the experiment id and `version` the run id, as in Lightning.
+    """
+
+    def __init__(self, experiment_name: str = "lightning_logs", run_name: Optional[str] = None,
+                 tracking_uri: Optional[str] = None, tags: Optional[Dict[str, Any]] = None,
+                 save_dir: Optional[Union[str, os.PathLike]] = "./mlruns", prefix: str = "",
+                 artifact_location: Optional[str] = None, run_id: Optional[str] = None) -> None:
+        super().__init__()
+        self._experiment_name = experiment_name
+        self._run_name = run_name
+        self._tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or None
+        self._tags = dict(tags or {})
+        self._save_dir = os.fspath(save_dir) if save_dir is not None else None
+        self._prefix = prefix
+        self._artifact_location = artifact_location
+        self._run_id = run_id
+        self._experiment_id: Optional[str] = None
+        self._client: Any = None
+        self._resolved_uri: Optional[str] = None
+        self._warned: set = set()
+
+    @property
+    def experiment(self) -> Any:
+        """The `mlflow.MlflowClient` (on other processes than the main one, an object that does nothing)."""
+        if not self._main_process:
+            return _NoOpExperiment()
+        if self._client is None:
+            self._start()
+        return self._client
+
+    def _start(self) -> None:
+        from fabric_lite.accelerator.tracking import mlflow_experiment_id, mlflow_local_uri, require
+
+        mlflow = require("mlflow", "MLFlowLogger", "mlflow")
+        uri, artifact_location = self._tracking_uri, self._artifact_location
+        if uri is None:
+            if self._save_dir is None:
+                raise ValueError("MLFlowLogger needs a tracking_uri, MLFLOW_TRACKING_URI or a save_dir.")
+            uri = mlflow_local_uri(self._save_dir)
+            if artifact_location is None:
+                artifact_location = os.path.abspath(os.path.join(self._save_dir, "mlartifacts"))
+        client = mlflow.MlflowClient(uri)
+        self._resolved_uri = uri
+        if self._run_id is None:
+            self._experiment_id = mlflow_experiment_id(client, self._experiment_name, artifact_location)
+            run = client.create_run(self._experiment_id, tags=self._tags or None, run_name=self._run_name)
+            self._run_id = run.info.run_id
+        else:
+            run = client.get_run(self._run_id)
+            self._experiment_id = run.info.experiment_id
+            if run.info.status != "RUNNING":
+                client.update_run(self._run_id, status="RUNNING")
+        self._client = client
+
+    def setup(self, trainer: "Trainer", module: "TrainModule", stage: str) -> None:
+        reopen = self._finalized and self._client is not None
+        super().setup(trainer, module, stage)
+        if reopen and self._main_process:  # a second fit goes on in the same run
+            self._client.update_run(self._run_id, status="RUNNING")
+
+    @property
+    def tracking_uri(self) -> Optional[str]:
+        """The URI the run is logged to (known once it has started, or when one was given)."""
+        return self._resolved_uri or self._tracking_uri
+
+    @property
+    def run_id(self) -> Optional[str]:
+        _ = self.experiment
+        return self._run_id
+
+    @property
+    def experiment_id(self) -> Optional[str]:
+        _ = self.experiment
+        return self._experiment_id
+
+    @property
+    def name(self) -> Optional[str]:  # type: ignore[override]
+        return self.experiment_id
+
+    @property
+    def version(self) -> Optional[str]:  # type: ignore[override]
+        return self.run_id
+
+    @property
+    def save_dir(self) -> Optional[str]:  # type: ignore[override]
+        """The local folder of the run's store (None when it is a server or another URI)."""
+        return self._save_dir if self._tracking_uri is None else None
+
+    def log_hyperparams(self, params: Any) -> None:
+        from fabric_lite.accelerator.tracking import mlflow_log_params
+
+        if self._main_process:
+            mlflow_log_params(self.experiment, self._run_id, params, self._warned)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: Optional[int] = None) -> None:
+        from fabric_lite.accelerator.tracking import mlflow_log_metrics
+
+        if self._main_process:
+            mlflow_log_metrics(self.experiment, self._run_id, _with_prefix(metrics, self._prefix, "-"), step,
+                               self._warned)
+
+    def finalize(self, status: str = "success") -> None:
+        self._finalized = True
+        if self._client is None or not self._main_process:
+            return
+        state = {"success": "FINISHED", "finished": "FINISHED", "failed": "FAILED", "killed": "KILLED"}
+        self._client.set_terminated(self._run_id, state.get(status, "FINISHED"))
+
+
+class WandbLogger(_RunLogger):
+    """Log to a Weights & Biases run (Lightning's arguments): metrics with their step as `trainer/global_step`,
+    the module's hyperparameters as the run's config, the run finished at the end of fit (exit code 1 if it
+    raised).
+
+    `offline=True` keeps the run on disk (`wandb sync` uploads it later); its files go under `save_dir` (or
+    `dir`)/wandb. `version`/`id` resume a run; other keyword arguments go to `wandb.init` (entity, tags, group,
+    ...). `experiment` is the wandb run (started on first use; one that is passed in is used as it is).
+    """
+
+    def __init__(self, name: Optional[str] = None, save_dir: Union[str, os.PathLike] = ".",
+                 version: Optional[str] = None, offline: bool = False, dir: Optional[Union[str, os.PathLike]] = None,
+                 id: Optional[str] = None, project: Optional[str] = None, prefix: str = "",
+                 experiment: Any = None, **kwargs: Any) -> None:
+        super().__init__()
+        self._project = project or os.environ.get("WANDB_PROJECT") or "lightning_logs"
+        self._save_dir = os.fspath(dir if dir is not None and save_dir == "." else save_dir)
+        self._offline = offline
+        self._prefix = prefix
+        self._id = version or id
+        self._init_kwargs: Dict[str, Any] = {"name": name, "project": self._project, "dir": self._save_dir, **kwargs}
+        if offline:
+            self._init_kwargs["mode"] = "offline"
+        self._experiment = experiment
+        if experiment is not None:
+            self._id = experiment.id
+
+    @property
+    def experiment(self) -> Any:
+        """The wandb run (on other processes than the main one, an object that does nothing)."""
+        if not self._main_process:
+            return _NoOpExperiment()
+        if self._experiment is None:
+            from fabric_lite.accelerator.tracking import require
+
+            wandb = require("wandb", "WandbLogger", "wandb")
+            kwargs = dict(self._init_kwargs)
+            if self._id is not None:  # the same run again (a second fit, or `version=`)
+                kwargs.setdefault("id", self._id)
+                kwargs.setdefault("resume", "allow")
+            os.makedirs(kwargs["dir"], exist_ok=True)
+            run = wandb.init(**kwargs)
+            run.define_metric("trainer/global_step")
+            run.define_metric("*", step_metric="trainer/global_step", step_sync=True)
+            self._experiment, self._id = run, run.id
+        return self._experiment
+
+    @property
+    def name(self) -> Optional[str]:  # type: ignore[override]
+        """The project, as in Lightning."""
+        return self._project
+
+    @property
+    def version(self) -> Optional[str]:  # type: ignore[override]
+        """The run id (once the run has started, or when one was given)."""
+        return self._experiment.id if self._experiment is not None else self._id
+
+    @property
+    def save_dir(self) -> Optional[str]:  # type: ignore[override]
+        return self._save_dir
+
+    def log_hyperparams(self, params: Any) -> None:
+        from fabric_lite.accelerator.tracking import config_for_file
+
+        if self._main_process:
+            self.experiment.config.update(config_for_file(params), allow_val_change=True)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: Optional[int] = None) -> None:
+        from fabric_lite.accelerator.tracking import scalar
+
+        if not self._main_process:
+            return
+        values = {k: scalar(v) for k, v in _with_prefix(metrics, self._prefix, "-").items()}
+        if step is not None:
+            values["trainer/global_step"] = step
+        self.experiment.log(values)
+
+    def finalize(self, status: str = "success") -> None:
+        self._finalized = True
+        if self._experiment is None or not self._main_process:
+            return
+        run, self._experiment = self._experiment, None  # used again (another fit), it resumes this run
+        run.finish(exit_code=0 if status == "success" else 1)

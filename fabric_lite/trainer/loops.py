@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 
+from fabric_lite.trainer.module import TrainModule
 
 if TYPE_CHECKING:
+    from fabric_lite.trainer.profiler import Profiler
     from fabric_lite.trainer.trainer import Trainer
 
 __all__ = ["run_fit", "run_evaluation", "run_predict", "batch_limit", "loader_length"]
@@ -42,19 +44,27 @@ def loader_length(loader: Any) -> Optional[int]:
 
 class _StepHooks:
     """The per-step hooks that do something, looked up once per epoch: calling the empty defaults of
-    every callback and of the module on each step costs more than a tiny model's step takes to vary."""
+    every callback and of the module on each step costs more than a tiny model's step takes to vary.
+    Under a profiler each one is timed."""
 
-    def __init__(self, trainer: "Trainer") -> None:
+    def __init__(self, trainer: "Trainer", profiler: Optional["Profiler"] = None) -> None:
         from fabric_lite.callbacks.base import Callback
-        from fabric_lite.trainer.module import TrainModule
 
         module = trainer.module
 
         def mine(name: str) -> Any:
             overridden = name in vars(module) or getattr(type(module), name) is not getattr(TrainModule, name)
-            return getattr(module, name) if overridden else None
+            if not overridden:
+                return None
+            if profiler is not None:
+                return profiler.wrap(f"[TrainModule]{type(module).__name__}.{name}", getattr(module, name))
+            return getattr(module, name)
 
         def theirs(name: str) -> List[Any]:
+            if profiler is not None:
+                return [profiler.wrap(f"[Callback]{type(cb).__name__}.{name}", getattr(cb, name))
+                        for cb in trainer.callbacks
+                        if name in vars(cb) or getattr(type(cb), name) is not getattr(Callback, name)]
             return [getattr(cb, name) for cb in trainer.callbacks
                     if name in vars(cb) or getattr(type(cb), name) is not getattr(Callback, name)]
 
@@ -104,13 +114,15 @@ def run_fit(trainer: "Trainer") -> None:
         trainer.sanity_checking = False
         trainer.metric_store.callback_metrics.clear()
         trainer.metric_store.progress_bar_metrics.clear()
-    for cb in trainer.callbacks:
+    profiler = trainer.profiler if trainer.profiler.enabled else None
+    for cb in trainer.callbacks if profiler is None else trainer.timed_callbacks():
         cb.on_hyperparameters(trainer, dict(module.hparams))
     trainer.call_hook("on_train_start")
+    train_epoch = _train_epoch if profiler is None else profiler.wrap("run_training_epoch", _train_epoch)
     while not trainer.should_stop and (trainer.max_epochs == -1 or trainer.current_epoch < trainer.max_epochs):
         if 0 <= trainer.max_steps <= trainer.global_step:
             break
-        _train_epoch(trainer)
+        train_epoch(trainer)
         if trainer.should_stop and trainer.time_is_up():
             break
         trainer.current_epoch += 1
@@ -150,11 +162,24 @@ def _train_epoch(trainer: "Trainer") -> None:
     trainer.call_hook("on_train_epoch_start")
     batch_idx = start - 1
     cut_short = False
-    hooks = _StepHooks(trainer)
+    # What each step calls, looked up once per epoch: timed wrappers under a profiler, else the calls themselves.
+    profiler = trainer.profiler if trainer.profiler.enabled else None
+    hooks = _StepHooks(trainer, profiler)
+    forward, backward, step_optimizers, step_scheduler = model, engine.backward, engine.step_optimizers, _step_scheduler
+    callbacks, module_hooks = trainer.callbacks, module
+    if profiler is not None:
+        name = type(strategy).__name__
+        forward = profiler.wrap(f"[Strategy]{name}.training_step", model)
+        backward = profiler.wrap(f"[Strategy]{name}.backward", backward)
+        step_optimizers = profiler.wrap(f"[Strategy]{name}.optimizer_step", step_optimizers)
+        step_scheduler = profiler.wrap("lr_scheduler_step", step_scheduler)
+        callbacks, module_hooks = trainer.timed_callbacks(), profiler.timed(module, "TrainModule", TrainModule)
     models = (model,)
     gradient_state = engine.gradient_state
     validates_in_epoch = bool(trainer.val_dataloaders)
-    for batch_idx, batch in enumerate(loader, start=start):
+    # (the loader is not held in a variable: breaking out of the loop closes its iterator at once, as before)
+    for batch_idx, batch in enumerate(loader if profiler is None else profiler.iterate("train_dataloader_next", loader),
+                                      start=start):
         if limit is not None and batch_idx >= limit:
             break
         if hooks.batch_start is not None and hooks.batch_start(batch, batch_idx) == -1:
@@ -166,23 +191,23 @@ def _train_epoch(trainer: "Trainer") -> None:
         if module.automatic_optimization:
             # (a checkpoint taken before the window closes carries its partial gradients)
             with engine.begin_micro_step(batch_idx, limit, models):
-                out = model(batch, batch_idx)
+                out = forward(batch, batch_idx)
                 # (a plain scalar tensor needs no checks: one call fewer per step)
                 loss = out if out.__class__ is torch.Tensor and out.ndim == 0 else _extract_loss(out, batch_idx)
                 if hooks.before_backward is not None:
                     hooks.before_backward(loss)
-                engine.backward(loss, model)  # divided by the window's real length (divide_loss_by="window")
+                backward(loss, model)  # divided by the window's real length (divide_loss_by="window")
                 if hooks.after_backward is not None:
                     hooks.after_backward()
             if gradient_state.sync_gradients:  # the window closed: clip, step, zero_grad
-                engine.step_optimizers(trainer.optimizers, trainer.gradient_clip_val, trainer.gradient_clip_algorithm,
-                                       hooks.before_optimizer_step)
+                step_optimizers(trainer.optimizers, trainer.gradient_clip_val, trainer.gradient_clip_algorithm,
+                                hooks.before_optimizer_step)
                 trainer.global_step += 1
                 for sched in trainer.lr_scheduler_configs:
                     if sched.interval == "step" and trainer.global_step % sched.frequency == 0:
-                        _step_scheduler(trainer, sched)
+                        step_scheduler(trainer, sched)
         else:
-            out = model(batch, batch_idx)  # optimizer steps count themselves (Trainer._count_manual_steps)
+            out = forward(batch, batch_idx)  # optimizer steps count themselves (Trainer._count_manual_steps)
         if trainer.global_step != steps_before and (trainer.global_step % trainer.log_every_n_steps == 0
                                                     or batch_idx + 1 == limit):
             _flush_step_metrics(trainer)
@@ -214,12 +239,12 @@ def _train_epoch(trainer: "Trainer") -> None:
         _validate(trainer)
     metrics.stage = "train"
     metrics.in_epoch_end_hook = True
-    module.on_train_epoch_end()
+    module_hooks.on_train_epoch_end()
     trainer.log_metrics(metrics.epoch_end(), trainer.global_step)
     for sched in trainer.lr_scheduler_configs:  # after validation, so a monitored val metric is this epoch's
         if sched.interval == "epoch" and (trainer.current_epoch + 1) % sched.frequency == 0:
-            _step_scheduler(trainer, sched)
-    for cb in trainer.callbacks:
+            step_scheduler(trainer, sched)
+    for cb in callbacks:
         cb.on_train_epoch_end(trainer, module)
     metrics.in_epoch_end_hook = False
     # every process must agree to stop, or one would wait in a collective the others never reach;
@@ -286,28 +311,35 @@ def run_evaluation(trainer: "Trainer", stage: str, loader: Any, limit: Optional[
     saved_stage = metrics.stage
     metrics.reset_stage(stage)
     module.eval()
+    profiler = trainer.profiler if trainer.profiler.enabled else None
+    forward, callbacks, module_hooks, batches = model, trainer.callbacks, module, loader
+    if profiler is not None:
+        forward = profiler.wrap(f"[Strategy]{type(trainer.strategy).__name__}.{hook}_step", model)
+        callbacks, module_hooks = trainer.timed_callbacks(), profiler.timed(module, "TrainModule", TrainModule)
+        batches = profiler.iterate(f"{'val' if hook == 'validation' else hook}_dataloader_next", loader)
     if hook == "validation":
-        for cb in trainer.callbacks:
+        for cb in callbacks:
             cb.on_validation_start(trainer, module)
     trainer.call_hook(f"on_{hook}_epoch_start")
     with torch.no_grad():
-        for batch_idx, batch in enumerate(loader):
+        for batch_idx, batch in enumerate(batches):
             if limit is not None and batch_idx >= limit:
                 break
             metrics.batch = batch
-            out = model(batch, batch_idx, stage)
-            for cb in trainer.callbacks:
+            out = forward(batch, batch_idx, stage)
+            for cb in callbacks:
                 getattr(cb, f"on_{hook}_batch_end")(trainer, module, out, batch, batch_idx)
+    del batches  # (closes a timed loader's iterator now, as a loop that ran out or broke off does)
     metrics.in_epoch_end_hook = True
-    getattr(module, f"on_{hook}_epoch_end")()
+    getattr(module_hooks, f"on_{hook}_epoch_end")()
     values = metrics.epoch_end()
     metrics.in_epoch_end_hook = False
     if log and not trainer.sanity_checking:
         trainer.log_metrics(values, trainer.global_step)
-        for cb in trainer.callbacks:
+        for cb in callbacks:
             getattr(cb, f"on_{hook}_epoch_end")(trainer, module)
     if hook == "validation":
-        for cb in trainer.callbacks:
+        for cb in callbacks:
             cb.on_validation_end(trainer, module)
     metrics.stage = saved_stage
     return {k: float(v) for k, v in values.items()}
@@ -317,15 +349,21 @@ def run_predict(trainer: "Trainer", loaders: List[Any]) -> List[Any]:
     module, model = trainer.module, trainer.eval_model
     module.eval()
     results: List[Any] = []
+    profiler = trainer.profiler if trainer.profiler.enabled else None
+    forward, callbacks = model, trainer.callbacks
+    if profiler is not None:
+        forward = profiler.wrap(f"[Strategy]{type(trainer.strategy).__name__}.predict_step", model)
+        callbacks = trainer.timed_callbacks()
     with torch.no_grad():
         for loader in loaders:
             limit = batch_limit(trainer.limits["predict"], loader_length(loader))
             outputs = []
-            for batch_idx, batch in enumerate(loader):
+            for batch_idx, batch in enumerate(loader if profiler is None else
+                                              profiler.iterate("predict_dataloader_next", loader)):
                 if limit is not None and batch_idx >= limit:
                     break
-                out = model(batch, batch_idx, "predict")
-                for cb in trainer.callbacks:
+                out = forward(batch, batch_idx, "predict")
+                for cb in callbacks:
                     cb.on_predict_batch_end(trainer, module, out, batch, batch_idx)
                 outputs.append(out)
             results.append(outputs)

@@ -20,14 +20,18 @@ from torch import nn
 
 from fabric_lite.accelerator.accelerator import Accelerator
 from fabric_lite.arguments import ArgumentCheck, is_int
-from fabric_lite.callbacks.base import Callback
+from fabric_lite.callbacks.base import Callback, is_logger
 from fabric_lite.strategies.environments import detect_process, read_launch_settings, records_explain_arguments
 from fabric_lite.trainer.logged_metrics import MetricStore
 from fabric_lite.trainer.module import DataModule, TrainModule
 from fabric_lite.trainer.configure_optimizers import SchedulerConfig, parse_optimizers
+from fabric_lite.trainer.profiler import PassThroughProfiler, Profiler, SimpleProfiler
 from fabric_lite.launch.preemption import PreemptionWatch
 
-__all__ = ["Trainer"]
+__all__ = ["Trainer", "convert_sync_batchnorm", "SYNC_BATCHNORM_DEVICES"]
+
+#: The device types torch's SyncBatchNorm synchronizes across processes (it refuses CPU tensors).
+SYNC_BATCHNORM_DEVICES = ("cuda", "xpu", "hpu")
 
 
 _STEP_METHODS = {"train": "training_step", "validate": "validation_step", "test": "test_step",
@@ -109,14 +113,15 @@ class Trainer:
         accelerator: str = "auto", devices: Union[int, str] = "auto", num_nodes: int = 1,
         strategy: Any = "auto", precision: Any = "32-true",
         callbacks: Union[Sequence[Callback], Callback, None] = None,
+        logger: Union[Sequence[Callback], Callback, bool, None] = None,
         gradient_clip_val: Optional[float] = None, gradient_clip_algorithm: str = "norm",
         accumulate_grad_batches: int = 1, val_check_interval: Union[int, float] = 1.0,
         check_val_every_n_epoch: int = 1, limit_train_batches: Union[int, float, None] = None,
         limit_val_batches: Union[int, float, None] = None, limit_test_batches: Union[int, float, None] = None,
         limit_predict_batches: Union[int, float, None] = None, fast_dev_run: Union[bool, int] = False,
         num_sanity_val_steps: int = 2, log_every_n_steps: int = 50, default_root_dir: Optional[str] = None,
-        enable_progress_bar: bool = True, enable_checkpointing: bool = True,
-        deterministic: Union[bool, str, None] = False,
+        enable_progress_bar: bool = True, enable_checkpointing: bool = True, enable_model_summary: bool = True,
+        deterministic: Union[bool, str, None] = False, profiler: Any = None, sync_batchnorm: bool = False,
         explain: bool = False,
         **unknown: Any,
     ) -> None:
@@ -138,6 +143,7 @@ class Trainer:
         precision = check.precision("precision", precision)
         callbacks = check.instances("callbacks", callbacks, Callback, what="fabric_lite Callback instances",
                                     single=True)
+        logger = _check_logger(check, logger)
         # (0 turns clipping off, as in Lightning; clipping to a norm of 0 would zero every gradient)
         gradient_clip_val = check.number("gradient_clip_val", gradient_clip_val, minimum=0, allow_none=True,
                                          hint="0 or None turns clipping off") or None
@@ -160,9 +166,14 @@ class Trainer:
         default_root_dir = check.path("default_root_dir", default_root_dir)
         enable_progress_bar = check.bool("enable_progress_bar", enable_progress_bar)
         enable_checkpointing = check.bool("enable_checkpointing", enable_checkpointing)
+        enable_model_summary = check.bool("enable_model_summary", enable_model_summary,
+                                          hint="the layer and parameter table printed when fit starts")
         if deterministic is not None and deterministic != "warn":
             check.bool("deterministic", deterministic, allow_none=True,
                        hint="or 'warn': deterministic kernels, warning where torch has none")
+        profiler = _check_profiler(check, profiler)
+        sync_batchnorm = check.bool("sync_batchnorm", sync_batchnorm,
+                                    hint="BatchNorm statistics over every process's batch under DDP")
         explain = check.bool("explain", explain)
         if fast_dev_run:
             n = 1 if fast_dev_run is True else int(fast_dev_run)
@@ -187,6 +198,15 @@ class Trainer:
                 f"num_nodes={num_nodes} disagrees with the launch environment, which has "
                 f"{self.strategy.process.num_nodes} node(s). Launch with `fabric-lite launch --nnodes {num_nodes}`."
             )
+        if sync_batchnorm and self.strategy.world_size > 1 and self.device.type not in SYNC_BATCHNORM_DEVICES:
+            check.fail("sync_batchnorm", sync_batchnorm,
+                       f"torch's SyncBatchNorm synchronizes {'/'.join(SYNC_BATCHNORM_DEVICES)} tensors only, and "
+                       f"these {self.strategy.world_size} processes train on {self.device.type!r} (torch raises "
+                       f"'SyncBatchNorm expected input tensor to be on GPU' at the first training step). Train on "
+                       f"GPUs, or drop sync_batchnorm: each process then normalizes over its own batch.")
+        self.sync_batchnorm = sync_batchnorm
+        #: Times the hooks and steps when given one (`profiler="simple"`); a PassThroughProfiler otherwise.
+        self.profiler: Profiler = profiler
         self.max_epochs = max_epochs if max_epochs is not None else (1000 if max_steps == -1 else -1)
         self.max_steps = max_steps
         self.max_time = max_time
@@ -203,7 +223,8 @@ class Trainer:
         self.fast_dev_run = fast_dev_run
         self.explain = explain  # fit() prints the plan (explain.py) and returns without training
         self.callbacks: List[Callback] = callbacks  # (a new list: the checks above copied it)
-        self._add_default_callbacks(enable_progress_bar, enable_checkpointing)
+        self.enable_model_summary = enable_model_summary
+        self._add_default_callbacks(enable_progress_bar, enable_checkpointing, enable_model_summary, logger)
         self.current_epoch = 0
         self.global_step = 0
         self.should_stop = False
@@ -221,9 +242,27 @@ class Trainer:
         self.model: Optional[nn.Module] = None
         self.eval_model: Optional[nn.Module] = None
 
-    def _add_default_callbacks(self, progress_bar: bool, checkpointing: bool) -> None:
+    def _add_default_callbacks(self, progress_bar: bool, checkpointing: bool, model_summary: bool,
+                               logger: Union[List[Callback], bool, None]) -> None:
         from fabric_lite.callbacks.checkpoint import ModelCheckpoint
         from fabric_lite.callbacks.progress import ProgressBar, ProgressBarBase
+        from fabric_lite.callbacks.summary import ModelSummary
+
+        # logger=: True adds a default logger (unless callbacks hold one), False refuses loggers in callbacks,
+        # loggers given go ahead of the other callbacks, in their order.
+        if logger is False:
+            given = next((c for c in self.callbacks if is_logger(c)), None)
+            if given is not None:
+                raise ValueError(f"logger=False, but a {type(given).__name__} is in callbacks; drop one of them.")
+        elif logger is True:
+            if not any(is_logger(c) for c in self.callbacks):
+                self.callbacks.insert(0, _default_logger(self.default_root_dir))
+        elif logger is not None:  # (in the order given, ahead of the other callbacks; each once)
+            given = {id(c) for c in logger}
+            self.callbacks[:] = [*logger, *(c for c in self.callbacks if id(c) not in given)]
+        summary = next((c for c in self.callbacks if isinstance(c, ModelSummary)), None)
+        if not model_summary and summary is not None:
+            raise ValueError("enable_model_summary=False, but a ModelSummary is in callbacks; drop one of them.")
 
         bar = next((c for c in self.callbacks if isinstance(c, ProgressBarBase)), None)
         if not progress_bar:
@@ -238,6 +277,30 @@ class Trainer:
         elif not any(isinstance(c, ModelCheckpoint) for c in self.callbacks):
             self.callbacks.append(ModelCheckpoint())
 
+    def _add_model_summary(self) -> None:
+        """The default ModelSummary joins the callbacks when fit starts, unless one is there already: after
+        `fabric-lite explain`'s return (which trains nothing and prints no summary), and not at construction, so
+        that `callbacks` then holds what was given plus the progress bar and checkpoint defaults, as before."""
+        from fabric_lite.callbacks.summary import ModelSummary
+
+        if not any(isinstance(c, ModelSummary) for c in self.callbacks):
+            self.callbacks.append(ModelSummary())
+
+    def timed_callbacks(self) -> List[Any]:
+        """The callbacks, each hook read from them timed by the profiler (only while one is on)."""
+        return [self.profiler.timed(cb, "Callback", Callback) for cb in self.callbacks]
+
+    def _start_profile(self, stage: str) -> None:
+        self.profiler.setup(stage, rank=self.global_rank if self.world_size > 1 else None)
+
+    def _end_profile(self, stage: str) -> None:
+        """Print the stage's report on the main process (each process writes its report file, if it has one)."""
+        self.profiler.log_dir = self.log_dir
+        text = self.profiler.describe()
+        if text and self.is_global_zero:
+            print(text, file=sys.stderr, flush=True)
+        self.profiler.teardown(stage)
+
     # -- what callbacks and modules read -----------------------------------------------------------
     @property
     def device(self) -> torch.device:
@@ -249,7 +312,54 @@ class Trainer:
 
     @property
     def world_size(self) -> int:
+        """Processes in the job (Lightning's `world_size`)."""
         return self.strategy.world_size
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the job (0 on the main process)."""
+        return self.strategy.global_rank
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node."""
+        return self.strategy.local_rank
+
+    @property
+    def node_rank(self) -> int:
+        """The rank of this process's node."""
+        return self.strategy.node_rank
+
+    @property
+    def num_nodes(self) -> int:
+        return self.strategy.process.num_nodes
+
+    @property
+    def num_devices(self) -> int:
+        """Devices this node trains on: one per process, or under SPMD (one process driving every device) the
+        devices of its mesh."""
+        if self.strategy.drives_all_devices:
+            devices = getattr(getattr(self.strategy, "mesh", None), "device_ids", None)
+            if devices is not None:
+                return max(1, len(devices) // self.num_nodes)
+        return self.strategy.process.local_world_size
+
+    @property
+    def loggers(self) -> List[Callback]:
+        """The logger callbacks (from `logger=` and `callbacks=`), in the order they run."""
+        return [c for c in self.callbacks if is_logger(c)]
+
+    @property
+    def logger(self) -> Optional[Callback]:
+        """The first logger callback, or None."""
+        return next((c for c in self.callbacks if is_logger(c)), None)
+
+    @property
+    def log_dir(self) -> str:
+        """The first logger's directory (its save_dir until it has chosen its version), else default_root_dir."""
+        logger = self.logger
+        found = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
+        return os.fspath(found) if found is not None else self.default_root_dir
 
     @property
     def callback_metrics(self) -> Dict[str, torch.Tensor]:
@@ -274,15 +384,19 @@ class Trainer:
         if not values:
             return
         self.logged_metrics.update(values)
-        for cb in self.callbacks:
+        for cb in self.callbacks if not self.profiler.enabled else self.timed_callbacks():
             cb.on_log(self, values, self.global_step if step is None else step)
 
     def call_hook(self, hook: str, *args: Any) -> None:
-        """Run a hook on the module, then on every callback."""
-        fn = getattr(self.module, hook, None)
+        """Run a hook on the module, then on every callback (each timed, under a profiler)."""
+        module: Any = self.module
+        callbacks: List[Any] = self.callbacks
+        if self.profiler.enabled:
+            module, callbacks = self.profiler.timed(module, "TrainModule", TrainModule), self.timed_callbacks()
+        fn = getattr(module, hook, None)
         if fn is not None:
             fn(*args)
-        for cb in self.callbacks:
+        for cb in callbacks:
             getattr(cb, hook)(self, self.module, *args)
 
     def count_manual_step(self, *_: Any) -> None:
@@ -327,7 +441,13 @@ class Trainer:
             return
         self.accelerator.register_for_checkpointing(_TrainerState(self))
         self.accelerator.register_for_checkpointing(_LoggedAggregates(self), per_process=True)
-        for cb in self.callbacks:
+        if self.enable_model_summary:
+            self._add_model_summary()
+        profiling = self.profiler.enabled
+        if profiling:
+            self._start_profile("fit")
+        callbacks = self.timed_callbacks() if profiling else self.callbacks
+        for cb in callbacks:
             cb.setup(self, module, "fit")
         if ckpt_path is None and detect_process().restart_count > 0:
             ckpt_path = "last"  # restarted by torch elastic: go on from the newest whole checkpoint
@@ -342,14 +462,16 @@ class Trainer:
             loops.run_fit(self)
             self.accelerator.wait_for_checkpoint()  # the last save is published (or its failure raised) on return
         except BaseException as err:
-            for cb in self.callbacks:
+            for cb in callbacks:
                 cb.on_exception(self, module, err)
             raise
         finally:
             self.accelerator.checkpoint_saver.close(quiet=True)  # after a failure too: nothing is left writing
             self.preemption.uninstall()
-            for cb in self.callbacks:
+            for cb in callbacks:
                 cb.teardown(self, module, "fit")
+            if profiling:
+                self._end_profile("fit")
 
     def validate(self, module: Optional[TrainModule] = None, dataloaders: Any = None,
                  datamodule: Optional[DataModule] = None) -> List[Dict[str, float]]:
@@ -367,7 +489,14 @@ class Trainer:
         if module is None:
             raise ValueError("predict() needs a module (or a Trainer that has already fit one).")
         loaders = self._eval_loaders(module, datamodule, "predict", dataloaders)
-        return loops.run_predict(self, loaders)
+        profiling = self.profiler.enabled
+        if profiling:
+            self._start_profile("predict")
+        try:
+            return loops.run_predict(self, loaders)
+        finally:
+            if profiling:
+                self._end_profile("predict")
 
     def _evaluate(self, stage: str, module: Optional[TrainModule], dataloaders: Any,
                   datamodule: Optional[DataModule]) -> List[Dict[str, float]]:
@@ -377,7 +506,14 @@ class Trainer:
         if module is None:
             raise ValueError(f"{stage}() needs a module (or a Trainer that has already fit one).")
         loaders = self._eval_loaders(module, datamodule, stage, dataloaders)
-        return [loops.run_evaluation(self, stage, loader) for loader in loaders]
+        profiling = self.profiler.enabled
+        if profiling:
+            self._start_profile(stage)
+        try:
+            return [loops.run_evaluation(self, stage, loader) for loader in loaders]
+        finally:
+            if profiling:
+                self._end_profile(stage)
 
     def _eval_loaders(self, module: TrainModule, datamodule: Optional[DataModule], stage: str,
                       dataloaders: Any) -> List[Any]:
@@ -422,6 +558,8 @@ class Trainer:
             with acc.init_module():
                 module.configure_model()
             self.configured_models.add(id(module))
+        if with_optimizers and self.sync_batchnorm and self.world_size > 1:  # (fit only, as in Lightning)
+            convert_sync_batchnorm(module)
         if self.strategy.setup_takes_optimizers:  # an engine that owns model and optimizer (DeepSpeed)
             clip = self.gradient_clip_val if self.gradient_clip_algorithm == "norm" else None
 
@@ -475,6 +613,74 @@ class Trainer:
                 return  # nothing saved yet: a fresh start, as Lightning does
             ckpt_path = found
         self.accelerator.load_state(ckpt_path)
+
+
+def convert_sync_batchnorm(module: nn.Module) -> int:
+    """Replace the BatchNorm layers inside `module` by SyncBatchNorm layers, in place, and return how many.
+
+    The new layers hold the same parameters and running statistics (optimizers built before still step them);
+    SyncBatchNorm layers already there are left as they are (with their process group). What `Trainer(
+    sync_batchnorm=True)` does to the module before it is prepared, when several processes train."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    replaced = 0
+    for name, child in list(module.named_children()):
+        if isinstance(child, _BatchNorm) and not isinstance(child, nn.SyncBatchNorm):
+            module.add_module(name, nn.SyncBatchNorm.convert_sync_batchnorm(child))
+            replaced += 1
+        else:
+            replaced += convert_sync_batchnorm(child)
+    return replaced
+
+
+def _check_logger(check: ArgumentCheck, value: Any) -> Union[List[Callback], bool, None]:
+    """None (only the loggers in callbacks), True (a default logger, unless callbacks hold one), False (no
+    logger), or a logger callback or a list of them (returned as a new list)."""
+    if value is None or isinstance(value, bool):
+        return value
+    rule = ("must be a logger callback (TensorBoardLogger, CSVLogger, or another Callback that implements "
+            "on_log), a list of them, True (a default logger) or False/None")
+    if isinstance(value, Callback):
+        items = [value]
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        check.fail("logger", value, f"{rule}; got {type(value).__name__}.", TypeError)
+    for i, item in enumerate(items):
+        if not is_logger(item):
+            where = "" if item is value else f"item {i} "
+            why = ("a Callback that logs nothing (no on_log): pass it in callbacks=[...]"
+                   if isinstance(item, Callback) else "not a Callback")
+            check.fail("logger", value, f"{rule}; {where}{type(item).__name__} is {why}.", TypeError)
+    return items
+
+
+def _check_profiler(check: ArgumentCheck, value: Any) -> Profiler:
+    """None (no profiling: a PassThroughProfiler), "simple" (a SimpleProfiler) or a Profiler instance."""
+    if value is None:
+        return PassThroughProfiler()
+    if isinstance(value, Profiler):
+        return value
+    rule = "must be 'simple', a Profiler instance such as SimpleProfiler(filename='perf'), or None"
+    if not isinstance(value, str):
+        check.fail("profiler", value, f"{rule}; got {type(value).__name__}.", TypeError)
+    if value.lower() != "simple":
+        other = value.lower() in ("advanced", "pytorch", "xla")
+        check.fail("profiler", value, rule + (" (Lightning's cProfile and torch.profiler profilers are not "
+                                              "available here)." if other else "."))
+    return SimpleProfiler()
+
+
+def _default_logger(root: str) -> Callback:
+    """`logger=True`: a TensorBoardLogger under default_root_dir/lightning_logs where tensorboard is installed,
+    else a CSVLogger there (as Lightning chooses)."""
+    import importlib.util
+
+    from fabric_lite.callbacks.loggers import CSVLogger, TensorBoardLogger
+
+    if importlib.util.find_spec("tensorboard") is not None:
+        return TensorBoardLogger(root, name="lightning_logs")
+    return CSVLogger(root, name="lightning_logs")
 
 
 def _check_val_check_interval(check: ArgumentCheck, value: Any) -> Union[int, float]:
