@@ -125,45 +125,62 @@ _HELD_GUARD = threading.Lock()
 _LOCK_FDS: set = set()
 
 
+#: Held while a lock descriptor is opened or closed, and by fork (below): a child never copies a descriptor
+#: that is not yet, or no longer, in _LOCK_FDS.
+_FD_GUARD = threading.Lock()
+
+
 def _forget_locks_in_child() -> None:
-    global _HELD, _HELD_GUARD
+    global _HELD, _HELD_GUARD, _FD_GUARD
     for fd in list(_LOCK_FDS):
         with contextlib.suppress(OSError):
             os.close(fd)
     _LOCK_FDS.clear()
     _HELD, _HELD_GUARD = {}, threading.Lock()  # (another thread may have held one at the fork)
+    _FD_GUARD = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_locks_in_child)
+    os.register_at_fork(before=lambda: _FD_GUARD.acquire(), after_in_parent=lambda: _FD_GUARD.release(),
+                        after_in_child=_forget_locks_in_child)
+
+
+def _open_lock_fd(path: str) -> int:
+    with _FD_GUARD:
+        fd = os.open(path, os.O_RDONLY)
+        _LOCK_FDS.add(fd)
+    return fd
 
 
 def _unlock(fd: Optional[int]) -> None:
     if fd is not None:
-        _LOCK_FDS.discard(fd)
-        os.close(fd)
+        with _FD_GUARD:
+            _LOCK_FDS.discard(fd)
+            os.close(fd)
 
 
 def _flock(path: str, flags: int) -> Optional[int]:
     """An open descriptor of directory `path` holding flock `flags`; None where locks are not supported.
-    Raises BlockingIOError when `flags` has LOCK_NB and another holds a conflicting lock."""
+    Raises BlockingIOError when `flags` has LOCK_NB and another holds a conflicting lock.
+
+    The descriptor is registered before it is locked, so a fork while this thread waits for the lock (or
+    has just got it) leaves the child closing its copy (`_forget_locks_in_child`)."""
     try:
         import fcntl
     except ImportError:  # no flock on this platform
         return None
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = _open_lock_fd(path)
     except OSError:
         return None
     try:
         fcntl.flock(fd, flags)
     except BlockingIOError:
-        os.close(fd)
+        _unlock(fd)
         raise
     except OSError:  # a file system without flock (some network mounts): go on unlocked, as before
-        os.close(fd)
+        _unlock(fd)
         return None
-    _LOCK_FDS.add(fd)
     return fd
 
 
