@@ -152,3 +152,25 @@ def s3_bucket(s3_env):
         fs.rm(name, recursive=True)   # moto keeps everything in memory
     except Exception:  # cleanup only; a test that broke the bucket has already failed
         pass
+
+
+# -- tracker servers (tests/tracker_servers.py): one MLflow server for the session, wandb offline per test --
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    pytest.importorskip("mlflow")
+    from tracker_servers import start_mlflow_server
+
+    with start_mlflow_server(tmp_path_factory.mktemp("mlflow_server")) as url:
+        yield url
+
+
+@pytest.fixture
+def offline_wandb(monkeypatch, tmp_path):
+    pytest.importorskip("wandb")
+    from tracker_servers import files_under, stop_wandb, wandb_offline
+
+    home = wandb_offline(monkeypatch, tmp_path / "wandb_env")
+    yield home
+    stop_wandb()
+    assert files_under(home) == []  # nothing went to the home folder

@@ -14,23 +14,7 @@ import torch
 
 from fabric_lite import Accelerator
 from fabric_lite.accelerator.tracking import CSVTracker, available_trackers, make_trackers
-from tracker_servers import files_under, read_wandb_run, start_mlflow_server, stop_wandb, wandb_offline, wandb_run_dir
-
-
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    pytest.importorskip("mlflow")
-    with start_mlflow_server(tmp_path_factory.mktemp("mlflow_server")) as url:
-        yield url
-
-
-@pytest.fixture
-def offline_wandb(monkeypatch, tmp_path):
-    pytest.importorskip("wandb")
-    home = wandb_offline(monkeypatch, tmp_path / "wandb_env")
-    yield home
-    stop_wandb()
-    assert files_under(home) == []  # nothing went to the home folder
+from tracker_servers import read_wandb_run, wandb_run_dir
 
 
 def _scalars(log_dir):

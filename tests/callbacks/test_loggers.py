@@ -11,23 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fabric_lite import Trainer, TrainModule
 from fabric_lite.callbacks import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
-from tracker_servers import files_under, read_wandb_run, start_mlflow_server, stop_wandb, wandb_offline, wandb_run_dir
-
-
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    pytest.importorskip("mlflow")
-    with start_mlflow_server(tmp_path_factory.mktemp("mlflow_server")) as url:
-        yield url
-
-
-@pytest.fixture
-def offline_wandb(monkeypatch, tmp_path):
-    pytest.importorskip("wandb")
-    home = wandb_offline(monkeypatch, tmp_path / "wandb_env")
-    yield home
-    stop_wandb()
-    assert files_under(home) == []  # nothing went to the home folder
+from tracker_servers import read_wandb_run, wandb_run_dir
 
 
 def loader(n=24, seed=0):
