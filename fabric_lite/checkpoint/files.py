@@ -16,7 +16,6 @@ import io
 import json
 import math
 import os
-import threading
 import time
 import uuid
 import warnings
@@ -25,8 +24,9 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 import torch
 
 from fabric_lite.checkpoint import checksums as digests
+from fabric_lite.checkpoint import locks
 
-__all__ = ["CheckpointError", "CheckpointWriter", "read_manifest", "manifest_problem", "publishing", "load_file", "save_file", "verify",
+__all__ = ["CheckpointError", "CheckpointWriter", "read_manifest", "manifest_problem", "load_file", "save_file", "verify",
            "update_latest", "newest_whole_checkpoint", "copy_checkpoint", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 3  # 2: main-process state in one training_state.pt; 3: "zip:" checksums (below)
@@ -101,130 +101,9 @@ def save_bytes(data: bytes, url: str, storage_options: Optional[dict] = None) ->
         raise
 
 
-# -- locks: two runs that save into one directory at once (local disks) ---------------------------------
-#
-# Publishing (the moves of a commit, recovery, cleanup of what interrupted saves left, `latest`, pruning)
-# holds an exclusive lock on the directory the checkpoints are published in; each writer holds a shared
-# lock on its staging directory for as long as it writes, so that another run's cleanup leaves a staging
-# directory alone while its writer lives (a crashed writer's lock goes with its process). flock() locks
-# are advisory, per open file, and released by the kernel when the process dies. Other stores (object
-# stores) have no locks: there, give each run its own directory.
-
-class _Held:
-    def __init__(self) -> None:
-        self.guard = threading.RLock()  # the threads of this process, one at a time (re-entrant)
-        self.depth = 0
-        self.fd: Optional[int] = None
-
-
-_HELD: Dict[str, _Held] = {}
-_HELD_GUARD = threading.Lock()
-#: Every lock descriptor open in this process. A flock belongs to the open file, which a forked child
-#: (a DataLoader worker) shares: the child closes its copies at once, or a lock taken by a background
-#: save would be held for as long as the worker lives, and the next publish would wait for ever.
-_LOCK_FDS: set = set()
-
-
-#: Held while a lock descriptor is opened or closed, and by fork (below): a child never copies a descriptor
-#: that is not yet, or no longer, in _LOCK_FDS.
-_FD_GUARD = threading.Lock()
-
-
-def _forget_locks_in_child() -> None:
-    global _HELD, _HELD_GUARD, _FD_GUARD
-    for fd in list(_LOCK_FDS):
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    _LOCK_FDS.clear()
-    _HELD, _HELD_GUARD = {}, threading.Lock()  # (another thread may have held one at the fork)
-    _FD_GUARD = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=lambda: _FD_GUARD.acquire(), after_in_parent=lambda: _FD_GUARD.release(),
-                        after_in_child=_forget_locks_in_child)
-
-
-def _open_lock_fd(path: str) -> int:
-    with _FD_GUARD:
-        fd = os.open(path, os.O_RDONLY)
-        _LOCK_FDS.add(fd)
-    return fd
-
-
-def _unlock(fd: Optional[int]) -> None:
-    if fd is not None:
-        with _FD_GUARD:
-            _LOCK_FDS.discard(fd)
-            os.close(fd)
-
-
-def _flock(path: str, flags: int) -> Optional[int]:
-    """An open descriptor of directory `path` holding flock `flags`; None where locks are not supported.
-    Raises BlockingIOError when `flags` has LOCK_NB and another holds a conflicting lock.
-
-    The descriptor is registered before it is locked, so a fork while this thread waits for the lock (or
-    has just got it) leaves the child closing its copy (`_forget_locks_in_child`)."""
-    try:
-        import fcntl
-    except ImportError:  # no flock on this platform
-        return None
-    try:
-        fd = _open_lock_fd(path)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, flags)
-    except BlockingIOError:
-        _unlock(fd)
-        raise
-    except OSError:  # a file system without flock (some network mounts): go on unlocked, as before
-        _unlock(fd)
-        return None
-    return fd
-
-
-@contextlib.contextmanager
-def publishing(fs: Any, directory: str) -> Iterator[None]:
-    """Hold the lock under which checkpoints are published into `directory` (re-entrant; local disks)."""
-    if not digests.is_local(fs):
-        yield
-        return
-    path = os.path.realpath(fs._strip_protocol(directory))
-    with _HELD_GUARD:
-        held = _HELD.setdefault(path, _Held())
-    with held.guard:
-        if held.depth == 0:
-            import fcntl
-
-            held.fd = _flock(path, fcntl.LOCK_EX)
-        held.depth += 1
-        try:
-            yield
-        finally:
-            held.depth -= 1
-            if held.depth == 0:
-                _unlock(held.fd)
-                held.fd = None
-
-
 def _parent_of(path: str) -> str:
     target = path.rstrip("/")
     return target.rsplit("/", 1)[0] if "/" in target else "."
-
-
-def _stale(fs: Any, path: str) -> bool:
-    """Whether the staging directory `path` has no live writer (its shared lock is gone)."""
-    if not digests.is_local(fs):
-        return True
-    import fcntl
-
-    try:
-        fd = _flock(fs._strip_protocol(path), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    _unlock(fd)
-    return True
 
 
 class CheckpointWriter:
@@ -248,22 +127,22 @@ class CheckpointWriter:
             import fcntl
 
             self.fs.makedirs(_parent_of(self.path), exist_ok=True)
-            with publishing(self.fs, _parent_of(self.path)):  # no cleanup sees it before it is locked
+            with locks.publishing(self.fs, _parent_of(self.path)):  # no cleanup sees it before it is locked
                 self.fs.makedirs(self.staging, exist_ok=True)
-                self._lock_fd = _flock(self.fs._strip_protocol(self.staging), fcntl.LOCK_SH)
+                self._lock_fd = locks.lock(self.fs._strip_protocol(self.staging), fcntl.LOCK_SH)
         else:
             self.fs.makedirs(self.staging, exist_ok=True)
 
     def release(self) -> None:
         """Let go of the staging directory's lock (commit and abort do; other ranks call it when done)."""
-        _unlock(self._lock_fd)
+        locks.unlock(self._lock_fd)
         self._lock_fd = None
 
     def clean_up_interrupted(self) -> None:
         """Recover or delete what an earlier, interrupted save left next to the target (main process)."""
         target = self.path.rstrip("/")
         parent, name = _parent_of(target), target.rsplit("/", 1)[-1]
-        with publishing(self.fs, parent):
+        with locks.publishing(self.fs, parent):
             if not self.fs.exists(target):
                 _recover(self.fs, target)
             try:
@@ -275,7 +154,7 @@ class CheckpointWriter:
                 if base == f"{name}.staging-{self.token}":
                     continue
                 # an `.old-` directory is only ever seen here when its commit died (commits hold the lock)
-                if (base.startswith(f"{name}.staging-") and _stale(self.fs, p)) or base.startswith(f"{name}.old-"):
+                if (base.startswith(f"{name}.staging-") and locks.is_stale(self.fs, p)) or base.startswith(f"{name}.old-"):
                     self.fs.rm(p, recursive=True)
 
     def write(self, name: str, obj: Any) -> None:
@@ -327,7 +206,7 @@ class CheckpointWriter:
         meta = {"saved_at": time.time(), **(meta or {})}
         manifest = {"format_version": FORMAT_VERSION, "checksum": digests.CHECKSUM, "files": checksums, "meta": meta}
         target = self.path.rstrip("/")
-        with publishing(self.fs, _parent_of(target)):  # another run's save into this directory waits
+        with locks.publishing(self.fs, _parent_of(target)):  # another run's save into this directory waits
             # under another name first: a manifest.json that exists is whole (a crash mid-write leaves no torn one)
             partial = _join(self.fs, self.staging, f"{MANIFEST}.partial")
             with _naming_failures(f"writing {MANIFEST} of {self.url}"):
@@ -414,7 +293,7 @@ def _recover(fs: Any, path: str) -> None:
     parent = _parent_of(target)
     if not fs.exists(parent):
         return
-    with publishing(fs, parent):
+    with locks.publishing(fs, parent):
         if not fs.exists(target):  # (a commit that held the lock may have just published it)
             _recover_unlocked(fs, target, parent)
 
@@ -580,7 +459,7 @@ def update_latest(url: str, storage_options: Optional[dict] = None, durable: boo
     parent, name = path.rstrip("/").rsplit("/", 1) if "/" in path.rstrip("/") else (".", path.rstrip("/"))
     tmp = f"{parent}/{LATEST}.tmp-{uuid.uuid4().hex[:8]}"
     try:
-        with publishing(fs, parent), _naming_failures(f"writing {parent}/{LATEST}"):
+        with locks.publishing(fs, parent), _naming_failures(f"writing {parent}/{LATEST}"):
             with fs.open(tmp, "w") as f:
                 json.dump({"name": name}, f)
             if durable:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 import torch
 
 from fabric_lite.checkpoint import files as checkpoint_io
-from fabric_lite.checkpoint import fit, names, sharded
+from fabric_lite.checkpoint import fit, locks, names, sharded
 from fabric_lite.checkpoint.files import CheckpointError, CheckpointWriter
 from fabric_lite.checkpoint.saver import SaveJob, checkpoint_format, snapshot
 from fabric_lite.seed import capture_rng_state, restore_rng_state
@@ -223,7 +223,7 @@ def save_state(acc: "Accelerator", output_dir: Optional[Union[str, os.PathLike]]
 def _prune(root: str, limit: int) -> None:
     """Delete the oldest numbered checkpoints beyond `limit` (main process, after a publish)."""
     fs, path = checkpoint_io.filesystem(root)
-    with checkpoint_io.publishing(fs, path):  # another run pruning the same directory waits
+    with locks.publishing(fs, path):  # another run pruning the same directory waits
         existing = _numbered_checkpoints(root)
         for _, old in existing[: max(0, len(existing) - limit)]:
             fs.rm(checkpoint_io.filesystem(old)[1], recursive=True)

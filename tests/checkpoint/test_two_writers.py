@@ -13,6 +13,7 @@ import pytest
 
 from conftest import WORKERS
 from fabric_lite.checkpoint import files as checkpoint_io
+from fabric_lite.checkpoint import locks
 
 
 @pytest.mark.parametrize("mode,background", [("explicit", False), ("auto", False), ("explicit", True)],
@@ -55,14 +56,14 @@ def test_a_forked_child_does_not_keep_a_lock(tmp_path):
     import threading
 
     fs, path = checkpoint_io.filesystem(str(tmp_path))
-    with checkpoint_io.publishing(fs, path):
+    with locks.publishing(fs, path):
         child = multiprocessing.get_context("fork").Process(target=_sleep, args=(30,))
         child.start()
     try:
         acquired = threading.Event()
 
         def publish_again():
-            with checkpoint_io.publishing(fs, path):
+            with locks.publishing(fs, path):
                 acquired.set()
 
         threading.Thread(target=publish_again, daemon=True).start()
