@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: example test venv bench clean venv-xla test-xla
+.PHONY: example test venv bench clean venv-xla test-xla cluster-tools
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,11 @@ example: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra
+
+# The SLURM and mpirun tests (tests/launch/test_slurm.py, test_cluster.py) need SLURM, MUNGE and OpenMPI:
+# as root on Debian this installs them from Debian's packages; elsewhere it says what will skip.
+cluster-tools:
+	bash .ci/cluster-tools.sh
 
 # torch_xla runs only on the torch of its own version (2.9): its tests run in an environment of their own,
 # on XLA's CPU device (PJRT_DEVICE=CPU). About 4 GB to download the first time.

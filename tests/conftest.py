@@ -21,7 +21,8 @@ for _folder in sorted(p for p in Path(__file__).resolve().parent.iterdir() if p.
 # What a launcher sets; a unit test runs as a lone process whatever the shell around pytest exports.
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "FABRIC_LITE_MIXED_PRECISION",
               "FABRIC_LITE_GRADIENT_ACCUMULATION_STEPS", "FABRIC_LITE_USE_CPU", "FABRIC_LITE_STRATEGY", "FABRIC_LITE_LAUNCHED", "TORCHELASTIC_RESTART_COUNT",
-              "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK")
+              "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK",
+              "RAY_JOB_ID", "RAY_RAYLET_PID")
 
 
 @pytest.fixture(autouse=True)

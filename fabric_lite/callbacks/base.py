@@ -14,6 +14,10 @@ __all__ = ["Callback", "is_logger"]
 class Callback:
     """Override the hooks you need. Loggers are callbacks too: they implement `on_log`."""
 
+    #: Run after the other callbacks at every hook (a callback that reports what the others did at the same
+    #: hook, such as a checkpoint saved at an epoch's end). Among themselves such callbacks keep their order.
+    runs_last: bool = False
+
     @property
     def state_key(self) -> str:
         """Key of this callback's state in a checkpoint (unique per class and settings)."""

@@ -29,7 +29,6 @@ def explain_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None
 
     from torch.distributed.run import determine_local_world_size
 
-    from fabric_lite.launch.config_file import ConfigError
     from fabric_lite.strategies.environments import ENV_EXPLAIN, ENV_STRATEGY
     from fabric_lite.launch.launcher import (
         check_launch, config_notice, patched_environ, settings_env, free_port, launch_command_parser,
@@ -49,7 +48,7 @@ def explain_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None
     argv = list(argv)
     try:  # `flags`: the command line alone, to tell a flag from a config default
         flags, args, config_path, config = parse_with_config(parser, argv, env)
-    except ConfigError as err:
+    except ValueError as err:  # a config file (ConfigError) or a cluster engine's variables that cannot be used
         return _error(str(err))
     total = args.num_processes  # (Accelerate's total over every machine; resolved into --nproc-per-node below)
     try:

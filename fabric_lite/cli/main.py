@@ -33,6 +33,7 @@ def _env(args: List[str]) -> int:
     from fabric_lite.launch.config_file import (
         AccelerateConfig, ConfigError, accelerate_config_path, default_config_path, find_config, load_config,
     )
+    from fabric_lite.strategies.environments import detect_node_layout, detect_process
 
     parser = CliParser(prog="fabric-lite env", description="Print versions, devices and config.")
     parser.add_argument("--config-file", "--config_file", default=None, metavar="PATH",
@@ -44,6 +45,22 @@ def _env(args: List[str]) -> int:
         f"torch       {torch.__version__} (CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s) visible)",
         f"distributed gloo={torch.distributed.is_gloo_available()} nccl={torch.distributed.is_nccl_available()}",
     ]
+    try:
+        lines.append(f"processes   {detect_process().source}")
+    except ValueError as err:
+        lines.append(f"processes   -- INVALID: {err}")
+    try:
+        layout = detect_node_layout()
+    except ValueError as err:
+        lines.append(f"cluster     -- INVALID: {err}")
+    else:
+        if layout is not None:
+            head = (f"{layout.master_addr}:{layout.master_port}" if layout.master_port is not None
+                    else f"{layout.master_addr} (port not said)")
+            per_node = (f"{layout.nproc_per_node} process(es) per node" if layout.nproc_per_node is not None
+                        else "processes per node not said")
+            lines.append(f"cluster     {layout.source}: node {layout.node_rank} of {layout.nnodes}, head {head}, "
+                         f"{per_node}")
     for name in ("numpy", "fsspec", "tensorboard", "safetensors", "deepspeed", "torch_xla"):
         try:
             from importlib.metadata import version

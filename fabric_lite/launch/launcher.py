@@ -24,7 +24,8 @@ from fabric_lite.launch.config_file import (
     read_deepspeed_json,
 )
 from fabric_lite.strategies.environments import (
-    ENV_GRAD_ACCUM, ENV_LAUNCHED, ENV_MIXED_PRECISION, ENV_STRATEGY, ENV_USE_CPU, read_xla_settings,
+    ENV_GRAD_ACCUM, ENV_LAUNCHED, ENV_MIXED_PRECISION, ENV_STRATEGY, ENV_USE_CPU, NodeLayout, detect_node_layout,
+    read_xla_settings,
 )
 from fabric_lite.launch.lifeline import ENV_LAUNCHER_PID
 from fabric_lite.strategies.precision import resolve_precision
@@ -209,7 +210,8 @@ class LaunchError(ValueError):
 
 
 def _config_defaults(config: LaunchConfigFile, env: Mapping[str, str]) -> Dict[str, Any]:
-    """Parser defaults from a config file; torchrun's PET_* variables, where set, still win."""
+    """Parser defaults from a config file; torchrun's PET_* variables, where set, still win (and so does a cluster
+    engine's node layout: `_layout_defaults`)."""
     values: Dict[str, Any] = {
         "nproc_per_node": str(config.nproc_per_node), "nnodes": str(config.nnodes), "node_rank": config.node_rank,
         "master_addr": config.master_addr, "master_port": config.master_port,
@@ -226,6 +228,21 @@ def _config_defaults(config: LaunchConfigFile, env: Mapping[str, str]) -> Dict[s
     if isinstance(config, AccelerateConfig):
         values.update(tpu=config.tpu, main_training_function=config.main_training_function, gpu_ids=config.gpu_ids)
     return values
+
+
+def _layout_defaults(layout: Optional[NodeLayout], env: Mapping[str, str]) -> Dict[str, Any]:
+    """Parser defaults from the nodes a cluster engine describes (SkyPilot's variables: `detect_node_layout`).
+
+    Like torchrun's PET_* variables they describe the machines this launch runs on, so they win over a config
+    file's values (which always name a layout, one machine on 127.0.0.1 unless edited) and lose to flags. A PET_*
+    variable that is set still gives its own setting (torchrun's parser read it already)."""
+    if layout is None:
+        return {}
+    values: Dict[str, Any] = {"nnodes": str(layout.nnodes), "node_rank": layout.node_rank,
+                              "master_addr": layout.master_addr, "master_port": layout.master_port}
+    if layout.nproc_per_node is not None:
+        values["nproc_per_node"] = str(layout.nproc_per_node)
+    return {k: v for k, v in values.items() if v is not None and f"PET_{k.upper()}" not in env}
 
 
 def config_notice(command: str, config_path: Any, config: Optional[LaunchConfigFile]) -> str:
@@ -440,16 +457,25 @@ def _error(message: str) -> int:
 
 
 def parse_with_config(parser: argparse.ArgumentParser, argv: Sequence[str], env: Mapping[str, str]) -> tuple:
-    """(flags alone, flags over the config file's values, the config's path or None, the config or None).
-    Raises ConfigError for a config file that cannot be used. The config is fabric_lite's (`--config-file`,
-    else the default one), else Accelerate's default one (`config_file.find_config`)."""
+    """(flags alone, flags over the defaults, the config's path or None, the config or None).
+    Raises ConfigError for a config file that cannot be used, ValueError for a cluster engine's variables that
+    cannot be right. The config is fabric_lite's (`--config-file`, else the default one), else Accelerate's
+    default one (`config_file.find_config`).
+
+    What wins, first to last: flags; the cluster's own variables (torchrun's PET_*, which a Kubeflow TrainJob sets,
+    and SkyPilot's node layout: `_layout_defaults`); the config file; torchrun's defaults."""
     argv = list(argv)
     flags = parser.parse_args(argv)
+    layout = _layout_defaults(detect_node_layout(env), env)
     config_path = find_config(flags.config_file, env)
-    if config_path is None:
-        return flags, flags, None, None
-    config = load_config(config_path)
-    parser.set_defaults(**_config_defaults(config, env))
+    config = load_config(config_path) if config_path is not None else None
+    defaults = _config_defaults(config, env) if config is not None else {}
+    if "nproc_per_node" in layout:  # the node's own count, over an Accelerate config's total
+        defaults.pop("num_processes", None)
+    defaults.update(layout)
+    if not defaults:
+        return flags, flags, config_path, config
+    parser.set_defaults(**defaults)
     return flags, parser.parse_args(argv), config_path, config  # again: flags on the command line win
 
 
@@ -465,7 +491,7 @@ def launch_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None)
     parser = launch_command_parser()
     try:
         _, args, config_path, config = parse_with_config(parser, argv, env)
-    except ConfigError as err:
+    except ValueError as err:  # a config file (ConfigError) or a cluster engine's variables that cannot be used
         return _error(str(err))
     suffix = f" (defaults from config file {config_path})" if config_path is not None else ""
     try:
@@ -520,18 +546,35 @@ def launch_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None)
 
 
 def torchrun_command(nproc_per_node: Any, nnodes: Any, script: str, script_args: Sequence[str] = (),
-                     master_port: Optional[int] = None, master_addr: str = "127.0.0.1",
-                     python: Optional[str] = None) -> List[str]:
+                     master_port: Optional[int] = None, master_addr: Optional[str] = None,
+                     python: Optional[str] = None, env: Optional[Mapping[str, str]] = None) -> List[str]:
     """The argv that starts `script` with `script_args` under torch.distributed.run on `nproc_per_node`
     processes per machine: ``python -m torch.distributed.run --nproc-per-node N ... -- script args...``.
 
     The ``--`` matters: torchrun's parser abbreviates long options, and would read a script argument
     such as ``--run`` as its own ``--run-path`` (or refuse it as ambiguous); after ``--`` it reads none.
-    `master_port` None: a free port on this machine."""
-    port = master_port if master_port is not None else free_port()
-    return [python or sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_per_node),
-            "--nnodes", str(nnodes), "--master-addr", master_addr, "--master-port", str(port),
-            "--", str(script), *map(str, script_args)]
+
+    On one machine the processes meet on 127.0.0.1, at a free port where `master_port` is None. Where a cluster
+    engine describes the nodes (SkyPilot, a Kubeflow TrainJob: `detect_node_layout` of `env`, default the process
+    environment), this node starts as its node rank, and the processes meet at the head's address and port
+    (`master_addr` / `master_port`, where given, win); `nnodes` must then be the engine's node count: ValueError
+    otherwise, before anything starts."""
+    layout = detect_node_layout(env)
+    cmd = [python or sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_per_node),
+           "--nnodes", str(nnodes)]
+    if layout is not None:
+        if str(nnodes).strip() != str(layout.nnodes):
+            raise ValueError(f"num_nodes={nnodes}, but {layout.source} runs this job on {layout.nnodes} node(s) "
+                             f"(this one is node {layout.node_rank}); pass num_nodes={layout.nnodes} "
+                             f"(Trainer(num_nodes={layout.nnodes}, ...)).")
+        cmd += ["--node-rank", str(layout.node_rank)]
+        master_addr = layout.master_addr if master_addr is None else master_addr
+        if master_port is None:
+            master_port = layout.master_port
+    if master_port is None:  # one machine: a free port; several: torchrun's usual one, the same on every node
+        master_port = 29500 if layout is not None and layout.nnodes > 1 else free_port()
+    return cmd + ["--master-addr", master_addr or "127.0.0.1", "--master-port", str(master_port),
+                  "--", str(script), *map(str, script_args)]
 
 
 def preempted_together(codes: Mapping[int, int]) -> bool:

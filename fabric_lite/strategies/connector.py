@@ -115,7 +115,9 @@ def connect(
         instance.configure(process, root, Precision(precision_name, device_type, scaler_kwargs))
         return instance
     check_devices(devices, device_type, process)
-    if device_type == "cuda":
+    if device_type == "cuda" and process.device is not None and process.device.startswith("cuda"):
+        root = torch.device(process.device)  # the engine (Ray Train) picked it: used as it is
+    elif device_type == "cuda":
         root = torch.device("cuda", process.local_rank % max(1, torch.cuda.device_count()))
     else:
         root = torch.device(device_type)

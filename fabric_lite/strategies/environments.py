@@ -11,8 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
-__all__ = ["ProcessInfo", "LaunchSettings", "XLASettings", "detect_process", "detect_xla_process",
-           "read_launch_settings", "read_xla_settings", "first_host"]
+__all__ = ["ProcessInfo", "LaunchSettings", "XLASettings", "NodeLayout", "detect_process", "detect_xla_process",
+           "detect_node_layout", "read_launch_settings", "read_xla_settings", "first_host"]
 
 # Variables the `fabric-lite launch` command and `notebook_launcher` use to hand settings to the
 # Accelerator running inside each worker.
@@ -40,6 +40,12 @@ class ProcessInfo:
     restart_count: int = 0
     uses_agent_store: bool = False
     source: str = "lone process"
+    #: The engine that starts and restarts this job's processes when it is not a launcher of torch's: "ray_train"
+    #: (a worker of Ray Train's TorchTrainer) or "ray" (one process Ray started: a Ray Tune trial, a task). A
+    #: script under it must not start processes of its own.
+    engine: Optional[str] = None
+    #: The device the engine gave this process ("cuda:1"), where it says; None: the local rank picks one.
+    device: Optional[str] = None
 
     @property
     def num_nodes(self) -> int:
@@ -105,8 +111,9 @@ def _int(env: Mapping[str, str], name: str, default: Optional[int] = None) -> Op
 
 def detect_process(env: Optional[Mapping[str, str]] = None) -> ProcessInfo:
     """Return this process's ranks: from torchrun / torch elastic (or plain RANK/WORLD_SIZE)
-    variables, else from a SLURM step started by `srun`, else from OpenMPI or MPICH/Intel MPI
-    (`mpirun`), else a lone process. The first that applies wins.
+    variables (Ray Train's workers set those too; they are told apart by Ray's own variables), else from a
+    SLURM step started by `srun`, else from OpenMPI or MPICH/Intel MPI (`mpirun`), else a lone process. The
+    first that applies wins.
 
     >>> detect_process({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}).global_rank
     1
@@ -127,6 +134,8 @@ def detect_process(env: Optional[Mapping[str, str]] = None) -> ProcessInfo:
         if "PMI_SIZE" in env and "PMI_RANK" in env:
             return _checked(_from_mpi(env, "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "MPICH/Intel MPI"),
                             "PMI_RANK", "PMI_SIZE")
+        if _in_ray(env):
+            return ProcessInfo(source="Ray, one process (a Ray Tune trial or a Ray task)", engine="ray")
         return ProcessInfo()
     rank = _int(env, "RANK", 0)
     local_rank = _int(env, "LOCAL_RANK", 0)
@@ -145,6 +154,11 @@ def detect_process(env: Optional[Mapping[str, str]] = None) -> ProcessInfo:
     if node_rank is None:
         node_rank = _int(env, "NODE_RANK", rank // local_world_size)
     elastic = "TORCHELASTIC_RUN_ID" in env or "TORCHELASTIC_RESTART_COUNT" in env
+    ray = not elastic and _in_ray(env)
+    if ray:
+        source = f"Ray Train, {world_size} worker(s)"
+    else:
+        source = "torchrun" if elastic else "environment variables"
     return ProcessInfo(
         world_size=world_size,
         global_rank=rank,
@@ -155,8 +169,16 @@ def detect_process(env: Optional[Mapping[str, str]] = None) -> ProcessInfo:
         master_port=_int(env, "MASTER_PORT"),
         restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0) or 0,
         uses_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
-        source="torchrun" if elastic else "environment variables",
+        source=source,
+        engine="ray_train" if ray else None,
+        # Ray Train names each worker's device (ray.train.torch.get_device) for Accelerate in this variable
+        device=(env.get("ACCELERATE_TORCH_DEVICE") or None) if ray else None,
     )
+
+
+def _in_ray(env: Mapping[str, str]) -> bool:
+    """A process Ray started (a worker of Ray Train's, a Tune trial, a task): Ray's core sets these in them."""
+    return bool(env.get("RAY_JOB_ID")) and bool(env.get("RAY_RAYLET_PID"))
 
 
 def _checked(info: ProcessInfo, rank_var: str, size_var: str) -> ProcessInfo:
@@ -229,6 +251,136 @@ def _from_mpi(env: Mapping[str, str], rank: str, size: str, local_rank: str, loc
         master_port=_int(env, "MASTER_PORT", 29500),  # set MASTER_ADDR/MASTER_PORT across nodes
         source=f"{name} (mpirun)",
     )
+
+
+# -- the nodes of a job, as a cluster engine describes them (for a launcher to start on) -------------------------
+
+#: The rendezvous port on the head node of a SkyPilot job where MASTER_PORT does not say one: every node must
+#: compute the same port, so it is fixed (SkyPilot's own torchrun recipe uses 8008), never a free one searched for.
+SKYPILOT_MASTER_PORT = 8008
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """The nodes of a job as the cluster engine that started this node describes them: what a launcher
+    (`fabric-lite launch`, the re-launch of `Trainer(devices=N)`) needs to start this node's processes.
+    Unlike `ProcessInfo`, it describes the node before any worker process exists."""
+
+    nnodes: int
+    node_rank: int
+    #: Processes to start on each node where the engine says (SkyPilot: the node's GPUs); None: not said.
+    nproc_per_node: Optional[int]
+    master_addr: str
+    #: The head's rendezvous port; None: not said (a launcher picks: torchrun's own default).
+    master_port: Optional[int]
+    source: str
+
+
+def detect_node_layout(env: Optional[Mapping[str, str]] = None) -> Optional[NodeLayout]:
+    """The node layout a cluster engine set in the environment, or None where none did. The first that applies:
+
+    - SkyPilot (SKYPILOT_NODE_RANK, SKYPILOT_NODE_IPS: one IP a line, the first the head's; SKYPILOT_NUM_NODES and
+      SKYPILOT_NUM_GPUS_PER_NODE): the head's port is MASTER_PORT where set, else `SKYPILOT_MASTER_PORT` (8008);
+      processes per node are the node's GPUs, not said on a node without GPUs;
+    - a Kubeflow Trainer TrainJob (torch runtime), or anything else that sets torchrun's PET_NNODES (with
+      PET_NODE_RANK, PET_NPROC_PER_NODE, PET_MASTER_ADDR, PET_MASTER_PORT).
+
+    A value that cannot be right raises ValueError naming the variable. Pure: pass a dict to test it.
+
+    >>> layout = detect_node_layout({"SKYPILOT_NODE_RANK": "1", "SKYPILOT_NODE_IPS": "10.0.0.4\\n10.0.0.5",
+    ...                              "SKYPILOT_NUM_NODES": "2", "SKYPILOT_NUM_GPUS_PER_NODE": "8"})
+    >>> (layout.nnodes, layout.node_rank, layout.nproc_per_node, layout.master_addr, layout.master_port)
+    (2, 1, 8, '10.0.0.4', 8008)
+    >>> detect_node_layout({"PET_NNODES": "2", "PET_NODE_RANK": "0", "PET_MASTER_ADDR": "trainjob-node-0-0",
+    ...                     "PET_MASTER_PORT": "29400"}).master_addr
+    'trainjob-node-0-0'
+    >>> detect_node_layout({}) is None
+    True
+    """
+    env = os.environ if env is None else env
+    if "SKYPILOT_NODE_RANK" in env or "SKYPILOT_NODE_IPS" in env:
+        return _from_skypilot(env)
+    if "PET_NNODES" in env:
+        return _from_pet(env)
+    return None
+
+
+def _layout_int(env: Mapping[str, str], name: str, fix: str) -> Optional[int]:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise ValueError(f"Environment variable {name}={raw!r} is not a whole number; {fix}") from None
+
+
+def _checked_layout(layout: NodeLayout, rank_var: str, nodes: str, port_var: str) -> NodeLayout:
+    """`nodes`: where the node count came from, for the messages ("PET_NNODES=2")."""
+    if layout.nnodes < 1:
+        raise ValueError(f"Environment variable {nodes} must be >= 1 ({layout.source}); set it to the number of "
+                         f"nodes of the job.")
+    if not 0 <= layout.node_rank < layout.nnodes:
+        raise ValueError(f"Environment variable {rank_var}={layout.node_rank} must lie in 0..{layout.nnodes - 1}, "
+                         f"as {nodes} ({layout.source}; nodes are numbered from 0); set it to this node's index.")
+    if layout.master_port is not None and not 0 < layout.master_port < 65536:
+        raise ValueError(f"Environment variable {port_var}={layout.master_port} must lie in 1..65535; set it to a "
+                         f"free port on the head node.")
+    return layout
+
+
+def _from_skypilot(env: Mapping[str, str]) -> NodeLayout:
+    fix = "SkyPilot sets it on every node of a task; unset it outside a SkyPilot job."
+    raw_ips = env.get("SKYPILOT_NODE_IPS")
+    if raw_ips is None:
+        raise ValueError(f"SKYPILOT_NODE_RANK={env.get('SKYPILOT_NODE_RANK')!r} is set without SKYPILOT_NODE_IPS "
+                         f"(one node IP a line, the head's first); {fix}")
+    ips = [line.strip() for line in raw_ips.splitlines() if line.strip()]
+    if not ips:
+        raise ValueError(f"Environment variable SKYPILOT_NODE_IPS={raw_ips!r} names no node; it must hold one IP a "
+                         f"line, the head node's first. {fix}")
+    rank = _layout_int(env, "SKYPILOT_NODE_RANK", f"it must be this node's index (0 on the head node). {fix}")
+    if rank is None:
+        raise ValueError(f"SKYPILOT_NODE_IPS is set without SKYPILOT_NODE_RANK (this node's index); {fix}")
+    nnodes = _layout_int(env, "SKYPILOT_NUM_NODES", f"it must be the number of nodes. {fix}")
+    if nnodes is not None and nnodes != len(ips):
+        raise ValueError(f"Environment variable SKYPILOT_NUM_NODES={env['SKYPILOT_NUM_NODES']!r} disagrees with "
+                         f"SKYPILOT_NODE_IPS, which names {len(ips)} node(s) ({', '.join(ips)}); set both from the "
+                         f"same task, or unset SKYPILOT_NUM_NODES.")
+    gpus = _layout_int(env, "SKYPILOT_NUM_GPUS_PER_NODE", f"it must be the GPUs of each node (0 on CPU nodes). {fix}")
+    if gpus is not None and gpus < 0:
+        raise ValueError(f"Environment variable SKYPILOT_NUM_GPUS_PER_NODE={gpus} must be >= 0 (0 on CPU nodes); "
+                         f"{fix}")
+    port = _layout_int(env, "MASTER_PORT", "set it to a free port on the head node, or unset it for "
+                                           f"{SKYPILOT_MASTER_PORT}.")
+    layout = NodeLayout(nnodes=len(ips), node_rank=rank, nproc_per_node=gpus if gpus else None, master_addr=ips[0],
+                        master_port=SKYPILOT_MASTER_PORT if port is None else port, source="SkyPilot")
+    return _checked_layout(layout, "SKYPILOT_NODE_RANK", f"SKYPILOT_NODE_IPS names {len(ips)} node(s)", "MASTER_PORT")
+
+
+def _from_pet(env: Mapping[str, str]) -> NodeLayout:
+    source = "Kubeflow TrainJob (PET_* variables)"
+    raw_nodes = env["PET_NNODES"]
+    if ":" in raw_nodes:
+        raise ValueError(f"Environment variable PET_NNODES={raw_nodes!r} is an elastic range of nodes, which only "
+                         f"torchrun's own rendezvous handles: start the job with `fabric-lite launch train.py` "
+                         f"(it reads the range), or set PET_NNODES to the number of nodes.")
+    fix = "torchrun reads it too; set it to a whole number, or unset it."
+    nnodes = _layout_int(env, "PET_NNODES", fix)
+    if nnodes is None:
+        raise ValueError(f"Environment variable PET_NNODES={raw_nodes!r} is empty; {fix}")
+    rank = _layout_int(env, "PET_NODE_RANK", fix)
+    raw_nproc = (env.get("PET_NPROC_PER_NODE") or "").strip()
+    nproc: Optional[int] = None
+    if raw_nproc.lstrip("+-").isdigit():  # auto / gpu / cpu: torchrun counts them; not said here
+        nproc = int(raw_nproc)
+        if nproc < 1:
+            raise ValueError(f"Environment variable PET_NPROC_PER_NODE={raw_nproc!r} must be >= 1 (or auto, gpu, "
+                             f"cpu); {fix}")
+    layout = NodeLayout(nnodes=nnodes, node_rank=rank or 0, nproc_per_node=nproc,
+                        master_addr=(env.get("PET_MASTER_ADDR") or "").strip() or "127.0.0.1",
+                        master_port=_layout_int(env, "PET_MASTER_PORT", fix), source=source)
+    return _checked_layout(layout, "PET_NODE_RANK", f"PET_NNODES={nnodes}", "PET_MASTER_PORT")
 
 
 def read_launch_settings(env: Optional[Mapping[str, str]] = None) -> LaunchSettings:

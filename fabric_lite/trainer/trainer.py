@@ -276,6 +276,11 @@ class Trainer:
                 raise ValueError("enable_checkpointing=False, but a ModelCheckpoint is in callbacks; drop one of them.")
         elif not any(isinstance(c, ModelCheckpoint) for c in self.callbacks):
             self.callbacks.append(ModelCheckpoint())
+        self._order_callbacks()
+
+    def _order_callbacks(self) -> None:
+        """Callbacks that report what the others did at a hook (`Callback.runs_last`) go last, in their order."""
+        self.callbacks.sort(key=lambda c: bool(getattr(c, "runs_last", False)))  # (a stable sort)
 
     def _add_model_summary(self) -> None:
         """The default ModelSummary joins the callbacks when fit starts, unless one is there already: after
@@ -285,6 +290,7 @@ class Trainer:
 
         if not any(isinstance(c, ModelSummary) for c in self.callbacks):
             self.callbacks.append(ModelSummary())
+            self._order_callbacks()
 
     def timed_callbacks(self) -> List[Any]:
         """The callbacks, each hook read from them timed by the profiler (only while one is on)."""
@@ -449,6 +455,8 @@ class Trainer:
         callbacks = self.timed_callbacks() if profiling else self.callbacks
         for cb in callbacks:
             cb.setup(self, module, "fit")
+        if ckpt_path in (None, "last") and detect_process().engine in ("ray", "ray_train"):
+            ckpt_path = self._ray_checkpoint(ckpt_path)
         if ckpt_path is None and detect_process().restart_count > 0:
             ckpt_path = "last"  # restarted by torch elastic: go on from the newest whole checkpoint
             if self.is_global_zero:
@@ -602,6 +610,26 @@ class Trainer:
             return callback.dirpath  # type: ignore[attr-defined]
         return f"{self.default_root_dir.rstrip('/')}/checkpoints"
 
+    def _ray_checkpoint(self, ckpt_path: Optional[str]) -> Optional[str]:
+        """Under Ray: the checkpoint Ray hands this run (a restarted worker group, a new driver on the same storage
+        and run name) for "last"; for None too when it is a fabric_lite checkpoint (one RayReportCallback reported),
+        so a run Ray restarts resumes by itself, as under torch elastic."""
+        from fabric_lite.ray import get_checkpoint
+
+        found = get_checkpoint()
+        if found is None:
+            return ckpt_path
+        if ckpt_path is None:
+            from fabric_lite.checkpoint import files as checkpoint_io
+
+            try:
+                checkpoint_io.read_manifest(found)
+            except checkpoint_io.CheckpointError:
+                return None  # the script's own kind of checkpoint: its business
+        if self.is_global_zero:
+            print(f"fabric_lite: resuming from the checkpoint Ray handed this run: {found}", file=sys.stderr, flush=True)
+        return found
+
     def _restore(self, ckpt_path: str) -> None:
         if ckpt_path == "last":
             from fabric_lite.checkpoint import files as checkpoint_io
@@ -726,8 +754,14 @@ def _relaunch_if_needed(devices: Union[int, str], num_nodes: int, xla: Optional[
 
     from fabric_lite.strategies.environments import detect_process, read_launch_settings
 
-    if not isinstance(devices, int) or devices <= 1 or detect_process().is_distributed or xla is None:
+    process = detect_process()
+    if not isinstance(devices, int) or devices <= 1 or process.is_distributed or xla is None:
         return
+    if process.engine in ("ray", "ray_train"):  # Ray starts, places and restarts the processes: never a second launcher under it
+        raise RuntimeError(
+            f"Trainer(devices={devices}) in a single Ray process ({process.source}): under Ray, Ray starts the "
+            f"processes. Run the training function in Ray Train's TorchTrainer(train_fn, scaling_config="
+            f"ScalingConfig(num_workers={devices})) and leave `devices` out (or 'auto'), or pass devices=1.")
     if xla and read_launch_settings().accelerator == "xla":
         return  # a replica that torch_xla's launcher started (replicas that are threads share one environment)
     main = sys.modules.get("__main__")
