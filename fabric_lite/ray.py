@@ -59,21 +59,20 @@ def _api() -> Any:
         f"in a Ray Tune trial, or leave the Ray report out.")
 
 
-def _as_ray_checkpoint(url: str) -> Any:
-    """A `ray.train.Checkpoint` for a published fabric_lite checkpoint (a local directory or an fsspec URL
-    that pyarrow also reaches: s3://, gs://, hdfs://)."""
-    ray = _import_ray()
+def _as_ray_checkpoint(api: Any, url: str) -> Any:
+    """A Checkpoint of `api` (`ray.train`'s or `ray.tune`'s) for a published fabric_lite checkpoint: a local
+    directory or an fsspec URL that pyarrow also reaches (s3://, gs://, hdfs://)."""
     if "://" not in url or url.startswith("file://"):
-        return ray.train.Checkpoint.from_directory(os.path.abspath(url.removeprefix("file://")))
+        return api.Checkpoint.from_directory(os.path.abspath(url.removeprefix("file://")))
     import pyarrow.fs
 
     filesystem, path = pyarrow.fs.FileSystem.from_uri(url)
-    return ray.train.Checkpoint(path=path, filesystem=filesystem)
+    return api.Checkpoint(path=path, filesystem=filesystem)
 
 
 def _send(api: Any, metrics: Mapping[str, Any], url: Optional[str], upload: str, is_main: bool) -> None:
     values = {key: (value.item() if hasattr(value, "item") else value) for key, value in metrics.items()}
-    checkpoint = _as_ray_checkpoint(url) if (url is not None and is_main) else None
+    checkpoint = _as_ray_checkpoint(api, url) if (url is not None and is_main) else None
     if api.__name__ == "ray.train":
         # Every worker reports (a barrier in Ray Train); only the main process attaches the checkpoint, which
         # holds every process's files (sharded checkpoints are written into one directory).

@@ -15,7 +15,27 @@ from torch import nn
 if TYPE_CHECKING:
     from fabric_lite.trainer.trainer import Trainer
 
-__all__ = ["TrainModule", "DataModule"]
+__all__ = ["TrainModule", "DataModule", "AttributeDict"]
+
+
+class AttributeDict(Dict[str, Any]):
+    """`hparams`: a dict whose keys read and write as attributes too (``self.hparams.lr``), as in Lightning."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"hparams has no {name!r}; it holds: {sorted(self)}. Record it with "
+                                 f"self.save_hyperparameters() in __init__, or set self.hparams.{name} = ...") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self[name] = value
+
+    def __delattr__(self, name: str) -> None:
+        try:
+            del self[name]
+        except KeyError:
+            raise AttributeError(name) from None
 
 
 class TrainModule(nn.Module):
@@ -37,7 +57,7 @@ class TrainModule(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self._trainer: Optional["Trainer"] = None
-        self.hparams: Dict[str, Any] = {}
+        self.hparams: AttributeDict = AttributeDict()
 
     # -- what the user writes ----------------------------------------------------------------------
     def training_step(self, batch: Any, batch_idx: int) -> Any:
@@ -177,7 +197,7 @@ class DataModule:
     """Dataloaders in one place: `setup(stage)` then `train_dataloader()` / `val_dataloader()` / ..."""
 
     def __init__(self) -> None:
-        self.hparams: Dict[str, Any] = {}
+        self.hparams: AttributeDict = AttributeDict()
 
     def prepare_data(self) -> None:
         """Download or write files; runs on the main process only, before `setup`."""

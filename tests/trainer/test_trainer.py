@@ -1067,6 +1067,15 @@ def test_save_hyperparameters_stored_and_checkpointed(tmp_path):
                                                                                     "name": "mlp"}
 
 
+def test_hparams_read_and_write_as_attributes():
+    module = WithHparams(hidden=7, lr=0.2)
+    assert module.hparams.lr == 0.2 and module.hparams["hidden"] == 7
+    module.hparams.dropout = 0.1
+    assert module.hparams["dropout"] == 0.1
+    with pytest.raises(AttributeError, match=r"hparams has no 'momentum'; it holds: \['dropout', 'hidden', 'lr', 'name'\]"):
+        module.hparams.momentum
+
+
 def test_save_hyperparameters_records_only_init_arguments(tmp_path):
     class LocalsToo(Regressor):
         def __init__(self, hidden=8):
