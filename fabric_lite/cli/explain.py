@@ -29,7 +29,7 @@ def explain_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None
 
     from torch.distributed.run import determine_local_world_size
 
-    from fabric_lite.strategies.environments import ENV_EXPLAIN, ENV_STRATEGY
+    from fabric_lite.strategies.environments import ENV_EXPLAIN, ENV_STRATEGY, detect_node_layout
     from fabric_lite.launch.launcher import (
         check_launch, config_notice, patched_environ, settings_env, free_port, launch_command_parser,
         parse_with_config, resolve_accelerate_flags,
@@ -95,9 +95,13 @@ def explain_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None
         print(f"fabric-lite explain: ignoring Accelerate flags that have no meaning here: {', '.join(ignored)}",
               file=sys.stderr)
 
+    layout = detect_node_layout()  # a cluster engine's variables win over the config file (parse_with_config)
+
     def where(flag: str, key: str, value: Any) -> str:
         if _flag_given(argv, script, flag, flag.replace("-", "_").replace("__", "--")):
             return f"{flag} {value}"
+        if layout is not None and (key == "nnodes" or (key == "nproc_per_node" and layout.nproc_per_node)):
+            return f"{layout.source}'s variables ({flag} {value})"
         return f"{in_file} ({key}: {value})" if config is not None else f"the default {flag} {value}"
 
     if total is not None and not _flag_given(argv, script, "--nproc-per-node", "--nproc_per_node"):

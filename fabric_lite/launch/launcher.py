@@ -25,7 +25,7 @@ from fabric_lite.launch.config_file import (
 )
 from fabric_lite.strategies.environments import (
     ENV_GRAD_ACCUM, ENV_LAUNCHED, ENV_MIXED_PRECISION, ENV_STRATEGY, ENV_USE_CPU, NodeLayout, detect_node_layout,
-    read_xla_settings,
+    read_xla_settings, torchrun_master_port,
 )
 from fabric_lite.launch.lifeline import ENV_LAUNCHER_PID
 from fabric_lite.strategies.precision import resolve_precision
@@ -126,7 +126,7 @@ def launch_command_parser() -> CliParser:
     )
     # No port given: None (then _free_port_rendezvous), as torch >= 2.13 does; older torch says 29500.
     # torchrun's PET_MASTER_PORT still gives the default.
-    parser.set_defaults(master_port=os.environ.get("PET_MASTER_PORT"))
+    parser.set_defaults(master_port=torchrun_master_port())
     group = parser.add_argument_group("fabric_lite settings (read by Accelerator() in each worker)")
     group.add_argument("--config-file", "--config_file", default=None, metavar="PATH",
                        help="YAML file of defaults: one `fabric-lite config` wrote, or Accelerate's (default: "

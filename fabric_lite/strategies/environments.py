@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 __all__ = ["ProcessInfo", "LaunchSettings", "XLASettings", "NodeLayout", "detect_process", "detect_xla_process",
-           "detect_node_layout", "read_launch_settings", "read_xla_settings", "first_host"]
+           "detect_node_layout", "read_launch_settings", "read_xla_settings", "first_host", "torchrun_master_port"]
 
 # Variables the `fabric-lite launch` command and `notebook_launcher` use to hand settings to the
 # Accelerator running inside each worker.
@@ -381,6 +381,13 @@ def _from_pet(env: Mapping[str, str]) -> NodeLayout:
                         master_addr=(env.get("PET_MASTER_ADDR") or "").strip() or "127.0.0.1",
                         master_port=_layout_int(env, "PET_MASTER_PORT", fix), source=source)
     return _checked_layout(layout, "PET_NODE_RANK", f"PET_NNODES={nnodes}", "PET_MASTER_PORT")
+
+
+def torchrun_master_port(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """PET_MASTER_PORT, torchrun's own default for --master-port (None where unset): `fabric-lite launch`, which
+    otherwise picks a free port, keeps it."""
+    env = os.environ if env is None else env
+    return env.get("PET_MASTER_PORT") or None
 
 
 def read_launch_settings(env: Optional[Mapping[str, str]] = None) -> LaunchSettings:
