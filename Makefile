@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: example test venv bench clean venv-xla test-xla cluster-tools
+.PHONY: example test venv bench clean venv-xla test-xla system-tools docs docs-serve
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -22,10 +22,19 @@ example: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra
 
-# The SLURM and mpirun tests (tests/launch/test_slurm.py, test_cluster.py) need SLURM, MUNGE and OpenMPI:
-# as root on Debian this installs them from Debian's packages; elsewhere it says what will skip.
-cluster-tools:
-	bash .ci/cluster-tools.sh
+# The documentation site (mkdocs.yml, docs/): built strictly, so a broken link or an API page that
+# does not render is an error. docs-serve rebuilds on every change, on http://127.0.0.1:8000.
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --site-dir site
+
+docs-serve: $(STAMP)
+	$(BIN)/mkdocs serve -a 127.0.0.1:8000
+
+# Tests that use real system programs: SLURM, MUNGE and OpenMPI (tests/launch/test_slurm.py, test_cluster.py)
+# and headless Chromium (tests/docs/test_docs.py): as root on Debian this installs them from Debian's
+# packages; elsewhere it says what will skip.
+system-tools:
+	bash .ci/system-tools.sh
 
 # torch_xla runs only on the torch of its own version (2.9): its tests run in an environment of their own,
 # on XLA's CPU device (PJRT_DEVICE=CPU). About 4 GB to download the first time.
@@ -59,4 +68,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/fsdp_memory.py
 
 clean:
-	rm -rf $(VENV) $(XLA_VENV) runs build *.egg-info
+	rm -rf $(VENV) $(XLA_VENV) runs build site *.egg-info

@@ -96,8 +96,9 @@ def report(accelerator: "Accelerator", metrics: Mapping[str, Any], checkpoint: O
     """Report `metrics` (and `checkpoint`, a directory `accelerator.save_state` wrote) to Ray. Every process calls
     it, the same number of times; a checkpoint still being written in the background is waited for first.
 
-    >>> path = accelerator.save_state(f"ckpt/epoch_{epoch}", blocking=False)    # doctest: +SKIP
-    >>> fabric_lite.ray.report(accelerator, {"loss": loss}, checkpoint=path)    # doctest: +SKIP
+    Examples:
+        >>> path = accelerator.save_state(f"ckpt/epoch_{epoch}", blocking=False)    # doctest: +SKIP
+        >>> fabric_lite.ray.report(accelerator, {"loss": loss}, checkpoint=path)    # doctest: +SKIP
     """
     _check_upload("report", upload)
     api = _api()
@@ -141,7 +142,8 @@ class RayReportCallback(Callback):
     too. It runs after the other callbacks at each hook, so a checkpoint saved at the same epoch end goes with
     that epoch's metrics. Resume: ``trainer.fit(module, ckpt_path="last")`` takes Ray's checkpoint.
 
-    >>> trainer = Trainer(max_epochs=5, callbacks=[RayReportCallback()])    # doctest: +SKIP
+    Examples:
+        >>> trainer = Trainer(max_epochs=5, callbacks=[RayReportCallback()])    # doctest: +SKIP
     """
 
     runs_last = True

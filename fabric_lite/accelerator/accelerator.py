@@ -43,8 +43,9 @@ __all__ = ["Accelerator", "DistributedType"]
 class Accelerator(StepEngine, ProcessControl, ModelState):
     """Run a hand-written training loop on any device, any number of processes, any precision.
 
-    >>> accelerator = Accelerator(mixed_precision="bf16")
-    >>> model, optimizer, loader = accelerator.prepare(model, optimizer, loader)  # doctest: +SKIP
+    Examples:
+        >>> accelerator = Accelerator(mixed_precision="bf16")
+        >>> model, optimizer, loader = accelerator.prepare(model, optimizer, loader)  # doctest: +SKIP
     """
 
     #: Under `fabric-lite explain`, the arguments this Accelerator was given (the plan reports settings

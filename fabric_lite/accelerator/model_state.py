@@ -27,10 +27,11 @@ def init_on_device(device: Union[str, torch.device], include_buffers: bool = Fal
     `include_buffers`; then every tensor created inside lands there). On the meta device nothing is allocated
     to stay: parameters are made where torch makes them, then moved (a meta tensor holds no memory).
 
-    >>> with init_on_device("meta"):
-    ...     layer = torch.nn.Linear(4, 4)
-    >>> layer.weight.device.type
-    'meta'
+    Examples:
+        >>> with init_on_device("meta"):
+        ...     layer = torch.nn.Linear(4, 4)
+        >>> layer.weight.device.type
+        'meta'
     """
     device = torch.device(device)
     register_parameter, register_buffer = nn.Module.register_parameter, nn.Module.register_buffer
@@ -62,10 +63,11 @@ def init_empty_weights(include_buffers: bool = False) -> ContextManager[None]:
     it afterwards, e.g. `model.to_empty(device=...)` then `load_state_dict`, or build it under
     `Accelerator.init_module()` to let FSDP materialize each process's shards.
 
-    >>> with init_empty_weights():
-    ...     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
-    >>> model[0].weight.is_meta, model[1].running_mean.is_meta
-    (True, False)
+    Examples:
+        >>> with init_empty_weights():
+        ...     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+        >>> model[0].weight.is_meta, model[1].running_mean.is_meta
+        (True, False)
     """
     return init_on_device(torch.device("meta"), include_buffers=include_buffers)
 
@@ -123,8 +125,9 @@ class ModelState:
         process's shards and runs every submodule's `reset_parameters`) when `empty_init` is True, or by
         default under a strategy that shards parameters (FSDP); else on this process's device.
 
-        >>> with accelerator.init_module():                     # doctest: +SKIP
-        ...     model = GPT(config)        # on FSDP: nothing allocated until prepare()
+        Examples:
+            >>> with accelerator.init_module():                     # doctest: +SKIP
+            ...     model = GPT(config)        # on FSDP: nothing allocated until prepare()
         """
         meta = self.strategy.initializes_on_meta if empty_init is None else bool(empty_init)
         if meta and not self.strategy.initializes_on_meta:
@@ -177,7 +180,8 @@ class ModelState:
         background save is raised by the next `save_state`, `wait_for_checkpoint`, `check_preemption` or
         `end_training`. `durable=True` fsyncs files and directories before publishing (local disks).
 
-        >>> accelerator.save_state("ckpt/step_100", blocking=False)   # doctest: +SKIP
+        Examples:
+            >>> accelerator.save_state("ckpt/step_100", blocking=False)   # doctest: +SKIP
         """
         return state_io.save_state(self, output_dir, blocking=blocking, if_busy=if_busy, durable=durable)
 

@@ -72,8 +72,9 @@ def _read_config(config: Union[None, dict, str, os.PathLike]) -> Dict[str, Any]:
 class DeepSpeedStrategy(DDPStrategy):
     """Train with DeepSpeed's engine (data parallel, ZeRO-partitioned state).
 
-    >>> DeepSpeedStrategy(stage=3, offload_optimizer=True)              # doctest: +SKIP
-    >>> DeepSpeedStrategy(config="ds_config.json")                      # doctest: +SKIP
+    Examples:
+        >>> DeepSpeedStrategy(stage=3, offload_optimizer=True)              # doctest: +SKIP
+        >>> DeepSpeedStrategy(config="ds_config.json")                      # doctest: +SKIP
 
     Names: "deepspeed" (stage 2), "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_2_offload",
     "deepspeed_stage_3", "deepspeed_stage_3_offload". Settings given both here (or by the front door:

@@ -47,7 +47,8 @@ def _fsdp() -> Any:
 class FSDPStrategy(DDPStrategy):
     """Shard parameters, gradients and optimizer state over the processes with FSDP2.
 
-    >>> FSDPStrategy(auto_wrap_policy={"TransformerBlock"}, activation_checkpointing=True)  # doctest: +SKIP
+    Examples:
+        >>> FSDPStrategy(auto_wrap_policy={"TransformerBlock"}, activation_checkpointing=True)  # doctest: +SKIP
 
     `auto_wrap_policy`: the blocks that each get their own `fully_shard` (classes, class names, or a
     callable); None shards the model as one group (a Hugging Face model's `_no_split_modules` are used

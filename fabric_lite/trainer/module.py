@@ -41,12 +41,13 @@ class AttributeDict(Dict[str, Any]):
 class TrainModule(nn.Module):
     """Subclass it, write `training_step` and `configure_optimizers`, and pass it to `Trainer.fit`.
 
-    >>> class Classifier(TrainModule):
-    ...     def training_step(self, batch, batch_idx):
-    ...         x, y = batch
-    ...         loss = torch.nn.functional.cross_entropy(self.net(x), y)
-    ...         self.log("train/loss", loss)
-    ...         return loss
+    Examples:
+        >>> class Classifier(TrainModule):
+        ...     def training_step(self, batch, batch_idx):
+        ...         x, y = batch
+        ...         loss = torch.nn.functional.cross_entropy(self.net(x), y)
+        ...         self.log("train/loss", loss)
+        ...         return loss
     """
 
     #: Set to False to call `self.manual_backward` and step `self.optimizers()` yourself.
