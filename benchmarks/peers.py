@@ -179,6 +179,17 @@ def total_calls(run: Runner, steps: int) -> Tuple[float, float]:
     return (sum(per_step.values()) * steps, sum(v for k, v in per_step.items() if is_python(k)) * steps)
 
 
+def cpu_name() -> str:
+    """The processor's model name, for the record (platform.processor() is often empty on Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def git_commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE.parent, capture_output=True,
@@ -300,8 +311,13 @@ def main() -> None:
     if missing:
         print("Skipped (not installed): " + ", ".join(name for name, _ in missing))
     if args.json:
+        machine = {"cpu": cpu_name(), "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
+                   "system": platform.platform()}
         args.json.write_text(json.dumps({"versions": versions, "model": args.model, "steps_per_repeat": steps,
-                                         "repeats": repeats, "loops": results}, indent=2))
+                                         "repeats": repeats, "quick": args.quick, "machine": machine,
+                                         "command": "python benchmarks/peers.py " + " ".join(sys.argv[1:]),
+                                         "date": time.strftime("%Y-%m-%d", time.gmtime()), "loops": results},
+                                        indent=2))
 
 
 if __name__ == "__main__":
