@@ -6,7 +6,6 @@ import json
 import os
 import re
 import sys
-import textwrap
 
 import pytest
 
@@ -253,32 +252,9 @@ def test_launch_under_kubeflow_pet_variables(tmp_path):
 
 
 def test_trainer_devices_2_relaunches_under_skypilot_variables(tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent('''
-        import os
-        import torch, torch.nn.functional as F
-        from torch.utils.data import DataLoader, TensorDataset
-        from fabric_lite import Trainer, TrainModule
-
-        class M(TrainModule):
-            def __init__(self):
-                super().__init__()
-                self.layer = torch.nn.Linear(4, 2)
-            def training_step(self, batch, batch_idx):
-                x, y = batch
-                return F.cross_entropy(self.layer(x), y)
-            def configure_optimizers(self):
-                return torch.optim.SGD(self.parameters(), 0.1)
-
-        trainer = Trainer(max_epochs=1, devices=2, accelerator="cpu", enable_progress_bar=False,
-                          enable_checkpointing=False, enable_model_summary=False, default_root_dir=os.getcwd())
-        trainer.fit(M(), DataLoader(TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,))), batch_size=4))
-        print(f"RANK {trainer.strategy.global_rank} OF {trainer.world_size} PORT {os.environ['MASTER_PORT']}")
-    '''))
     port = free_port()
     env = {"SKYPILOT_NODE_RANK": "0", "SKYPILOT_NODE_IPS": "127.0.0.1", "SKYPILOT_NUM_NODES": "1",
            "SKYPILOT_NUM_GPUS_PER_NODE": "0", "MASTER_PORT": str(port)}
-    proc = run_command([sys.executable, str(script)], env=env, timeout=90, cwd=tmp_path)
+    proc = run_command([sys.executable, str(WORKERS / "trainer_relaunch.py")], env=env, timeout=90, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    # two processes share the pipe, so their lines may interleave: look for both reports anywhere
-    assert sorted(re.findall(rf"RANK (\d) OF 2 PORT {port}", proc.stdout)) == ["0", "1"]
+    assert sorted(re.findall(rf"RANK (\d) OF 2 STEPS 4 PORT {port}", proc.stdout)) == ["0", "1"]

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from conftest import free_port, run_command
+from conftest import WORKERS, free_port, run_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -153,34 +153,12 @@ def test_trainer_example_writes_logs_and_checkpoints_and_resumes(tmp_path):
 
 
 def test_trainer_with_devices_2_starts_its_own_processes(tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent('''
-        import torch, torch.nn.functional as F
-        from torch.utils.data import DataLoader, TensorDataset
-        from fabric_lite import Trainer, TrainModule
-
-        class M(TrainModule):
-            def __init__(self):
-                super().__init__()
-                self.layer = torch.nn.Linear(4, 2)
-            def training_step(self, batch, batch_idx):
-                x, y = batch
-                return F.cross_entropy(self.layer(x), y)
-            def configure_optimizers(self):
-                return torch.optim.SGD(self.parameters(), 0.1)
-
-        trainer = Trainer(max_epochs=1, devices=2, accelerator="cpu", strategy="ddp",
-                          enable_progress_bar=False, enable_checkpointing=False)
-        trainer.fit(M(), DataLoader(TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,))), batch_size=4))
-        import sys
-        print(f"RANK {trainer.strategy.global_rank} OF {trainer.world_size} STEPS {trainer.global_step} "
-              f"ARGS {' '.join(sys.argv[1:])}")
-    '''))
     # the script's own arguments (`--run` once read as torchrun's `--run-path`) reach every process untouched
-    proc = run_command([sys.executable, str(script), "--run", "x", "--nnodes", "3"], timeout=120)
+    proc = run_command([sys.executable, str(WORKERS / "trainer_relaunch.py"), "--run", "x", "--nnodes", "3"],
+                       timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     # two processes share the pipe, so their lines may interleave: look for both reports anywhere
-    assert sorted(re.findall(r"RANK (\d) OF 2 STEPS 4 ARGS --run x --nnodes 3", proc.stdout)) == ["0", "1"]
+    assert sorted(re.findall(r"RANK (\d) OF 2 STEPS 4 PORT \d+ ARGS --run x --nnodes 3", proc.stdout)) == ["0", "1"]
 
 
 def test_trainer_example_on_two_processes_in_bf16(tmp_path):
