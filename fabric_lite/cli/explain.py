@@ -32,7 +32,7 @@ def explain_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None
     from fabric_lite.strategies.environments import ENV_EXPLAIN, ENV_STRATEGY, detect_node_layout
     from fabric_lite.launch.launcher import (
         check_launch, config_notice, patched_environ, settings_env, free_port, launch_command_parser,
-        parse_with_config, resolve_accelerate_flags,
+        nodes_said, parse_with_config, resolve_accelerate_flags,
     )
 
     env = os.environ if env is None else env
@@ -70,9 +70,7 @@ def explain_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None
     if args.no_python:
         return _error("--no-python: explain runs a Python script (or -m module) in this interpreter.")
     script = args.training_script
-    nnodes_spec = "1" if args.standalone else str(args.nnodes)
-    low, _, high = nnodes_spec.partition(":")
-    nnodes_spec = low if not high or low == high else nnodes_spec  # torchrun's default is "1:1"
+    nnodes_spec = "1" if args.standalone else nodes_said(args.nnodes)  # torchrun's default "1:1" is 1
     nodes = int(nnodes_spec.split(":")[-1])
     in_file = "the config file"
     origins: Dict[str, str] = {}

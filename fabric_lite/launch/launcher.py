@@ -402,7 +402,7 @@ def check_launch(args: argparse.Namespace) -> None:
     strategy = getattr(args, "strategy", None)
     if strategy and several and runs_one_process(strategy):
         raise LaunchError(f"--strategy {strategy} trains in one process, but this launch starts "
-                          f"{nproc} per node on {args.nnodes} node(s). Use --strategy ddp (or leave it out), or "
+                          f"{nproc} per node on {nodes_said(args.nnodes)} node(s). Use --strategy ddp (or leave it out), or "
                           f"--nproc-per-node 1.")
     # On the machine that hosts the rendezvous store (static rendezvous, node 0) a port in use would
     # surface as a traceback from deep inside c10d, or a hang: look before starting.
@@ -421,6 +421,12 @@ def _free_port_rendezvous(args: argparse.Namespace) -> None:
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     if args.master_port is None:  # several machines: torch's usual port
         args.master_port = 29500
+
+
+def nodes_said(nnodes: Any) -> str:
+    """--nnodes as a person reads it: torchrun's default "1:1" is 1; a range MIN:MAX stays one."""
+    low, _, high = str(nnodes).partition(":")
+    return low if not high or low == high else f"{low}:{high}"
 
 
 def _port_taken(addr: str, port: int) -> bool:

@@ -207,7 +207,8 @@ class DataModule:
         """Build datasets for `stage` ("fit", "validate", "test" or "predict"); runs on every process."""
 
     def teardown(self, stage: str) -> None:
-        pass
+        """Free what `setup(stage)` built; runs on every process when fit/validate/test/predict ends (also after
+        an error)."""
 
     def train_dataloader(self) -> Any:
         raise NotImplementedError(f"{type(self).__name__} has no train_dataloader().")

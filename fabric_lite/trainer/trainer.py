@@ -478,6 +478,8 @@ class Trainer:
             self.preemption.uninstall()
             for cb in callbacks:
                 cb.teardown(self, module, "fit")
+            if datamodule is not None:  # after a failure too, as its setup ran
+                datamodule.teardown("fit")
             if profiling:
                 self._end_profile("fit")
 
@@ -503,6 +505,8 @@ class Trainer:
         try:
             return loops.run_predict(self, loaders)
         finally:
+            if datamodule is not None:
+                datamodule.teardown("predict")
             if profiling:
                 self._end_profile("predict")
 
@@ -520,6 +524,8 @@ class Trainer:
         try:
             return [loops.run_evaluation(self, stage, loader) for loader in loaders]
         finally:
+            if datamodule is not None:
+                datamodule.teardown(stage)
             if profiling:
                 self._end_profile(stage)
 

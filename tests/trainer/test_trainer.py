@@ -981,6 +981,9 @@ class DigitsLike(DataModule):
         self.stages.append(stage)
         self.train, self.val = regression_data(n=24), regression_data(n=8, seed=5)
 
+    def teardown(self, stage):
+        self.stages.append(f"teardown {stage}")
+
     def train_dataloader(self):
         return loader(self.train, batch_size=4)
 
@@ -999,13 +1002,14 @@ def test_datamodule_setup_stages_and_loaders(tmp_path):
     module = Regressor()
     trainer = make_trainer(tmp_path, [rec], max_epochs=2, num_sanity_val_steps=0)
     trainer.fit(module, datamodule=dm)
-    assert dm.stages == ["fit"] and dm.prepared == 1
+    assert dm.stages == ["fit", "teardown fit"] and dm.prepared == 1
     assert trainer.global_step == 12 and rec.val_batches == 4
     assert trainer.validate(datamodule=dm)[0]["val/loss"] == pytest.approx(_weighted_mse(module.net, dm.val), rel=1e-5)
     trainer.test(datamodule=dm)
     preds = trainer.predict(datamodule=dm)
     assert len(preds) == 1 and preds[0].shape == (8, 1)
-    assert dm.stages == ["fit", "validate", "test", "predict"]
+    assert dm.stages == ["fit", "teardown fit", "validate", "teardown validate", "test", "teardown test", "predict",
+                         "teardown predict"]
     with pytest.raises(ValueError, match="not both"):
         trainer.validate(module, loader(dm.val), datamodule=dm)
 
