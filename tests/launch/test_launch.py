@@ -103,16 +103,29 @@ def test_workers_do_not_outlive_their_launcher(tmp_path, sig):
     from conftest import WORKERS
 
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "fabric_lite.cli", "launch", "--nproc-per-node", "2",
-                             "--master-port", str(free_port()), str(WORKERS / "sleeper.py"), "120"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    workers = []
-    try:
-        while len(workers) < 2:
+
+    def start():
+        """The launcher, once both workers said their pid; None (with why) if it ended before they did."""
+        proc = subprocess.Popen([sys.executable, "-m", "fabric_lite.cli", "launch", "--nproc-per-node", "2",
+                                 "--master-port", str(free_port()), str(WORKERS / "sleeper.py"), "120"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        pids = []
+        while len(pids) < 2:
             line = proc.stdout.readline()
-            assert line, proc.stderr.read()[-3000:]
+            if not line:
+                proc.kill()
+                return None, [], f"exit {proc.wait()}: {proc.stderr.read()[-3000:]}"
             if line.startswith("worker pid"):
-                workers.append(int(line.split()[2]))
+                pids.append(int(line.split()[2]))
+        return proc, pids, ""
+
+    # Once in several full-suite runs the launcher ended, silently, before its workers started (not reproduced
+    # alone); that is not what this test is about, so it starts again once, and fails if that happens twice.
+    proc, workers, why = start()
+    if proc is None:
+        proc, workers, again = start()
+        assert proc is not None, f"the launcher ended before its workers started, twice: {why} / {again}"
+    try:
         proc.send_signal(getattr(signal, sig))
         _, err = proc.communicate(timeout=60)
         deadline = time.monotonic() + 10
