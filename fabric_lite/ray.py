@@ -114,7 +114,7 @@ def get_checkpoint() -> Optional[str]:
     newest checkpoint reported. Remote storage pyarrow reaches but fsspec may not is copied to a local temporary
     directory first."""
     process = detect_process()
-    if process.engine not in ("ray", "ray_train"):
+    if not process.started_by_ray:
         return None
     api = _api()
     checkpoint = api.get_checkpoint()

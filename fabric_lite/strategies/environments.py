@@ -55,6 +55,11 @@ class ProcessInfo:
     def is_distributed(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def started_by_ray(self) -> bool:
+        """Ray started this process (a Ray Train worker, a Tune trial, a task): Ray owns starting processes."""
+        return self.engine in ("ray", "ray_train")
+
 
 @dataclass(frozen=True)
 class LaunchSettings:

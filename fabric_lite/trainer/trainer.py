@@ -455,12 +455,13 @@ class Trainer:
         callbacks = self.timed_callbacks() if profiling else self.callbacks
         for cb in callbacks:
             cb.setup(self, module, "fit")
-        if ckpt_path in (None, "last") and detect_process().engine in ("ray", "ray_train"):
+        process = detect_process()
+        if ckpt_path in (None, "last") and process.started_by_ray:
             ckpt_path = self._ray_checkpoint(ckpt_path)
-        if ckpt_path is None and detect_process().restart_count > 0:
+        if ckpt_path is None and process.restart_count > 0:
             ckpt_path = "last"  # restarted by torch elastic: go on from the newest whole checkpoint
             if self.is_global_zero:
-                print(f"fabric_lite: restart {detect_process().restart_count}: resuming from the newest checkpoint "
+                print(f"fabric_lite: restart {process.restart_count}: resuming from the newest checkpoint "
                       f"under {self.checkpoint_dir()}", file=sys.stderr, flush=True)
         if ckpt_path is not None:
             self._restore(ckpt_path)
@@ -763,7 +764,7 @@ def _relaunch_if_needed(devices: Union[int, str], num_nodes: int, xla: Optional[
     process = detect_process()
     if not isinstance(devices, int) or devices <= 1 or process.is_distributed or xla is None:
         return
-    if process.engine in ("ray", "ray_train"):  # Ray starts, places and restarts the processes: never a second launcher under it
+    if process.started_by_ray:  # Ray starts, places and restarts the processes: never a second launcher under it
         raise RuntimeError(
             f"Trainer(devices={devices}) in a single Ray process ({process.source}): under Ray, Ray starts the "
             f"processes. Run the training function in Ray Train's TorchTrainer(train_fn, scaling_config="
