@@ -31,7 +31,7 @@ def explain_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None
 
     from fabric_lite.strategies.environments import ENV_EXPLAIN, ENV_STRATEGY, detect_node_layout
     from fabric_lite.launch.launcher import (
-        check_launch, config_notice, patched_environ, settings_env, free_port, launch_command_parser,
+        check_launch, check_script, config_notice, patched_environ, settings_env, free_port, launch_command_parser,
         nodes_said, parse_with_config, resolve_accelerate_flags,
     )
 
@@ -69,6 +69,10 @@ def explain_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None
         return _error(f"{err} (the real launch would stop here too)")
     if args.no_python:
         return _error("--no-python: explain runs a Python script (or -m module) in this interpreter.")
+    try:
+        check_script(args)
+    except ValueError as err:
+        return _error(str(err))
     script = args.training_script
     nnodes_spec = "1" if args.standalone else nodes_said(args.nnodes)  # torchrun's default "1:1" is 1
     nodes = int(nnodes_spec.split(":")[-1])

@@ -31,7 +31,7 @@ from fabric_lite.launch.lifeline import ENV_LAUNCHER_PID
 from fabric_lite.strategies.precision import resolve_precision
 
 __all__ = ["notebook_launcher", "launch_command_parser", "launch_command", "free_port", "torchrun_command",
-           "resolve_accelerate_flags", "config_notice"]
+           "resolve_accelerate_flags", "config_notice", "check_script"]
 
 
 def free_port() -> int:
@@ -412,6 +412,25 @@ def check_launch(args: argparse.Namespace) -> None:
                               f"free port, or leave --master-port out on a single machine (a free one is chosen).")
 
 
+def check_script(args: argparse.Namespace) -> None:
+    """Refuse a training script path that is not there, or a directory Python cannot run, before any process
+    starts (torchrun would start every worker only to have each fail to open it). A module (-m) or a program
+    (--no-python) is looked up by the workers themselves, so it is not checked here."""
+    if args.module or args.no_python:
+        return
+    script = args.training_script
+    if os.path.isfile(script):
+        return
+    if os.path.isdir(script):
+        if os.path.isfile(os.path.join(script, "__main__.py")):
+            return  # what `python folder/` runs
+        raise LaunchError(f"the training script {script} is a directory (with no __main__.py); pass the Python file "
+                          f"inside it to run, e.g. {os.path.join(script, 'train.py')}, or -m package.module.")
+    where = "" if os.path.isabs(script) else f" (looked for from {os.getcwd()})"
+    raise LaunchError(f"the training script {script} does not exist{where}; check the path, or pass -m "
+                      f"package.module to run a module.")
+
+
 def _free_port_rendezvous(args: argparse.Namespace) -> None:
     """One machine and no port given: meet on a port the OS picks (c10d rendezvous at localhost:0).
 
@@ -516,6 +535,10 @@ def launch_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None)
         settings[ENV_LAUNCHER_PID] = str(os.getpid())  # the workers die with this process (lifeline.py)
     except ValueError as err:
         return _error(f"{err}{suffix}")
+    try:
+        check_script(args)
+    except LaunchError as err:
+        return _error(str(err))
     if args.strategy is not None:
         settings[ENV_STRATEGY] = args.strategy
     settings.update(worker_env)

@@ -780,6 +780,11 @@ def _relaunch_if_needed(devices: Union[int, str], num_nodes: int, xla: Optional[
             f"num_processes={devices}), or run `fabric-lite launch{' --tpu' if xla else ''} --nproc-per-node {devices} "
             f"train.py`."
         )
+    if not os.path.isfile(script):  # moved or deleted since it started: every worker would fail to open it
+        raise RuntimeError(
+            f"Trainer(devices={devices}) starts this script again on {devices} processes, but {script} no longer "
+            f"exists (moved or deleted while it ran). Put it back, or start it with `fabric-lite launch"
+            f"{' --tpu' if xla else ''} --nproc-per-node {devices} PATH/TO/SCRIPT.py`.")
     import subprocess
 
     from fabric_lite.launch.launcher import torchrun_command
