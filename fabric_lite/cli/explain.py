@@ -147,6 +147,11 @@ def explain_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None
                     runpy.run_path(script, run_name="__main__")
             except SystemExit as exc:
                 code = exc.code
+            except Exception:  # the script's own error: its traceback, as `python train.py` shows it
+                import traceback
+
+                traceback.print_exc()
+                return 1
     finally:
         sys.argv[:], sys.path[:] = saved_argv, saved_path
     if was_explained():

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import sys
-from typing import List, Optional
+from typing import Callable, Dict, List, Optional
 
 USAGE = """usage: fabric-lite <command> [options]
 
@@ -96,8 +97,8 @@ def _env(args: List[str]) -> int:
 
 
 def _consolidate(args: List[str]) -> int:
+    import pickle
 
-    from fabric_lite.checkpoint.files import CheckpointError
     from fabric_lite.checkpoint.state import export_weights
     from fabric_lite.cli.parsing import CliParser
 
@@ -112,9 +113,15 @@ def _consolidate(args: List[str]) -> int:
     parsed = parser.parse_args(args)
     try:
         count, written = export_weights(parsed.checkpoint, parsed.out, parsed.model_index)
-    except (CheckpointError, OSError, ValueError, ImportError) as err:
-        print(f"fabric-lite consolidate: {err}", file=sys.stderr)
-        return 1
+    except ImportError as err:  # safetensors asked for and missing: its message says what to install
+        print(f"fabric-lite consolidate: error: {one_line(str(err))}", file=sys.stderr)
+        return 2
+    except pickle.UnpicklingError as err:
+        raise ValueError(
+            f"{parsed.checkpoint}: the weights of model {parsed.model_index} hold objects that safe loading "
+            f"(weights_only=True) refuses ({refused_object(err)}); nothing was written. consolidate reads tensors "
+            f"only: if you trust this checkpoint, load it in Python with accelerator.load_state(..., "
+            f"weights_only=False) and save the model's state_dict().") from err
     print(f"wrote {count} tensors to {written}")
     return 0
 
@@ -177,8 +184,8 @@ def _config(args: List[str]) -> int:
         print("\nfabric-lite config: stopped before the last answer; nothing written.", file=sys.stderr)
         return 2
     except OSError as err:
-        print(f"fabric-lite config: error: cannot write {path}: {err}", file=sys.stderr)
-        return 1
+        print(f"fabric-lite config: error: cannot write {path}: {one_line(str(err))}", file=sys.stderr)
+        return 2
     print(f"Configuration saved at {path}")
     if not (given or parsed.default):
         print(dump_config(config).rstrip("\n"))
@@ -243,30 +250,89 @@ def _test(args: List[str]) -> int:
     return code
 
 
+def _launch(args: List[str]) -> int:
+    from fabric_lite.launch.launcher import launch_command
+
+    return launch_command(args)
+
+
+def _explain(args: List[str]) -> int:
+    from fabric_lite.cli.explain import explain_command
+
+    return explain_command(args)
+
+
+COMMANDS: Dict[str, Callable[[List[str]], int]] = {
+    "launch": _launch, "explain": _explain, "env": _env, "config": _config, "test": _test,
+    "consolidate": _consolidate,
+}
+
+
+def one_line(text: str) -> str:
+    """`text` as one line: terminal colour codes out, its lines joined, torch's paragraph on a refused unpickling
+    cut down to what was refused."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)
+    return _cut_torch_refusal(" ".join(line.strip() for line in text.splitlines() if line.strip()))
+
+
+def _cut_torch_refusal(text: str) -> str:
+    """torch's UnpicklingError for what weights_only loading refuses is a paragraph of advice around one fact
+    ("Unsupported global: GLOBAL mod.Class ..."): keep the fact and what follows torch's paragraph."""
+    start = text.find("Weights only load failed.")
+    mark = text.find("WeightsUnpickler error: ", max(start, 0))
+    if start < 0 or mark < 0:
+        return text
+    rest = text[mark + len("WeightsUnpickler error: "):]
+    ends = [i for i in (rest.find(" Please use "), rest.find(" Check the documentation of torch.load")) if i >= 0]
+    fact = rest[:min(ends)] if ends else rest
+    link = rest.find("torch.load.html")
+    after = rest[link + len("torch.load.html"):].lstrip(".") if link >= 0 else rest[len(fact):]
+    if not ends:
+        return text[:start] + fact
+    return f"{text[:start]}{fact.rstrip('. ')}{'.' if after.strip() else ''}{after}"
+
+
+def refused_object(err: BaseException) -> str:
+    """What safe loading refused, from torch's long UnpicklingError."""
+    return one_line(str(err)).rstrip(". ")
+
+
+def expected_failure(err: BaseException) -> Optional[str]:
+    """The one-line message of a failure a command can meet in ordinary use (a bad value, a path that cannot be
+    used, a checkpoint that cannot be read, a file safe loading refuses), or None for anything else: a bug,
+    which keeps its traceback."""
+    import pickle
+
+    if isinstance(err, pickle.UnpicklingError):
+        return (f"a file holds objects that safe loading (weights_only=True) refuses ({refused_object(err)}); "
+                f"load it only if you trust where it came from.")
+    if isinstance(err, (ValueError, OSError)):
+        return one_line(str(err)) or type(err).__name__
+    from fabric_lite.checkpoint.files import CheckpointError
+
+    if isinstance(err, CheckpointError):
+        return one_line(str(err))
+    return None
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
-    if command == "launch":
-        from fabric_lite.launch.launcher import launch_command
-
-        return launch_command(rest)
-    if command == "explain":
-        from fabric_lite.cli.explain import explain_command
-
-        return explain_command(rest)
-    if command == "env":
-        return _env(rest)
-    if command == "config":
-        return _config(rest)
-    if command == "test":
-        return _test(rest)
-    if command == "consolidate":
-        return _consolidate(rest)
-    print(f"fabric-lite: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
-    return 2
+    run = COMMANDS.get(command)
+    if run is None:
+        print(f"fabric-lite: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    try:
+        return run(rest)
+    except Exception as err:  # one place for every command: what a user can fix is one line, not a traceback
+        message = expected_failure(err)
+        if message is None:
+            raise
+        print(f"fabric-lite {command}: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

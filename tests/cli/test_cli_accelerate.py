@@ -237,4 +237,4 @@ def test_test_takes_both_spellings(homes, flag):
 def test_env_and_consolidate_take_both_spellings(homes, tmp_path):
     one_line_error(cli("env", "--config_fil", "x"), "did you mean --config_file?")
     proc = cli("consolidate", tmp_path / "missing", tmp_path / "out.pt", "--model_index", 0)
-    assert proc.returncode == 1 and "unrecognized" not in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "unrecognized" not in proc.stderr, proc.stderr

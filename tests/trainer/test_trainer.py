@@ -1250,7 +1250,7 @@ def test_consolidate_writes_weights_a_plain_module_loads(tmp_path, out_name, cap
 def test_consolidate_refuses_what_is_not_a_checkpoint(tmp_path, capsys):
     from fabric_lite.cli.main import main
 
-    assert main(["consolidate", str(tmp_path / "missing"), str(tmp_path / "w.pt")]) == 1
+    assert main(["consolidate", str(tmp_path / "missing"), str(tmp_path / "w.pt")]) == 2
     assert "No checkpoint" in capsys.readouterr().err
     assert not (tmp_path / "w.pt").exists()
 
@@ -1280,7 +1280,7 @@ def test_consolidate_output_in_a_directory_and_bad_input_in_one_line(tmp_path, c
     blocked.write_text("")
     for source, out, expected in [(damaged, tmp_path / "w.pt", "manifest.json is not readable JSON"),
                                   (ckpt, blocked / "w.pt", f"(writing {blocked}/w.pt)")]:
-        assert main(["consolidate", str(source), str(out)]) == 1
+        assert main(["consolidate", str(source), str(out)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("fabric-lite consolidate: ") and expected in err and err.count("\n") == 1, err
         assert not out.exists()
