@@ -11,12 +11,14 @@ import struct
 import zlib
 from typing import Any, Optional
 
-__all__ = ["CHECKSUM", "ZIP_PREFIX", "CHUNK", "digest", "on_helper_thread", "HashingWriter", "is_local",
+__all__ = ["CHECKSUM", "ZIP_PREFIX", "ZIP_DAMAGED", "CHUNK", "matches", "digest", "on_helper_thread", "HashingWriter", "is_local",
            "zip_listing_digest", "zip_digest", "checksum_of", "digest_file"]
 
 #: A checksum that starts with this is a digest of the file's zip directory (each record's CRC-32, which torch's
 #: writer computes as it writes), checked together with every record's bytes; others are over the whole file.
 ZIP_PREFIX = "zip:"
+#: What `zip_digest` gives for a file that is not a whole zip: it matches no manifest entry, even one that says it.
+ZIP_DAMAGED = f"{ZIP_PREFIX}damaged"
 CHUNK = 8 * 2**20
 
 
@@ -171,10 +173,15 @@ def zip_digest(source: Any) -> str:
                         pass
             return _structure_digest(archive, f)
     except (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error):
-        return f"{ZIP_PREFIX}damaged"
+        return ZIP_DAMAGED
     finally:
         if f is not source:
             f.close()
+
+
+def matches(found: str, expected: str) -> bool:
+    """Whether a computed checksum is the manifest's (a damaged zip matches nothing)."""
+    return found == expected and found != ZIP_DAMAGED
 
 
 def checksum_of(source: Any, expected: str, algorithm: str) -> str:

@@ -16,6 +16,7 @@ import io
 import json
 import math
 import os
+import pickle
 import time
 import uuid
 import warnings
@@ -27,7 +28,7 @@ from fabric_lite.checkpoint import checksums as digests
 from fabric_lite.checkpoint import locks
 
 __all__ = ["CheckpointError", "CheckpointWriter", "read_manifest", "manifest_problem", "load_file", "save_file", "verify",
-           "update_latest", "newest_whole_checkpoint", "copy_checkpoint", "FORMAT_VERSION"]
+           "update_latest", "newest_whole_checkpoint", "copy_checkpoint", "member_path", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 3  # 2: main-process state in one training_state.pt; 3: "zip:" checksums (below)
 #: Versions this code reads: 2 differs from 3 only in having no "zip:" checksums.
@@ -49,6 +50,22 @@ def filesystem(url: str, storage_options: Optional[dict] = None) -> Tuple[Any, s
 
 def _join(fs: Any, *parts: str) -> str:
     return "/".join(p.rstrip("/") if i == 0 else p.strip("/") for i, p in enumerate(parts))
+
+
+def member_path(fs: Any, path: str, name: str, url: str) -> str:
+    """The path of the file `name` of the checkpoint at `path`, for reading; a member that is a link leading out of
+    the checkpoint directory is refused (loading never reads outside the checkpoint it was given)."""
+    full = _join(fs, path, name)
+    if digests.is_local(fs):
+        local = fs._strip_protocol(full)
+        if os.path.islink(local):
+            root = os.path.realpath(fs._strip_protocol(path))
+            target = os.path.realpath(local)
+            if os.path.commonpath([root, target]) != root:
+                raise CheckpointError(
+                    f"{url}/{name} is a link to {target}, outside the checkpoint directory; nothing was read. A "
+                    f"checkpoint holds its own files: copy the file in instead of linking it.")
+    return full
 
 
 def _renames(fs: Any) -> bool:
@@ -271,7 +288,7 @@ def copy_checkpoint(src: str, dst: str, storage_options: Optional[dict] = None) 
     try:
         writer.clean_up_interrupted()
         for name in manifest["files"]:
-            fs.copy(_join(fs, src_path, name), _join(fs, writer.staging, name))
+            fs.copy(member_path(fs, src_path, name, src), _join(fs, writer.staging, name))
         writer.checksums = dict(manifest["files"])
         writer.commit(writer.checksums, manifest.get("meta"))
     except BaseException:
@@ -328,7 +345,7 @@ def read_manifest(url: str, storage_options: Optional[dict] = None) -> Dict[str,
 
 
 def _manifest_at(fs: Any, path: str, url: str) -> Dict[str, Any]:
-    manifest_path = _join(fs, path, MANIFEST)
+    manifest_path = member_path(fs, path, MANIFEST, url)
     if not fs.exists(manifest_path):
         if fs.exists(path):
             raise CheckpointError(
@@ -391,38 +408,44 @@ def load_file(
 ) -> Any:
     """Load one file of a checkpoint, checking its checksum against the manifest.
 
-    The checksum is computed on a helper thread while `torch.load` reads (it is safe to unpickle
-    before the check: `weights_only=True` builds nothing but tensors and containers); a mismatch
-    discards the result and raises."""
+    With `weights_only=True` the checksum is computed on a helper thread while `torch.load` reads (safe:
+    that unpickler builds nothing but tensors and containers), and a mismatch discards the result. With
+    `weights_only=False` unpickling can run code, so the file is verified whole before anything reads it."""
     fs, path = filesystem(url, storage_options)
     expected = manifest["files"].get(name)
     if expected is None:
         raise CheckpointError(f"{url} has no file {name!r} in its manifest (it holds {sorted(manifest['files'])}).")
-    full = _join(fs, path, name)
+    full = member_path(fs, path, name, url)
     algorithm = manifest.get("checksum", "sha256")
     digests.digest(algorithm)  # an unknown algorithm is refused before anything is read
     if digests.is_local(fs):
         local = fs._strip_protocol(full)
         if not os.path.exists(local):
             raise CheckpointError(f"{url} is missing {name}, which its manifest lists.")
-        pending = digests.on_helper_thread(digests.checksum_of, local, expected, algorithm)
         source: Any = local
     else:
         with fs.open(full, "rb") as f:
-            data = f.read()
-        pending = digests.on_helper_thread(digests.checksum_of, data, expected, algorithm)
-        source = io.BytesIO(data)
+            source = f.read()
+    pending = digests.on_helper_thread(digests.checksum_of, source, expected, algorithm)
+    corrupt = f"{url}/{name} does not match its checksum: the file is corrupt. Load an earlier checkpoint."
+    if not weights_only and not digests.matches(pending.result(), expected):
+        raise CheckpointError(corrupt)
     try:
         # A local file is mapped, not read: tensors are views of the page cache until something
         # writes to them, and load_state_dict copies weights into the existing parameters.
-        obj = torch.load(source, map_location=map_location, weights_only=weights_only, mmap=isinstance(source, str))
-    except Exception:
-        if pending.result() != expected:  # a damaged file explains the failure better than the unpickler
-            raise CheckpointError(f"{url}/{name} does not match its checksum: the file is corrupt. "
-                                  f"Load an earlier checkpoint.") from None
-        raise
-    if pending.result() != expected:
-        raise CheckpointError(f"{url}/{name} does not match its checksum: the file is corrupt. Load an earlier checkpoint.")
+        obj = torch.load(source if isinstance(source, str) else io.BytesIO(source), map_location=map_location,
+                         weights_only=weights_only, mmap=isinstance(source, str))
+    except Exception as err:
+        if not digests.matches(pending.result(), expected):  # a damaged file explains it better than the unpickler
+            raise CheckpointError(corrupt) from None
+        if isinstance(err, pickle.UnpicklingError) and weights_only:
+            raise CheckpointError(
+                f"{url}/{name} holds objects that safe loading (weights_only=True) refuses: {err}. If you trust "
+                f"this checkpoint, load it with weights_only=False.") from None
+        raise CheckpointError(f"{url}/{name} cannot be read ({type(err).__name__}: {str(err)[:200]}); nothing was "
+                              f"loaded. Load an earlier checkpoint.") from None
+    if not digests.matches(pending.result(), expected):
+        raise CheckpointError(corrupt)
     return obj
 
 
@@ -439,7 +462,7 @@ def _verify_at(fs: Any, path: str, url: str) -> Dict[str, Any]:
     for name, expected in sorted(manifest["files"].items()):
         digest = digests.digest(manifest.get("checksum", "sha256"))
         try:
-            with fs.open(_join(fs, path, name), "rb") as f:
+            with fs.open(member_path(fs, path, name, url), "rb") as f:
                 if expected.startswith(digests.ZIP_PREFIX):
                     found = digests.zip_digest(f)
                 else:
@@ -448,7 +471,7 @@ def _verify_at(fs: Any, path: str, url: str) -> Dict[str, Any]:
                     found = digest.hexdigest()
         except FileNotFoundError:
             raise CheckpointError(f"{url} is missing {name}, which its manifest lists.") from None
-        if found != expected:
+        if not digests.matches(found, expected):
             raise CheckpointError(f"{url}/{name} does not match its checksum: the file is corrupt.")
     return manifest
 

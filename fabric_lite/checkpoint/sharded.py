@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-import zlib
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from fabric_lite.checkpoint import checksums as digests
+from fabric_lite.checkpoint import dcp_reading
 from fabric_lite.checkpoint import files as checkpoint_io
 from fabric_lite.checkpoint.checksums import is_local
 from fabric_lite.checkpoint.files import CheckpointError, CheckpointWriter
@@ -39,23 +40,27 @@ def is_shard_file(name: str) -> bool:
     return name == METADATA or (name.startswith("__") and name.endswith(".distcp"))
 
 
-def _storage(fs: Any, path: str, write: bool) -> Any:
+def _writer(fs: Any, path: str) -> Any:
     import torch.distributed.checkpoint as dcp
 
     if is_local(fs):
-        return dcp.FileSystemWriter(path, sync_files=False) if write else dcp.FileSystemReader(path)
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+        return dcp.FileSystemWriter(path, sync_files=False)
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-    url = fs.unstrip_protocol(path)
-    return FsspecWriter(url, sync_files=False) if write else FsspecReader(url)
+    return FsspecWriter(fs.unstrip_protocol(path), sync_files=False)
 
 
-def _crc(fs: Any, path: str) -> str:
-    value = 0
+def _reader(fs: Any, path: str, metadata: Any) -> Any:
+    """DCP's reader over a verified checkpoint, given the index read safely (`dcp_reading`)."""
+    return dcp_reading.reader(is_local(fs), path if is_local(fs) else fs.unstrip_protocol(path), metadata)
+
+
+def _checksum(fs: Any, path: str, algorithm: str = digests.CHECKSUM) -> str:
+    value = digests.digest(algorithm)
     with fs.open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(8 << 20), b""):
-            value = zlib.crc32(chunk, value)
-    return f"{value:08x}"
+        for chunk in iter(lambda: f.read(digests.CHUNK), b""):
+            value.update(chunk)
+    return value.hexdigest()
 
 
 def parameter_names(module: torch.nn.Module) -> Dict[int, str]:
@@ -148,7 +153,7 @@ def save(writer: CheckpointWriter, strategy: Any, models: Sequence[torch.nn.Modu
             strategy.unwrap_module(module) if module is not None else None, optimizer)
     try:
         with _quiet_lone_process():
-            dcp.save(state, storage_writer=_storage(writer.fs, writer.staging, write=True),
+            dcp.save(state, storage_writer=_writer(writer.fs, writer.staging),
                      no_dist=strategy.world_size == 1)
     except _dcp_errors() as err:  # an Exception, so that save_state reports it from every rank and aborts
         raise CheckpointError(f"writing the shards failed: {_summary(err)}") from err
@@ -157,26 +162,40 @@ def save(writer: CheckpointWriter, strategy: Any, models: Sequence[torch.nn.Modu
     for entry in writer.fs.ls(writer.staging, detail=False):
         name = entry.rstrip("/").rsplit("/", 1)[-1]
         if name.startswith(f"__{rank}_") or (name == METADATA and rank == 0):
-            writer.checksums[name] = _crc(writer.fs, entry)
+            writer.checksums[name] = _checksum(writer.fs, entry)
 
 
-def _verify(url: str, manifest: Dict[str, Any], strategy: Any) -> None:
-    """Every rank checks its share of the shard files against the manifest; any bad file stops all."""
+def _verify(url: str, manifest: Dict[str, Any], strategy: Any) -> Any:
+    """Every rank checks its share of the shard files against the manifest (any bad file stops all) and reads
+    DCP's index safely; returns the index."""
     fs, path = checkpoint_io.filesystem(url)
     names = sorted(n for n in manifest["files"] if is_shard_file(n))
     if METADATA not in names:
         raise CheckpointError(f"{url} records the {ENGINE} format but has no {METADATA}; it is damaged.")
+    algorithm = manifest.get("checksum", "sha256")
+    digests.digest(algorithm)  # an unknown algorithm is refused: no file goes unchecked
     errors = []
-    algorithm = manifest.get("checksum")
     for name in names[strategy.global_rank::strategy.world_size]:
-        full = f"{path.rstrip('/')}/{name}"
+        if name == METADATA:
+            continue  # every rank reads and checks the index below
+        full = checkpoint_io.member_path(fs, path, name, url)
         if not fs.exists(full):
             errors.append(f"{name} is missing")
-        elif algorithm == "crc32" and _crc(fs, full) != manifest["files"][name]:
+        elif _checksum(fs, full, algorithm) != manifest["files"][name]:
             errors.append(f"{name} does not match its checksum (corrupt)")
+    try:
+        # read once, and what was checked is what is parsed
+        with fs.open(checkpoint_io.member_path(fs, path, METADATA, url), "rb") as f:
+            index = f.read()
+    except FileNotFoundError:
+        index = None
+        errors.append(f"{METADATA} is missing")
+    if index is not None and digests.checksum_of(index, manifest["files"][METADATA], algorithm) != manifest["files"][METADATA]:
+        errors.append(f"{METADATA} does not match its checksum (corrupt)")
     found = [e for part in _gather(strategy, errors) for e in part]
     if found:
         raise CheckpointError(f"{url}: {'; '.join(found[:5])}. Nothing was loaded. Load an earlier checkpoint.")
+    return dcp_reading.read_metadata(index, {n for n in names if n != METADATA}, url)
 
 
 def _tensor_shapes(metadata: Any) -> Dict[str, Tuple[int, ...]]:
@@ -197,10 +216,9 @@ def _check_model(url: str, index: int, current: Dict[str, Any], saved: Dict[str,
 def read(url: str, manifest: Dict[str, Any], strategy: Any, models: Sequence[torch.nn.Module],
          optimizers: Sequence[Tuple[Optional[torch.nn.Module], torch.optim.Optimizer]], strict: bool) -> Callable[[], None]:
     """Verify the shard files and check they fit the models now; return what loads them (every rank)."""
-    _verify(url, manifest, strategy)
+    metadata = _verify(url, manifest, strategy)
     fs, path = checkpoint_io.filesystem(url)
-    reader = _storage(fs, path, write=False)
-    saved = _tensor_shapes(reader.read_metadata())
+    saved = _tensor_shapes(metadata)
     states = [canonical_state(strategy.unwrap_module(m).state_dict()) for m in models]
     for i, current in enumerate(states):
         _check_model(url, i, current, saved, strict)
@@ -227,7 +245,8 @@ def read(url: str, manifest: Dict[str, Any], strategy: Any, models: Sequence[tor
                 target[f"optimizer_{j}"] = by_name
                 layouts.append(keys)
             with _quiet_lone_process():
-                dcp.load(target, storage_reader=_storage(fs, path, write=False), no_dist=strategy.world_size == 1)
+                dcp.load(target, storage_reader=_reader(fs, path, metadata), planner=dcp_reading.safe_load_planner(),
+                         no_dist=strategy.world_size == 1)
         except _dcp_errors() as err:
             for (_, optimizer), state in zip(optimizers, before):  # nothing made up for the load stays behind
                 optimizer.state.clear()
@@ -259,9 +278,8 @@ def consolidate(url: str, manifest: Dict[str, Any], model_index: int = 0) -> Dic
         def all_gather_object(value: Any) -> List[Any]:
             return [value]
 
-    _verify(url, manifest, _Lone)
+    metadata = _verify(url, manifest, _Lone)
     fs, path = checkpoint_io.filesystem(url)
-    metadata = _storage(fs, path, write=False).read_metadata()
     prefix = f"model_{model_index}."
     target = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
               for k, m in metadata.state_dict_metadata.items()
@@ -270,5 +288,6 @@ def consolidate(url: str, manifest: Dict[str, Any], model_index: int = 0) -> Dic
         models = sorted({k.split(".", 1)[0] for k in metadata.state_dict_metadata if k.startswith("model_")})
         raise CheckpointError(f"{url} holds no model_{model_index}; it holds {models or 'no model weights'}.")
     with _quiet_lone_process():
-        dcp.load(target, storage_reader=_storage(fs, path, write=False), no_dist=True)
+        dcp.load(target, storage_reader=_reader(fs, path, metadata), planner=dcp_reading.safe_load_planner(),
+                 no_dist=True)
     return {k[len(prefix):]: v for k, v in target.items()}

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import re
 import time
 import warnings
@@ -31,17 +30,17 @@ import torch
 from fabric_lite.checkpoint import files as checkpoint_io
 from fabric_lite.checkpoint import fit, locks, names, sharded
 from fabric_lite.checkpoint.files import CheckpointError, CheckpointWriter
+from fabric_lite.checkpoint.restore import CHECKPOINT_RE, TRAINING_STATE, load_state
 from fabric_lite.checkpoint.saver import SaveJob, checkpoint_format, snapshot
-from fabric_lite.seed import capture_rng_state, restore_rng_state
+from fabric_lite.seed import capture_rng_state
 
 if TYPE_CHECKING:
     from fabric_lite.accelerator.accelerator import Accelerator
 
 __all__ = ["save_state", "load_state", "save_object", "save_model_weights", "read_weights", "parse_size",
-           "export_weights"]
+           "export_weights", "TRAINING_STATE"]
 
-_CHECKPOINT_RE = re.compile(r"checkpoint_(\d+)$")
-TRAINING_STATE = "training_state.pt"
+_CHECKPOINT_RE = CHECKPOINT_RE
 
 
 def parse_size(size: Union[int, str]) -> int:
@@ -185,6 +184,10 @@ def save_state(acc: "Accelerator", output_dir: Optional[Union[str, os.PathLike]]
             "ProjectConfiguration(project_dir='runs', automatic_checkpoint_naming=True))."
         )
     url = os.fspath(output_dir)
+    fs, path = checkpoint_io.filesystem(url)
+    if fs.isfile(path):  # a checkpoint is a directory: publishing one here would delete the file
+        raise FileExistsError(f"save_state({url!r}): a file exists at that path, and a checkpoint is a directory. "
+                              f"Save to another path, or move the file away; it was left as it was.")
     saver = acc.checkpoint_saver
     if not saver.make_room(if_busy):
         return None
@@ -279,140 +282,6 @@ def _process_local_state(acc: "Accelerator") -> Dict[str, Any]:
             for m in acc.models
         ]
     return state
-
-
-def _restore_process_local_state(acc: "Accelerator", state: Dict[str, Any]) -> None:
-    restore_rng_state(state["rng"])
-    for obj, saved in zip(acc.per_process_objects, state.get("objects", [])):
-        obj.load_state_dict(saved)
-    grads = state.get("partial_grads")
-    acc.gradient_state.sync_gradients = grads is None
-    for model, saved in zip(acc.models, grads or []):
-        for name, p in acc.unwrap_model(model).named_parameters():
-            p.grad = saved[name].to(p.device) if name in saved else None
-
-
-def _model_problems(index: int, current: Dict[str, Any], saved: Dict[str, Any], strict: bool) -> List[str]:
-    problem = fit.fit_problem(fit.shapes_of(current), fit.shapes_of(saved), strict)
-    problems = [f"model {index}: {problem}"] if problem else []
-    kinds = fit.dtype_problems(current, saved)
-    if kinds:
-        problems.append(f"model {index}: {len(kinds)} tensor(s) hold another kind of number, first: {kinds[:3]}")
-    return problems
-
-
-def _nth(values: Any, i: int) -> Optional[str]:
-    return values[i] if isinstance(values, list) and i < len(values) and isinstance(values[i], str) else None
-
-
-def _load(url: str, name: str, manifest: Dict[str, Any], weights_only: bool) -> Any:
-    try:
-        return checkpoint_io.load_file(url, name, manifest, weights_only=weights_only)
-    except pickle.UnpicklingError as err:
-        raise CheckpointError(
-            f"{url}/{name} holds objects that safe loading (weights_only=True) refuses: {err}. If you trust "
-            f"this checkpoint, call load_state(..., weights_only=False)."
-        ) from err
-
-
-def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]], strict: bool = True,
-               weights_only: bool = True, **_: Any) -> str:
-    if input_dir is None:
-        root = _checkpoints_root(acc)
-        found = acc.strategy.broadcast_object(
-            checkpoint_io.newest_whole_checkpoint(root) if acc.strategy.is_global_zero else None)
-        match = _CHECKPOINT_RE.search(found or "")
-        if match is None:
-            raise CheckpointError(f"No whole checkpoint under {root} to load.")
-        url = found
-        acc.project_configuration.iteration = int(match.group(1)) + 1
-    else:
-        url = os.fspath(input_dir)
-    for hook in acc.load_state_pre_hooks.values():
-        hook(acc.models, url)
-    manifest = checkpoint_io.read_manifest(url)
-    strategy = acc.strategy
-    # Read and verify everything first, check it fits, and only then change anything: a checkpoint
-    # that turns out corrupt or foreign leaves the model, optimizers and RNGs as they were.
-    saved_models = sorted((f for f in manifest["files"] if re.fullmatch(r"model_\d+\.pt", f)),
-                          key=lambda f: int(f[6:-3]))
-    state = _load(url, TRAINING_STATE, manifest, weights_only)
-    engine = strategy.checkpoint_engine
-    saved_as = manifest["meta"].get("engine")
-    if saved_as != engine and not (engine is None and saved_as == sharded.ENGINE):
-        saved_by = {None: "a strategy that saves state dicts (single, ddp, fsdp with state_dict_type='full')",
-                    sharded.ENGINE: "a sharded strategy (fsdp)"}.get(saved_as, saved_as)
-        raise CheckpointError(
-            f"{url} was written by {saved_by}, but this run uses {type(strategy).__name__}; their model and "
-            f"optimizer state are stored differently. Resume with the strategy that saved it, or start this run "
-            f"from its weights: `fabric-lite consolidate {url} weights.pt`, then load_state_dict."
-        )
-    expected = {"model": (state.get("models", len(saved_models)), acc.models), "optimizer": (len(state["optimizers"]), acc.optimizers),
-                "scheduler": (len(state["schedulers"]), acc.schedulers),
-                "dataloader": (len(state["dataloaders"]), acc.dataloaders),
-                "registered object": (len(state["custom"]), acc.registered_objects)}
-    for kind, (saved, objects) in expected.items():
-        if saved != len(objects):
-            raise CheckpointError(
-                f"{url} holds {saved} {kind}(s) but this Accelerator prepared {len(objects)}. Prepare (and register) "
-                f"the same objects, in the same order, as the run that saved it."
-            )
-    if saved_as == sharded.ENGINE:
-        apply_engine = sharded.read(url, manifest, strategy, acc.models,
-                                    [(opt.module, opt.optimizer) for opt in acc.optimizers], strict)
-    else:
-        apply_engine = strategy.read_engine_state(url, manifest, strict) if engine else None
-    weights = [] if saved_as else [_load(url, f"model_{i}.pt", manifest, weights_only) for i in range(len(acc.models))]
-    problems: List[str] = []
-    for i, model in enumerate(acc.models[:len(weights)]):
-        current = strategy.unwrap_module(model).state_dict()
-        weights[i] = names.for_module(weights[i], current)  # saved with or without torch.compile
-        problems += _model_problems(i, current, weights[i], strict)
-    types = state.get("types", {})  # absent in checkpoints of older versions: settings are compared instead
-    for i, (opt, saved_state) in enumerate(zip(acc.optimizers, state["optimizers"])):
-        if saved_state is not None:  # None: an engine's optimizer, checked by the engine
-            problems += fit.optimizer_problems(f"optimizer {i}", opt, saved_state, _nth(types.get("optimizers"), i))
-    for i, (sched, saved_state) in enumerate(zip(acc.schedulers, state["schedulers"])):
-        problems += fit.scheduler_problems(f"scheduler {i}", sched, saved_state, _nth(types.get("schedulers"), i))
-    if problems:
-        raise CheckpointError(
-            f"{url} does not fit this run; nothing was loaded. {len(problems)} mismatch(es), first: "
-            f"{'; '.join(problems[:5])}. Load a checkpoint of these objects (the same model, optimizer and scheduler "
-            f"classes, built the same way); strict=False allows missing or unexpected model keys."
-        )
-    rng_name = f"rng_{strategy.global_rank}.pt"
-    local = _load(url, rng_name, manifest, weights_only=True) if rng_name in manifest["files"] else None
-
-    if apply_engine is not None:
-        apply_engine()
-    for model, saved_weights in zip(acc.models, weights):
-        strategy.load_module_state_dict(model, saved_weights, strict=strict)
-    for kind, objects in (("optimizers", acc.optimizers), ("schedulers", acc.schedulers),
-                          ("dataloaders", acc.dataloaders), ("custom", acc.registered_objects)):
-        for obj, saved_state in zip(objects, state[kind]):
-            if saved_state is not None:  # None: an engine's optimizer, restored with its own files
-                obj.load_state_dict(saved_state)
-    strategy.precision.load_state_dict(state["precision"])
-    saved_world = manifest["meta"].get("world_size")
-    if local is not None:
-        _restore_process_local_state(acc, local)
-    if saved_world is not None and saved_world != strategy.world_size:
-        if strategy.is_global_zero:
-            warnings.warn(
-                f"{url} was saved by {saved_world} process(es); this run has {strategy.world_size}. Weights, optimizer "
-                f"state and the data position (in samples: the epoch goes on with the next unseen sample) are "
-                f"restored, but each process's random stream and the batches' grouping differ, so training continues "
-                f"correctly but will not repeat the uninterrupted run bit for bit.",
-                stacklevel=3,
-            )
-    elif local is None:
-        warnings.warn(
-            f"{url} has no random state for rank {strategy.global_rank}; training continues but will not repeat "
-            f"the uninterrupted run bit for bit.",
-            stacklevel=3,
-        )
-    acc.step = int(manifest["meta"].get("step", 0))
-    return url
 
 
 def export_weights(checkpoint: Union[str, os.PathLike], out: Union[str, os.PathLike],

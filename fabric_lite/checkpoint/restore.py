@@ -1,0 +1,313 @@
+"""`Accelerator.load_state`: a checkpoint is read, verified and checked whole, then applied all or nothing.
+
+Two phases. Reading: the manifest, every file this process needs (checksums first where loading could run
+code), the state's layout, whether each model, optimizer and scheduler fits, the RNG states; nothing of the
+run changes and any problem is a `CheckpointError`. Applying: first the small objects whose own
+`load_state_dict` decides whether a saved state fits (dataloader positions, registered objects and the
+Trainer's callbacks, schedulers, the loss scaler, per-process objects), each one's previous state kept so
+that a refusal puts back those already applied; then optimizers (their previous state is kept by reference,
+loading replaces it); then model weights or the engine's state (checked to fit in the first phase), the
+RNGs and a partial accumulation window.
+
+A checkpoint saved inside an accumulation window holds each process's partial gradients. On the same
+number of processes each takes its own back; on another number, every process takes the average of all
+saved ones, so that the window's closing all-reduce (a mean) gives the mean of the saved processes'
+partial gradients plus the new ones, the same gradient an uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+
+from fabric_lite.checkpoint import files as checkpoint_io
+from fabric_lite.checkpoint import fit, names, sharded
+from fabric_lite.checkpoint.files import CheckpointError
+from fabric_lite.seed import capture_rng_state, restore_rng_state
+
+if TYPE_CHECKING:
+    from fabric_lite.accelerator.accelerator import Accelerator
+
+__all__ = ["load_state", "CHECKPOINT_RE", "TRAINING_STATE", "state_problem"]
+
+CHECKPOINT_RE = re.compile(r"checkpoint_(\d+)$")
+TRAINING_STATE = "training_state.pt"
+_LISTS = ("optimizers", "schedulers", "dataloaders", "custom")
+
+
+def state_problem(state: Any) -> Optional[str]:
+    """What is wrong with the layout of a loaded ``training_state.pt``, or None."""
+    if not isinstance(state, dict):
+        return f"it holds a {type(state).__name__}, not the training state's map"
+    for key in _LISTS:
+        if not isinstance(state.get(key), list):
+            return f"its {key!r} is {type(state.get(key)).__name__}, not a list"
+    if not isinstance(state.get("precision"), dict):
+        return "its 'precision' is not a map"
+    models = state.get("models", 0)
+    if isinstance(models, bool) or not isinstance(models, int) or models < 0:
+        return f"its 'models' is {models!r:.40}, not a count"
+    if not isinstance(state.get("types", {}), dict):
+        return "its 'types' is not a map"
+    return None
+
+
+def _local_problem(local: Any, models: List[Dict[str, torch.Tensor]]) -> Optional[str]:
+    """What is wrong with a process's ``rng_<rank>.pt`` (RNG states, objects, partial gradients), or None."""
+    if not isinstance(local, dict) or not isinstance(local.get("rng"), dict):
+        return "it holds no RNG states"
+    if not isinstance(local.get("objects", []), list):
+        return "its 'objects' is not a list"
+    grads = local.get("partial_grads")
+    if grads is None:
+        return None
+    if not isinstance(grads, list) or len(grads) != len(models):
+        return f"its partial gradients are for {len(grads) if isinstance(grads, list) else '?'} model(s), not {len(models)}"
+    for i, (saved, params) in enumerate(zip(grads, models)):
+        if not isinstance(saved, dict):
+            return f"its partial gradients of model {i} are not a map"
+        for name, grad in saved.items():
+            if name not in params or not isinstance(grad, torch.Tensor) or grad.shape != params[name].shape:
+                return f"its partial gradient {name!r:.60} of model {i} does not fit the model"
+    return None
+
+
+def _rng_fits(saved: Dict[str, Any]) -> Optional[str]:
+    """Restore the saved RNG states once and put the current ones back: a state that cannot be restored is
+    found now, not after the model changed."""
+    current = capture_rng_state()
+    try:
+        restore_rng_state(saved)
+    except Exception as err:
+        return f"its RNG states cannot be restored ({type(err).__name__}: {str(err)[:120]})"
+    finally:
+        restore_rng_state(current)
+    return None
+
+
+def _named_parameters(acc: "Accelerator") -> List[Dict[str, torch.Tensor]]:
+    return [dict(acc.unwrap_model(m).named_parameters()) for m in acc.models]
+
+
+def _partial_gradients(url: str, manifest: Dict[str, Any], acc: "Accelerator", own: Optional[Dict[str, Any]],
+                       saved_world: Optional[int]) -> Tuple[bool, Optional[List[Dict[str, torch.Tensor]]]]:
+    """(whether the checkpoint was saved inside an accumulation window, the gradients this process takes)."""
+    world = acc.strategy.world_size
+    if own is not None and (saved_world is None or saved_world == world):
+        grads = own.get("partial_grads")
+        return grads is not None, grads
+    # another number of processes: the mean of every saved process's partial gradients, on every process
+    files = [f"rng_{r}.pt" for r in range(saved_world or 0)]
+    if not files or any(f not in manifest["files"] for f in files):
+        return False, None
+    params = _named_parameters(acc)
+    total: Optional[List[Dict[str, torch.Tensor]]] = None
+    for name in files:
+        local = own if name == f"rng_{acc.strategy.global_rank}.pt" else \
+            checkpoint_io.load_file(url, name, manifest, weights_only=True)
+        problem = _local_problem(local, params)
+        if problem:
+            raise CheckpointError(f"{url}/{name} is damaged: {problem}. Nothing was loaded.")
+        grads = local.get("partial_grads")
+        if grads is None:
+            return False, None
+        if total is None:
+            total = [{k: g.detach().to(torch.float64 if g.is_floating_point() else g.dtype, copy=True)
+                      for k, g in model.items()} for model in grads]
+            continue
+        for acc_model, model in zip(total, grads):
+            if set(acc_model) != set(model):
+                raise CheckpointError(f"{url}: the saved processes hold partial gradients of different parameters "
+                                      f"({name}); the window cannot be spread over {world} process(es). Resume "
+                                      f"with {saved_world}, or from a checkpoint saved after an optimizer step.")
+            for k, g in model.items():
+                acc_model[k] += g
+    assert total is not None
+    dtypes = [{k: p.dtype for k, p in model.items()} for model in params]
+    return True, [{k: (g / len(files)).to(dtypes[i][k]) for k, g in model.items()} for i, model in enumerate(total)]
+
+
+class _Applied:
+    """The objects changed so far, each with what puts it back."""
+
+    def __init__(self) -> None:
+        self.undo: List[Tuple[str, Callable[[], None]]] = []
+
+    def load(self, what: str, obj: Any, saved: Any, keep: Callable[[], Any]) -> None:
+        before = keep()
+        obj.load_state_dict(saved)
+        self.undo.append((what, lambda: obj.load_state_dict(before)))
+
+    def roll_back(self) -> List[str]:
+        failed = []
+        for what, undo in reversed(self.undo):
+            try:
+                undo()
+            except Exception as err:  # said, not hidden: the caller names what could not be put back
+                failed.append(f"{what} ({type(err).__name__}: {err})")
+        self.undo.clear()
+        return failed
+
+
+def _apply_or_roll_back(url: str, applied: _Applied, what: str, step: Callable[[], None]) -> None:
+    try:
+        step()
+    except Exception as err:
+        failed = applied.roll_back()
+        kept = (f"could not put back {'; '.join(failed)}" if failed
+                else "everything loaded before it was put back as it was")
+        raise CheckpointError(f"{url}: loading {what} failed ({type(err).__name__}: {err}); {kept}. Load a "
+                              f"checkpoint this run can take (see the error above), or build the run as the one "
+                              f"that saved it.") from err
+
+
+def _find(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]]) -> str:
+    if input_dir is not None:
+        return os.fspath(input_dir)
+    project_dir = acc.project_dir
+    if project_dir is None:
+        raise ValueError(
+            "load_state() without a path needs automatic_checkpoint_naming and a project_dir: "
+            "Accelerator(project_config=ProjectConfiguration(project_dir='runs', automatic_checkpoint_naming=True)).")
+    root = f"{os.fspath(project_dir).rstrip('/')}/checkpoints"
+    found = acc.strategy.broadcast_object(
+        checkpoint_io.newest_whole_checkpoint(root) if acc.strategy.is_global_zero else None)
+    match = CHECKPOINT_RE.search(found or "")
+    if match is None:
+        raise CheckpointError(f"No whole checkpoint under {root} to load.")
+    acc.project_configuration.iteration = int(match.group(1)) + 1
+    return found
+
+
+def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]], strict: bool = True,
+               weights_only: bool = True, **_: Any) -> str:
+    url = _find(acc, input_dir)
+    for hook in acc.load_state_pre_hooks.values():
+        hook(acc.models, url)
+    manifest = checkpoint_io.read_manifest(url)
+    strategy = acc.strategy
+    # -- reading: nothing of the run changes until everything was read and checked
+    state = checkpoint_io.load_file(url, TRAINING_STATE, manifest, weights_only=weights_only)
+    problem = state_problem(state)
+    if problem:
+        raise CheckpointError(f"{url}/{TRAINING_STATE} is damaged: {problem}. Nothing was loaded.")
+    saved_models = [f for f in manifest["files"] if re.fullmatch(r"model_\d+\.pt", f)]
+    engine = strategy.checkpoint_engine
+    saved_as = manifest["meta"].get("engine")
+    if saved_as != engine and not (engine is None and saved_as == sharded.ENGINE):
+        saved_by = {None: "a strategy that saves state dicts (single, ddp, fsdp with state_dict_type='full')",
+                    sharded.ENGINE: "a sharded strategy (fsdp)"}.get(saved_as, saved_as)
+        raise CheckpointError(
+            f"{url} was written by {saved_by}, but this run uses {type(strategy).__name__}; their model and "
+            f"optimizer state are stored differently. Resume with the strategy that saved it, or start this run "
+            f"from its weights: `fabric-lite consolidate {url} weights.pt`, then load_state_dict.")
+    expected = {"model": (state.get("models", len(saved_models)), acc.models),
+                "optimizer": (len(state["optimizers"]), acc.optimizers),
+                "scheduler": (len(state["schedulers"]), acc.schedulers),
+                "dataloader": (len(state["dataloaders"]), acc.dataloaders),
+                "registered object": (len(state["custom"]), acc.registered_objects)}
+    for kind, (saved, objects) in expected.items():
+        if saved != len(objects):
+            raise CheckpointError(
+                f"{url} holds {saved} {kind}(s) but this Accelerator prepared {len(objects)}. Prepare (and register) "
+                f"the same objects, in the same order, as the run that saved it.")
+    if saved_as == sharded.ENGINE:
+        apply_engine = sharded.read(url, manifest, strategy, acc.models,
+                                    [(opt.module, opt.optimizer) for opt in acc.optimizers], strict)
+    else:
+        apply_engine = strategy.read_engine_state(url, manifest, strict) if engine else None
+    weights = [] if saved_as else [checkpoint_io.load_file(url, f"model_{i}.pt", manifest, weights_only=weights_only)
+                                   for i in range(len(acc.models))]
+    problems: List[str] = []
+    for i, model in enumerate(acc.models[:len(weights)]):
+        current = strategy.unwrap_module(model).state_dict()
+        if not isinstance(weights[i], dict):
+            problems.append(f"model {i}: model_{i}.pt holds a {type(weights[i]).__name__}, not a state dict")
+            continue
+        weights[i] = names.for_module(weights[i], current)  # saved with or without torch.compile
+        problems += _model_problems(i, current, weights[i], strict)
+    types = state.get("types", {})  # absent in checkpoints of older versions: settings are compared instead
+    for i, (opt, saved_state) in enumerate(zip(acc.optimizers, state["optimizers"])):
+        if saved_state is not None:  # None: an engine's optimizer, checked by the engine
+            problems += fit.optimizer_problems(f"optimizer {i}", opt, saved_state, _nth(types.get("optimizers"), i))
+    for i, (sched, saved_state) in enumerate(zip(acc.schedulers, state["schedulers"])):
+        problems += fit.scheduler_problems(f"scheduler {i}", sched, saved_state, _nth(types.get("schedulers"), i))
+    if problems:
+        raise CheckpointError(
+            f"{url} does not fit this run; nothing was loaded. {len(problems)} mismatch(es), first: "
+            f"{'; '.join(problems[:5])}. Load a checkpoint of these objects (the same model, optimizer and scheduler "
+            f"classes, built the same way); strict=False allows missing or unexpected model keys.")
+    rng_name = f"rng_{strategy.global_rank}.pt"
+    local = checkpoint_io.load_file(url, rng_name, manifest, weights_only=True) if rng_name in manifest["files"] else None
+    if local is not None:
+        problem = _local_problem(local, _named_parameters(acc)) or _rng_fits(local["rng"])
+        if problem:
+            raise CheckpointError(f"{url}/{rng_name} is damaged: {problem}. Nothing was loaded.")
+    saved_world = manifest["meta"].get("world_size")
+    in_window, partial = _partial_gradients(url, manifest, acc, local, saved_world)
+
+    # -- applying: the objects that judge their own saved state first, so that a refusal changes nothing
+    applied = _Applied()
+    lists = {"dataloaders": acc.dataloaders, "custom": acc.registered_objects, "schedulers": acc.schedulers}
+    labels = {"dataloaders": "dataloader", "custom": "registered object", "schedulers": "scheduler"}
+    for kind in ("dataloaders", "custom", "schedulers"):
+        for i, (obj, saved_state) in enumerate(zip(lists[kind], state[kind])):
+            what = f"{labels[kind]} {i} ({type(obj).__name__})"
+            _apply_or_roll_back(url, applied, what, lambda o=obj, s=saved_state, w=what: applied.load(
+                w, o, s, lambda: copy.deepcopy(o.state_dict())))
+    precision = strategy.precision
+    _apply_or_roll_back(url, applied, "the loss scaler", lambda: applied.load(
+        "the loss scaler", precision, state["precision"], lambda: copy.deepcopy(precision.state_dict())))
+    for i, (obj, saved_state) in enumerate(zip(acc.per_process_objects, (local or {}).get("objects", []))):
+        what = f"per-process object {i} ({type(obj).__name__})"
+        _apply_or_roll_back(url, applied, what, lambda o=obj, s=saved_state, w=what: applied.load(
+            w, o, s, lambda: copy.deepcopy(o.state_dict())))
+    for i, (opt, saved_state) in enumerate(zip(acc.optimizers, state["optimizers"])):
+        if saved_state is not None:  # None: an engine's optimizer, restored with its own files
+            what = f"optimizer {i} ({type(opt).__name__})"
+            # loading replaces the optimizer's state tensors: the old ones, kept by reference, put it back
+            _apply_or_roll_back(url, applied, what, lambda o=opt, s=saved_state, w=what: applied.load(
+                w, o, s, o.state_dict))
+    if apply_engine is not None:
+        _apply_or_roll_back(url, applied, f"the {saved_as} model and optimizer state", apply_engine)
+    for i, (model, saved_weights) in enumerate(zip(acc.models, weights)):
+        _apply_or_roll_back(url, applied, f"model {i}",
+                            lambda m=model, w=saved_weights: strategy.load_module_state_dict(m, w, strict=strict))
+    if local is not None:
+        restore_rng_state(local["rng"])
+    acc.gradient_state.sync_gradients = not in_window
+    for model, saved in zip(acc.models, partial or []):
+        for name, p in acc.unwrap_model(model).named_parameters():
+            p.grad = saved[name].to(p.device) if name in saved else None
+    if saved_world is not None and saved_world != strategy.world_size:
+        if strategy.is_global_zero:
+            warnings.warn(
+                f"{url} was saved by {saved_world} process(es); this run has {strategy.world_size}. Weights, optimizer "
+                f"state, the data position (in samples: the epoch goes on with the next unseen sample) and a partial "
+                f"accumulation window are restored, but each process's random stream and the batches' grouping "
+                f"differ, so training continues correctly but will not repeat the uninterrupted run bit for bit.",
+                stacklevel=3)
+    elif local is None:
+        warnings.warn(
+            f"{url} has no random state for rank {strategy.global_rank}; training continues but will not repeat "
+            f"the uninterrupted run bit for bit.", stacklevel=3)
+    acc.step = int(manifest["meta"].get("step", 0))
+    return url
+
+
+def _model_problems(index: int, current: Dict[str, Any], saved: Dict[str, Any], strict: bool) -> List[str]:
+    problem = fit.fit_problem(fit.shapes_of(current), fit.shapes_of(saved), strict)
+    problems = [f"model {index}: {problem}"] if problem else []
+    kinds = fit.dtype_problems(current, saved)
+    if kinds:
+        problems.append(f"model {index}: {len(kinds)} tensor(s) hold another kind of number, first: {kinds[:3]}")
+    return problems
+
+
+def _nth(values: Any, i: int) -> Optional[str]:
+    return values[i] if isinstance(values, list) and i < len(values) and isinstance(values[i], str) else None
