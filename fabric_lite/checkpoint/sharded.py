@@ -115,6 +115,16 @@ def _initialize_state(optimizer: torch.optim.Optimizer, params: Sequence[torch.T
             p.grad = grad
 
 
+def _blank(value: Any) -> Any:
+    """A copy of `value`'s structure with new tensors of the same shapes and shards, for DCP to read into: it
+    writes in place, so a load that fails part-way must not have written into the model or the optimizer."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty_like(value)
+    if isinstance(value, dict):
+        return {k: _blank(v) for k, v in value.items()}
+    return value
+
+
 def _summary(err: BaseException) -> str:
     """DCP's exception carries every rank's traceback: keep the distinct error lines."""
     lines = [line.strip() for line in str(err).splitlines() if "Error:" in line]
@@ -228,7 +238,7 @@ def read(url: str, manifest: Dict[str, Any], strategy: Any, models: Sequence[tor
 
         target: Dict[str, Any] = {}
         for i, current in enumerate(states):
-            target[f"model_{i}"] = {k: v for k, v in current.items() if f"model_{i}.{k}" in saved}
+            target[f"model_{i}"] = {k: _blank(v) for k, v in current.items() if f"model_{i}.{k}" in saved}
         layouts = []
         before = [{p: dict(s) for p, s in optimizer.state.items()} for _, optimizer in optimizers]
         try:
@@ -241,7 +251,7 @@ def read(url: str, manifest: Dict[str, Any], strategy: Any, models: Sequence[tor
                 keys = [k for g in optimizer_state_by_name(owner, optimizer)["param_groups"] for k in g["params"]]
                 _initialize_state(optimizer, [p for p, k in zip(params, keys) if k in stored])
                 by_name = optimizer_state_by_name(owner, optimizer)
-                by_name["state"] = {k: v for k, v in by_name["state"].items() if k in stored}
+                by_name["state"] = {k: _blank(v) for k, v in by_name["state"].items() if k in stored}
                 target[f"optimizer_{j}"] = by_name
                 layouts.append(keys)
             with _quiet_lone_process():

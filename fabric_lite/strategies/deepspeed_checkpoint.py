@@ -214,16 +214,21 @@ def consolidate(url: str, manifest: Dict[str, Any]) -> Dict[str, torch.Tensor]:
             for name in names:
                 loaded[name[len(PREFIX):]] = obj = checkpoint_io.load_file(url, name, manifest, weights_only=True)
                 torch.save(obj, os.path.join(folder, name[len(PREFIX):]))
-        module_keys = next((_module_keys(obj) for n, obj in loaded.items() if n.endswith("_model_states.pt")), [])
-        if any(re.search(r"optim_states\.pt$", n) for n in loaded):
-            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        try:
+            module_keys = next((_module_keys(obj) for n, obj in loaded.items() if n.endswith("_model_states.pt")), [])
+            if any(re.search(r"optim_states\.pt$", n) for n in loaded):
+                from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-            state = dict(get_fp32_state_dict_from_zero_checkpoint(tmp, tag=_TAG))
-        else:  # ZeRO stage 0 in fp32: the module states hold the whole model
-            model_states = next(obj for n, obj in loaded.items() if n.endswith("_model_states.pt"))
-            state = {k: v.float() if v.is_floating_point() else v for k, v in model_states["module"].items()}
-    state = match_module_keys(state, module_keys)
-    return {k: v.detach().clone() for k, v in state.items()}
+                state = dict(get_fp32_state_dict_from_zero_checkpoint(tmp, tag=_TAG))
+            else:  # ZeRO stage 0 in fp32: the module states hold the whole model
+                model_states = next(obj for n, obj in loaded.items() if n.endswith("_model_states.pt"))
+                state = {k: v.float() if v.is_floating_point() else v for k, v in model_states["module"].items()}
+            state = match_module_keys(state, module_keys)
+            return {k: v.detach().clone() for k, v in state.items()}
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError, StopIteration) as err:
+            # files that verified and loaded safely, but are not what DeepSpeed writes
+            raise CheckpointError(f"{url} holds DeepSpeed files of another layout ({type(err).__name__}: {err}); "
+                                  f"nothing was written. Load an earlier checkpoint.") from None
 
 
 def match_module_keys(state: Dict[str, Any], module_keys: Any) -> Dict[str, Any]:
