@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler
 
 from fabric_lite.data.order import EpochRandomness
 from fabric_lite.data.sharding import IterableDatasetShard, ShardedBatchSampler
 from fabric_lite.data.transfer import CudaFeed, move_to_device
+from fabric_lite.data.workers import WorkerRandomness
 
 __all__ = [
     "DataLoaderShard", "ShardedBatchSampler", "IterableDatasetShard",
@@ -66,7 +67,15 @@ class DataLoaderShard(DataLoader):
         self._randomness = randomness
         if batch_sampler is not None:
             batch_sampler.before_draw = randomness.before_order
+            batch_sampler.after_skip = randomness.end_replay
         self._batch_sampler = batch_sampler
+        # Workers' random streams (data/workers.py): followed batch by batch for a map-style dataset loaded in
+        # order; an IterableDataset's workers draw their items themselves and are only seeded.
+        self._workers = None
+        if self.num_workers > 0:
+            self._workers = WorkerRandomness(self.num_workers, self.persistent_workers, per_batch=(
+                batch_sampler is not None and getattr(self, "in_order", True)))
+        self._first_index = 0  # the index in its epoch of the first batch the next iterator loads
         self._position = position
         self._epoch_remainder = remainder  # of a whole epoch (a resumed one may end with another)
         self.total_batch_size = total_batch_size
@@ -106,7 +115,17 @@ class DataLoaderShard(DataLoader):
             self._position.epoch = epoch
             self._position.batches_seen = 0
             self._skip_samples(0)
-            self._randomness.end_epoch()
+            self._end_epoch()
+
+    def _end_epoch(self) -> None:
+        self._randomness.end_epoch()
+        if self._workers is not None:
+            self._workers.end_epoch()
+
+    def _described(self) -> str:
+        dataset = getattr(self.dataset, "dataset", self.dataset) if isinstance(self.dataset, IterableDatasetShard) \
+            else self.dataset
+        return f"The prepared DataLoader over {type(dataset).__name__}"
 
     def _start_epoch(self) -> int:
         pos = self._position
@@ -116,6 +135,8 @@ class DataLoaderShard(DataLoader):
             pos.epoch += 1
             pos.batches_seen = 0
             self._skip_samples(0)
+            if self._workers is not None:
+                self._workers.end_epoch()
         self._randomness.start_epoch(resumed=pos.restored)
         pos.restored = False
         for obj in self._epoch_listeners:
@@ -130,8 +151,12 @@ class DataLoaderShard(DataLoader):
             request = 0
         skip = max(request, pos.batches_seen)
         if self._batch_sampler is not None:
-            self._batch_sampler.skip = skip
-            return 0
+            # With workers the dispatch starts at a multiple of their number; the rest is loaded and dropped
+            # (data/workers.py: it keeps each batch on the worker whose random stream it belongs to).
+            start = self._workers.aligned(skip) if self._workers is not None else skip
+            self._batch_sampler.skip = self._first_index = start
+            return skip - start
+        self._first_index = 0
         return skip  # no sampler to skip in: skip after loading
 
     def __iter__(self) -> Iterator[Any]:
@@ -151,6 +176,20 @@ class DataLoaderShard(DataLoader):
             iterator = self._new_iterator()
             if self._batch_sampler is not None:
                 self._batch_sampler.skip = 0
+            if self._workers is not None and self._workers.per_batch:
+                iterator = self._reported(iterator, self._first_index)
+            # An IterableDataset loaded here draws its items' randomness from the global RNGs, and a resumed
+            # epoch loads the items it skips again: they are drawn under the states the epoch started from,
+            # and the batch held ahead under the states it was first loaded with (see data/order.py).
+            replay_items = isinstance(self.dataset, IterableDataset) and self.num_workers == 0
+            randomness, what = self._randomness, None
+            if replay_items:
+                what = f"{self._described()} (an IterableDataset loaded in this process)"
+                randomness.replay_global(what)
+                for _ in range(skip_loaded):
+                    if next(iterator, None) is None:
+                        break
+                skip_loaded = 0
             if skip_loaded:
                 iterator = itertools.islice(iterator, skip_loaded, None)
             remaining = self._batches_left_without_look_ahead()
@@ -177,7 +216,11 @@ class DataLoaderShard(DataLoader):
                         feed.wait_host()  # before the loader builds the next batch
             else:
                 sentinel = object()
+                if replay_items:
+                    randomness.replay_global(what, "pending")
                 current = next(iterator, sentinel)
+                if replay_items:
+                    randomness.end_replay()
                 while current is not sentinel:
                     if custom is not None:
                         current = custom(current)
@@ -189,6 +232,8 @@ class DataLoaderShard(DataLoader):
                         current = move_to_device(current, device, non_blocking)
                     if convert is not None:
                         current = convert(current)
+                    if replay_items:  # (what a checkpoint saved during this step replays for that batch)
+                        randomness.replay_global(what, "pending")
                     upcoming = next(iterator, sentinel)  # (workers: loaded in the background anyway)
                     if upcoming is sentinel:
                         self._at_last = True
@@ -199,7 +244,7 @@ class DataLoaderShard(DataLoader):
             pos.epoch += 1
             pos.batches_seen = 0
             self._skip_samples(0)
-            self._randomness.end_epoch()
+            self._end_epoch()
         finally:
             if feed is not None:
                 feed.wait_host()  # (also when the loop was left early: the next iteration may reuse memory)
@@ -207,14 +252,31 @@ class DataLoaderShard(DataLoader):
             state.leave(self)
 
     def _new_iterator(self) -> Iterator[Any]:
-        randomness = self._randomness
-        self.generator = randomness.iterator_generator()
+        randomness, workers = self._randomness, self._workers
+        # New worker processes start unless persistent ones are running (`_iterator`: DataLoader's own).
+        starts = workers is not None and not (self.persistent_workers and self._iterator is not None)
+        self.generator = randomness.iterator_generator(workers.seed_replay() if starts else None)
+        user = {"worker_init_fn": self.worker_init_fn, "collate_fn": self.collate_fn}
+        if starts:
+            base = (randomness.record or {}).get("base")
+            for name, value in workers.start(self.worker_init_fn, self.collate_fn, base, self._position.epoch).items():
+                setattr(self, name, value)  # read once, when the DataLoader starts its workers
         try:
             iterator = super().__iter__()
         finally:
             self.generator = randomness.loader_generator
+            for name, value in user.items():
+                setattr(self, name, value)
         randomness.iterator_built()
         return iterator
+
+    def _reported(self, iterator: Iterator[Any], index: int) -> Iterator[Any]:
+        """The batches of workers that report their random states with each (data/workers.py)."""
+        workers = self._workers
+        for batch, states in iterator:
+            workers.loaded(index, states)
+            index += 1
+            yield batch
 
     def _cuda_feed(self) -> CudaFeed:
         feed = self.__dict__.get("_feed")
@@ -262,8 +324,11 @@ class DataLoaderShard(DataLoader):
         if seen is not None and epoch_samples is not None:
             seen = min(seen, epoch_samples)  # the last step's padding is not samples seen
         # generator_state: what the epoch's order and worker seed are drawn from (data/order.py)
+        workers = self._workers
+        pool_live = self.persistent_workers and self._iterator is not None
         return {"epoch": pos.epoch, "batches_seen": pos.batches_seen, "generator_state": self._randomness.state(),
-                "samples_seen": seen, "total_batch_size": self.total_batch_size, "num_replicas": self._replicas()}
+                "samples_seen": seen, "total_batch_size": self.total_batch_size, "num_replicas": self._replicas(),
+                "workers": workers.state(pos.batches_seen, pool_live) if workers is not None else None}
 
     def _replicas(self) -> Optional[int]:
         sampler = self._batch_sampler
@@ -298,6 +363,12 @@ class DataLoaderShard(DataLoader):
         self._position.batches_seen = batches
         self._position.restored = True
         self._skip_samples(skipped)
+        if self._workers is not None:
+            if self.persistent_workers and self._iterator is not None:
+                # Running workers cannot take the saved random states: the next iteration starts new ones.
+                self._iterator = None
+                self._workers.stopped()
+            self._workers.load(state.get("workers"), batches, int(state["epoch"]), self._described())
         if "generator_state" in state:
             self._randomness.load(state["generator_state"])
         else:  # saved by an older version, which seeded each epoch with base_seed + epoch
@@ -377,7 +448,13 @@ def shard_dataloader(
     shuffled = None  # the loader's copy of a sampler that draws from a generator (the user's object, or its own)
     if sampler is not None and hasattr(sampler, "generator"):
         sampler = shuffled = copy.copy(sampler)
-    randomness = _randomness(loader.generator, shuffled, num_replicas, broadcast_seed)
+    # A sampler (or batch sampler) without a generator of its own may draw its order from the global RNGs
+    # (a custom shuffle with torch.randperm): a resumed epoch replays that draw (see data/order.py).
+    drawer = sampler if sampler is not None else batches
+    global_order = None
+    if shuffled is None and drawer is not None and type(drawer) is not SequentialSampler:
+        global_order = type(drawer).__name__
+    randomness = _randomness(loader.generator, shuffled, num_replicas, broadcast_seed, global_order)
     if batches is None:
         sharded = ShardedBatchSampler(sampler, 1, 0, None)  # one process: passes samples through, can skip
         kwargs.update(sampler=sharded, batch_size=None)
@@ -402,8 +479,8 @@ def shard_dataloader(
 
 
 def _randomness(loader_generator: Optional[torch.Generator], sampler: Any, num_replicas: int,
-                broadcast: Callable[[Any], Any]) -> EpochRandomness:
-    randomness = EpochRandomness(loader_generator, sampler, num_replicas, broadcast)
+                broadcast: Callable[[Any], Any], global_order: Optional[str] = None) -> EpochRandomness:
+    randomness = EpochRandomness(loader_generator, sampler, num_replicas, broadcast, global_order)
     if num_replicas > 1:
         randomness.agree()
     return randomness

@@ -26,17 +26,28 @@ A checkpoint saved mid-epoch stores them; the resumed epoch replays its draws fr
 touching the global RNG (which the checkpoint restores as it was mid-epoch), so the order and every
 generator afterwards are those of the uninterrupted run. Saved between epochs, the generators'
 current states are stored and the next epoch draws afresh.
+
+Some draws come from the global RNGs themselves (python, numpy, torch): a custom sampler without a
+`generator` that shuffles with ``torch.randperm(n)``, an IterableDataset loaded in this process that
+draws per item. For those the record also holds every global RNG state right before the draws began
+(``"global"``); a resumed epoch replays the draws it skips under that state, then puts back the
+checkpoint's (mid-epoch) state, so what comes after the skip draws exactly as in the uninterrupted run.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from fabric_lite.seed import capture_rng_state, restore_rng_state
+
 __all__ = ["EpochRandomness"]
 
-_KEYS = ("base", "order", "loader")
+# "global": every global RNG right before a draw from them began; "pending": an iterable loader's global
+# RNGs right before it fetched the batch it holds ahead (see DataLoaderShard.__iter__)
+_KEYS = ("base", "order", "loader", "global", "pending")
 
 
 def _draw(generator: Optional[torch.Generator]) -> int:
@@ -54,12 +65,18 @@ class EpochRandomness:
     `loader_generator`: the user's ``DataLoader(generator=...)`` (None: the global RNG).
     `sampler`: the loader's copy of the user's sampler when it has a ``generator`` attribute (the
     object whose ``generator`` draws the order), else None.
+    `global_order`: the class name of a sampler (or batch sampler) that has no ``generator`` and may draw
+    its order from the global RNGs (anything but torch's SequentialSampler), else None.
     """
 
     def __init__(self, loader_generator: Optional[torch.Generator], sampler: Any, num_replicas: int,
-                 broadcast: Callable[[Any], Any]) -> None:
+                 broadcast: Callable[[Any], Any], global_order: Optional[str] = None) -> None:
         self.loader_generator = loader_generator
         self.sampler = sampler
+        self.global_order = global_order
+        #: The checkpoint's global RNG states, kept while a resumed epoch replays draws under older ones.
+        self.stashed: Optional[Dict[str, Any]] = None
+        self.warned = False
         self.own: Optional[torch.Generator] = None
         if sampler is not None and sampler.generator is None:
             self.own = torch.Generator()
@@ -70,6 +87,8 @@ class EpochRandomness:
         self.record: Optional[Dict[str, Optional[torch.Tensor]]] = None
         #: The epoch replays `record` (loaded from a checkpoint) instead of drawing.
         self.resuming = False
+        #: The resumed epoch's skipped draws from the global RNGs were replayed: later ones are recorded again.
+        self.replayed = False
 
     @property
     def order_generator(self) -> Optional[torch.Generator]:
@@ -94,6 +113,7 @@ class EpochRandomness:
     def start_epoch(self, resumed: bool) -> None:
         """A new epoch; `resumed`: it continues the epoch of a loaded checkpoint, whose draws `record` holds."""
         self.resuming = resumed and self.record is not None
+        self.replayed = False
         if not self.resuming:
             self.record = None
 
@@ -101,15 +121,19 @@ class EpochRandomness:
         self.record = None
         self.resuming = False
 
-    def iterator_generator(self) -> Optional[torch.Generator]:
+    def iterator_generator(self, replay: Optional[torch.Tensor] = None) -> Optional[torch.Generator]:
         """What the DataLoader's next iterator draws its workers' seed from: the user's generator (or the
         global RNG); when resuming, a copy of it as the saved epoch started, which leaves the real one (already
-        past that draw) alone."""
-        if self.resuming:
+        past that draw) alone. `replay`: draw from a copy in that state instead (the saved run's persistent
+        workers were seeded from it, and it drew no seed when its later epochs began)."""
+        if self.resuming or replay is not None:
             copy = torch.Generator()
-            base = (self.record or {}).get("base")
+            base = replay if replay is not None else (self.record or {}).get("base")
             if base is not None:
                 copy.set_state(base)
+            if self.record is None:
+                self.record = {}
+            self.record["base"] = base
             return copy
         self.record = {"base": _state(self.loader_generator)}
         return self.loader_generator
@@ -130,6 +154,8 @@ class EpochRandomness:
     def before_order(self) -> None:
         """Right before the sampler draws this epoch's order (called by the sharded sampler)."""
         gen = self.order_generator
+        if self.global_order is not None:
+            self.replay_global("the order drawn by " + self.global_order)
         if self.resuming:
             saved = (self.record or {}).get("order")
             if gen is None or saved is not None:
@@ -146,11 +172,45 @@ class EpochRandomness:
             self.record = {"base": None}
         self.record["order"] = gen.get_state() if gen is not None else None
 
+    # -- draws from the global RNGs (a custom sampler, an iterable dataset loaded in this process) ------
+
+    def replay_global(self, what: str, key: str = "global") -> None:
+        """Right before draws from the global RNGs that a resumed epoch skips: record the states (a new epoch),
+        or, resuming, switch to the recorded ones until `end_replay` puts the checkpoint's back."""
+        if not self.resuming or self.replayed:
+            if self.record is None:
+                self.record = {"base": None}
+            self.record[key] = capture_rng_state()
+            return
+        saved = (self.record or {}).get(key)
+        if saved is None:
+            self.warn_once(f"{what} draws from the global random number generators, and the checkpoint holds no "
+                           f"state of theirs from before those draws (it was saved by an older version): the "
+                           f"resumed epoch redraws them from the checkpoint's mid-epoch state, so it sees other "
+                           f"samples (or other random values) than the uninterrupted run would. Give the sampler a "
+                           f"`generator` attribute to draw from, or resume from a checkpoint saved at an epoch's end.")
+            return
+        if self.stashed is None:
+            self.stashed = capture_rng_state()
+        restore_rng_state(saved)
+
+    def end_replay(self) -> None:
+        """The skipped draws are done: the global RNGs go on from the checkpoint's states."""
+        self.replayed = self.resuming
+        if self.stashed is not None:
+            restore_rng_state(self.stashed)
+            self.stashed = None
+
+    def warn_once(self, message: str) -> None:
+        if not self.warned:
+            self.warned = True
+            warnings.warn(message, stacklevel=4)
+
     # -- checkpoints -------------------------------------------------------------------------------------
 
     def state(self) -> Dict[str, Any]:
         if self.record is not None:
-            return {"drawn": True, **{k: self.record.get(k) for k in _KEYS}}
+            return {"drawn": True, **{k: self.record.get(k) for k in _KEYS if k in self.record}}
         order, loader = self.order_generator, self.loader_generator
         return {"drawn": False, "base": None,
                 "order": order.get_state() if order is not None and order is not self.own else None,
@@ -158,8 +218,9 @@ class EpochRandomness:
 
     def load(self, saved: Dict[str, Any]) -> None:
         self.resuming = False
+        self.stashed = None
         if saved.get("drawn"):
-            self.record = {k: saved.get(k) for k in _KEYS}
+            self.record = {k: saved[k] for k in _KEYS if k in saved}
             return
         self.record = None
         order, loader = self.order_generator, self.loader_generator

@@ -44,6 +44,9 @@ class ShardedBatchSampler:
         #: Called once an iteration, right before the epoch's order is drawn (the prepared loader's
         #: generators get ready: see `data/order.py`).
         self.before_draw: Optional[Callable[[], None]] = None
+        #: Called once an iteration, when the batches to skip have been pulled from the user's sampler and
+        #: before the next one is (a resumed epoch replays the skipped draws under older RNG states).
+        self.after_skip: Optional[Callable[[], None]] = None
 
     def can_skip_samples(self) -> bool:
         """Whether the epoch's order can be cut at any sample (torch's BatchSampler over a plain
@@ -76,6 +79,10 @@ class ShardedBatchSampler:
     def _ready(self) -> None:
         if self.before_draw is not None:
             self.before_draw()
+
+    def _skipped(self) -> None:
+        if self.after_skip is not None:
+            self.after_skip()
 
     def _user_batch_count(self) -> int:
         """How many batches the user's batch sampler makes of this epoch's samples (those left, after a skip)."""
@@ -154,12 +161,21 @@ class ShardedBatchSampler:
 
     def _iter_one(self, skip: int) -> Iterator[List[int]]:
         self._ready()
-        yield from itertools.islice(self._user_batches(self._draw_order()), skip, None)
+        batches = self._user_batches(self._draw_order())
+        try:
+            for _ in range(skip):
+                if next(batches, None) is None:
+                    break
+        finally:
+            self._skipped()
+        yield from batches
 
     def _iter_sharded(self, skip: int) -> Iterator[List[int]]:
         r = self.rank
         self._ready()
         drawn = self._draw_order()
+        if drawn is not None:  # (drawn whole, from the sampler's own generator: nothing to replay)
+            self._skipped()
         if drawn is not None and not self.split_batches and self.batch_size:
             order, pulls = drawn
             # The common case in one generator (one resumption a step, not four): global step k is the
@@ -183,11 +199,21 @@ class ShardedBatchSampler:
                     yield mine
             return
         head: List[List[int]] = []  # the epoch's first global step: what padding repeats
-        for n, (group, complete) in enumerate(self._groups(drawn)):
+        replaying = drawn is None
+        groups = self._groups(drawn)
+        try:
+            for _ in range(skip):  # (pulled under the replayed RNG states, see `after_skip`)
+                group = next(groups, None)
+                if group is None:
+                    break
+                if not head:
+                    head = group[0]
+        finally:
+            if replaying:
+                self._skipped()
+        for group, complete in groups:
             if not head:
                 head = group
-            if n < skip:
-                continue
             if complete and not self.split_batches:
                 yield group[r]
                 continue
