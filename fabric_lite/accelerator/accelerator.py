@@ -29,6 +29,7 @@ from fabric_lite.strategies.environments import (
 from fabric_lite.arguments import ArgumentCheck, is_int
 from fabric_lite.accelerator.wrappers import AcceleratedOptimizer, AcceleratedScheduler, is_scheduler
 from fabric_lite.accelerator.model_state import ModelState
+from fabric_lite.accelerator.optimizer_check import PreparedParameters
 from fabric_lite.checkpoint.saver import CheckpointSaver
 from fabric_lite.strategies.precision import PrecisionForward
 from fabric_lite.accelerator.process_control import ProcessControl
@@ -197,6 +198,7 @@ class Accelerator(StepEngine, ProcessControl, ModelState):
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.dataloaders: List[DataLoaderShard] = []
+        self._prepared_params = PreparedParameters()  # what the optimizers given to prepare are checked against
         #: What `save_state` saves beyond the prepared objects: the main process's state, and each process's own.
         self.registered_objects: List[Any] = []
         self.per_process_objects: List[Any] = []
@@ -270,6 +272,9 @@ class Accelerator(StepEngine, ProcessControl, ModelState):
         placement = list(device_placement) if device_placement is not None else [self.device_placement] * len(args)
         if len(placement) != len(args):
             raise ValueError(f"device_placement has {len(placement)} entries for {len(args)} objects to prepare.")
+        self.check_optimizers([a for a in args if isinstance(a, torch.optim.Optimizer)
+                               and not isinstance(a, AcceleratedOptimizer)],
+                              [a for a in args if isinstance(a, nn.Module) and a not in self.models])
         joint = self.strategy.setup_takes_optimizers and any(isinstance(a, nn.Module) for a in args)
         if joint:  # (a later prepare() of loaders or schedulers alone takes the usual path)
             models = [a for a in args if isinstance(a, nn.Module)]
@@ -305,6 +310,7 @@ class Accelerator(StepEngine, ProcessControl, ModelState):
                       loaders: Sequence[Any] = (), gradient_clip_val: Optional[float] = None) -> tuple:
         """Hand models and optimizers to the strategy in one call (when it `setup_takes_optimizers`), with
         what it must be configured with; returns the prepared models and optimizers."""
+        self.check_optimizers(optimizers, models)
         batch_size = None
         if loaders:  # the user's loaders, in this prepare() call
             batch_size = loaders[0].batch_size
@@ -314,7 +320,10 @@ class Accelerator(StepEngine, ProcessControl, ModelState):
             batch_size = self.dataloaders[0].total_batch_size // self.num_processes
         self.strategy.set_run_hints(micro_batch_size=batch_size, accumulation_steps=accumulation_steps,
                                     gradient_clip_val=gradient_clip_val)
+        records = [self._prepared_params.record(m) for m in models]
         prepared, engine_optimizers = self.strategy.setup(list(models), list(optimizers))
+        for record, done in zip(records, prepared):
+            record.add(list(done.parameters()))
         self.models.extend(prepared)
         owner = prepared[0] if len(prepared) == 1 else None
         wrapped = [AcceleratedOptimizer(o, self.strategy, self.gradient_state, owner or self._model_of(o))
@@ -324,6 +333,7 @@ class Accelerator(StepEngine, ProcessControl, ModelState):
 
     def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None, evaluation_mode: bool = False) -> nn.Module:
         """Move the model to the device, give it mixed precision, and wrap it for the strategy."""
+        record = self._prepared_params.record(model, trained=not evaluation_mode)
         precision = self.strategy.precision
         if precision.wraps_forward and not isinstance(getattr(model.forward, "__func__", None), PrecisionForward):
             PrecisionForward.install(model, precision)
@@ -332,8 +342,17 @@ class Accelerator(StepEngine, ProcessControl, ModelState):
         else:
             prepared = self.strategy.setup_module(model)
         prepared = self.dynamo_plugin.compile(prepared)
+        record.add(list(prepared.parameters()))
         self.models.append(prepared)
         return prepared
+
+    def check_optimizers(self, optimizers: Sequence[Any], models: Sequence[nn.Module] = (),
+                         fix: Optional[str] = None) -> None:
+        """Refuse, with a ValueError naming it, an optimizer that holds none of the parameters of the models given
+        to prepare (now, `models`, or before) while such a model with trainable parameters has no optimizer: the
+        usual cause is an optimizer built on another copy of the model, and the model would never train.
+        `prepare` checks what it is given; `fix` says what to do in the caller's terms."""
+        self._prepared_params.check(list(optimizers), list(models), trained_by=self.optimizers, fix=fix)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None) -> AcceleratedOptimizer:
         wrapped = AcceleratedOptimizer(self.strategy.setup_optimizer(optimizer), self.strategy, self.gradient_state,
@@ -472,6 +491,7 @@ class Accelerator(StepEngine, ProcessControl, ModelState):
 
     def free_memory(self, *objects: Any) -> List[Any]:
         self.models, self.optimizers, self.schedulers, self.dataloaders = [], [], [], []
+        self._prepared_params = PreparedParameters()
         self.step = 0
         self.loss_divisor = 1  # (a manual loop after an accumulating one must not divide)
         self.gradient_state.sync_gradients = True

@@ -575,10 +575,14 @@ class Trainer:
             self.configured_models.add(id(module))
         if with_optimizers and self.sync_batchnorm and self.world_size > 1:  # (fit only, as in Lightning)
             convert_sync_batchnorm(module)
+        # the Accelerator's own check of prepare(model, optimizer), in the module's terms
+        fix = (f"return an optimizer over this module's parameters from configure_optimizers, e.g. "
+               f"torch.optim.AdamW(self.parameters(), lr=1e-3), built from the {type(module).__name__} passed to fit")
         if self.strategy.setup_takes_optimizers:  # an engine that owns model and optimizer (DeepSpeed)
             clip = self.gradient_clip_val if self.gradient_clip_algorithm == "norm" else None
 
             def prepare(optimizers: List[Any]) -> List[Any]:
+                acc.check_optimizers(optimizers, [module], fix=fix)
                 models, prepared = acc.setup_jointly([_StepRunner(module)], optimizers, self.accumulate_grad_batches,
                                                      gradient_clip_val=clip)
                 self.model = models[0]
@@ -591,8 +595,12 @@ class Trainer:
         else:
             self.model = acc.prepare_model(_StepRunner(module))
             if with_optimizers:
-                self.optimizers, self.lr_scheduler_configs = parse_optimizers(
-                    module.configure_optimizers(), lambda opts: [acc.prepare_optimizer(o) for o in opts])
+                def prepare_each(optimizers: List[Any]) -> List[Any]:
+                    acc.check_optimizers(optimizers, [module], fix=fix)
+                    return [acc.prepare_optimizer(o) for o in optimizers]
+
+                self.optimizers, self.lr_scheduler_configs = parse_optimizers(module.configure_optimizers(),
+                                                                              prepare_each)
         # Evaluation runs without the DDP wrapper: no gradients to sync, and no per-forward buffer
         # broadcast that would wait for a process that has run out of (unpadded) batches.
         self.eval_model = self.accelerator.unwrap_model(self.model)
