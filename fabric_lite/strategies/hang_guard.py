@@ -5,12 +5,17 @@ the process group's key-value store (one key per rank, overwritten). When the co
 (torch.distributed raises after the group's timeout, or when a peer's connection drops), the
 error is rebuilt from every rank's last entry: the ranks that are behind, or that entered a
 different collective, are named with where their code stood.
+
+A rank that leaves (its script ends, sys.exit) notes it in the store first. A rank killed outright (SIGKILL,
+the out-of-memory killer) or crashed in native code leaves no note: each rank records its host and process id
+at the start, and a survivor on the same machine looks whether that process still runs.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 from typing import Any, Callable, Dict, List, Optional, TypeVar
 
@@ -40,12 +45,19 @@ class HangGuard:
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
         self.count = 0
         self.last: Optional[dict] = None
+        try:  # where this rank runs, so that the others can tell when it died without a note (`died`)
+            store.set(self._process_key(rank), json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+        except Exception:  # diagnosis only
+            pass
 
     def _key(self, rank: int) -> str:
         return f"fabric_lite/hang_guard/{rank}"
 
     def _exit_key(self, rank: int) -> str:
         return f"fabric_lite/exited/{rank}"
+
+    def _process_key(self, rank: int) -> str:
+        return f"fabric_lite/process/{rank}"
 
     # -- leaving: a rank whose interpreter exits while the job still runs (sys.exit, the end of its script
     # without end_training()) notes it, so that the others' errors name it
@@ -94,14 +106,49 @@ class HangGuard:
                 return out
         return out
 
+    def died(self, left: Dict[int, dict], wait_s: float = 0.5) -> List[int]:
+        """The other ranks on this machine, not among those that `left` with a note, whose process is gone
+        (killed or crashed). Ranks on other machines cannot be looked at from here and are not listed.
+
+        A killed process closes its connections before the kernel marks it dead: for up to `wait_s` it is
+        looked at again while none is found."""
+        import time
+
+        deadline = time.monotonic() + wait_s
+        while True:
+            out = self._dead_now(left)
+            if out or time.monotonic() >= deadline:
+                return out
+            time.sleep(0.02)
+
+    def _dead_now(self, left: Dict[int, dict]) -> List[int]:
+        host, out = socket.gethostname(), []
+        for rank in range(self.world_size):
+            if rank == self.rank or rank in left:
+                continue
+            try:
+                key = self._process_key(rank)
+                if not self.store.check([key]):
+                    continue
+                where = json.loads(self.store.get(key))
+            except Exception:
+                return out
+            if where.get("host") == host and not _running(int(where["pid"])):
+                out.append(rank)
+        return out
+
     def explain_lost_peer(self, what: str, err: BaseException) -> Optional[str]:
-        """Why `what` (a collective outside `run`, like DDP's gradient all-reduce) failed, if a rank left."""
+        """Why `what` (a collective outside `run`, like DDP's gradient all-reduce) failed, if a rank left or died."""
         gone = self.exited()
-        if not gone:
+        dead = self.died(gone, wait_s=0.0 if gone else 0.5)  # (quick: the launcher soon stops the survivors)
+        if not gone and not dead:
             return None
-        return (f"Rank {self.rank}: {what} failed because {_left(gone)}.\nCause: {_first_line(err)}\n"
-                f"Every rank must run to the end together; call accelerator.end_training() (or let fit() return) "
-                f"on every rank before a script ends.")
+        why = "; ".join(part for part in (_left(gone) if gone else "", _died(dead)) if part)
+        advice = (f"Every rank must run to the end together; call accelerator.end_training() (or let fit() return) "
+                  f"on every rank before a script ends." if gone else
+                  f"Its own output, the launcher's summary and the system log (the out-of-memory killer) say why it "
+                  f"ended; resume from the last checkpoint.")
+        return f"Rank {self.rank}: {what} failed because {why}.\nCause: {_first_line(err)}\n{advice}"
 
     def run(self, name: str, fn: Callable[[], T]) -> T:
         self.count += 1
@@ -134,10 +181,15 @@ class HangGuard:
                     f"{_first_line(err)}. Could not read the other ranks' progress: {peers}.")
         missing, lines = [], []
         gone = self.exited()
+        dead = self.died(gone, wait_s=0.0 if gone else 0.5)  # (quick: the launcher soon stops the survivors)
         for rank, entry in enumerate(entries):
             if rank in gone:
                 missing.append(rank)
                 lines.append(f"  rank {rank}: {_left({rank: gone[rank]})}")
+                continue
+            if rank in dead:
+                missing.append(rank)
+                lines.append(f"  rank {rank}: {_died([rank])}")
                 continue
             if entry is None:
                 lines.append(f"  rank {rank}: no collective yet")
@@ -167,6 +219,31 @@ def _left(gone: Dict[int, dict]) -> str:
         where = f", after collective #{note['after']} {note['op']} at {note['at']}" if note.get("op") else ""
         parts.append(f"rank {rank} left the job (its script ended or called sys.exit() before the others{where})")
     return "; ".join(parts)
+
+
+def _died(ranks: List[int]) -> str:
+    if not ranks:
+        return ""
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    return (f"{who} died ({'its process is' if len(ranks) == 1 else 'their processes are'} gone with no note of "
+            f"leaving: killed by a signal such as SIGKILL, e.g. by the out-of-memory killer, or crashed)")
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` on this machine still runs (a zombie, dead and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):  # no /proc (not Linux): ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
 
 
 def _first_line(err: BaseException) -> str:
