@@ -7,6 +7,9 @@ on `WORLD_SIZE` processes (one process: no launcher) with `--batch` samples per 
 - `resume`: a fresh run (other seed) that loads `--ckpt` and trains to the end of the epoch;
 - `full`: the whole epoch uninterrupted.
 
+`--accum K` (raw door): K micro-steps per optimizer step; `--save-at` counts micro-steps, so an odd count with
+K=2 saves inside an accumulation window.
+
 Every rank reports the sample indices it trained on, step by step; rank 0 also the final weights."""
 
 import os
@@ -21,7 +24,8 @@ from fabric_lite import Accelerator, Trainer, TrainModule, set_seed
 from fabric_lite.callbacks import Callback
 
 args = parse({"--door": {"required": True}, "--phase": {"required": True}, "--batch": {"type": int, "required": True},
-              "--save-at": {"type": int, "default": 0}, "--ckpt": {"required": True}})
+              "--save-at": {"type": int, "default": 0}, "--ckpt": {"required": True},
+              "--accum": {"type": int, "default": 1}})
 rank = int(os.environ.get("RANK", "0"))
 N = 96
 
@@ -45,7 +49,7 @@ steps = []
 
 if args.door == "raw":
     set_seed(seed)
-    acc = Accelerator()
+    acc = Accelerator(gradient_accumulation_steps=args.accum)
     model = net(seed)
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
     model, opt, data = acc.prepare(model, opt, loader())
@@ -53,9 +57,10 @@ if args.door == "raw":
         acc.load_state(args.ckpt)
     for batch in data:
         steps.append(batch[1].tolist())
-        acc.backward(loss_of(model, batch))
-        opt.step()
-        opt.zero_grad()
+        with acc.accumulate(model):
+            acc.backward(loss_of(model, batch))
+            opt.step()
+            opt.zero_grad()
         if args.phase == "save" and len(steps) == args.save_at:
             acc.save_state(args.ckpt)
             break
