@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from fabric_lite.trainer.profiler import Profiler
     from fabric_lite.trainer.trainer import Trainer
 
-__all__ = ["run_fit", "run_evaluation", "run_predict", "batch_limit", "loader_length"]
+__all__ = ["run_fit", "run_evaluation", "run_predict", "batch_limit", "loader_length", "empty_loader_warning"]
 
 
 def batch_limit(limit: Any, length: Optional[int]) -> Optional[int]:
@@ -119,10 +120,13 @@ def run_fit(trainer: "Trainer") -> None:
         cb.on_hyperparameters(trainer, dict(module.hparams))
     trainer.call_hook("on_train_start")
     train_epoch = _train_epoch if profiler is None else profiler.wrap("run_training_epoch", _train_epoch)
+    warned = False
     while not trainer.should_stop and (trainer.max_epochs == -1 or trainer.current_epoch < trainer.max_epochs):
         if 0 <= trainer.max_steps <= trainer.global_step:
             break
-        train_epoch(trainer)
+        if not train_epoch(trainer) and not warned:
+            warnings.warn(empty_loader_warning(trainer), UserWarning, stacklevel=3)
+            warned = True
         if trainer.should_stop and trainer.time_is_up():
             break
         trainer.current_epoch += 1
@@ -146,7 +150,33 @@ def _should_validate_in_epoch(trainer: "Trainer", batch_idx: int, limit: Optiona
     return (batch_idx + 1) % every == 0 and not (last and isinstance(interval, float))
 
 
-def _train_epoch(trainer: "Trainer") -> None:
+def empty_loader_warning(trainer: "Trainer") -> str:
+    """What to say when the training loader yielded no batch in an epoch: which loader, and the likely cause."""
+    loader, origin = trainer.train_dataloader_source
+    dataset = getattr(loader, "dataset", None)
+    samples = loader_length(dataset) if dataset is not None else None
+    batch_size, drop_last = getattr(loader, "batch_size", None), getattr(loader, "drop_last", False)
+    world = trainer.world_size
+    what = type(loader).__name__ + (f" over {type(dataset).__name__}" if dataset is not None else "")
+    if samples is not None:
+        what += f" of {samples} samples"
+    if batch_size is not None:
+        what += f", batch_size={batch_size}" + (f", drop_last={drop_last}" if drop_last else "")
+    if samples == 0:
+        cause = "Its dataset is empty."
+    elif drop_last and batch_size and samples is not None:
+        cause = (f"drop_last=True drops every batch: {samples} samples"
+                 + (f" shared by {world} processes" if world > 1 else "") + f" are fewer than batch_size={batch_size}"
+                 + (" per process" if world > 1 else "") + ".")
+    else:
+        cause = "It yielded nothing."
+    return (f"The training dataloader {origin} ({what}) yielded no batches in epoch {trainer.current_epoch}: no "
+            f"training step ran, so fit() leaves the model as it was. {cause} Give fit() a loader with at least "
+            f"one batch (check the dataset, batch_size and drop_last).")
+
+
+def _train_epoch(trainer: "Trainer") -> bool:
+    """One training epoch; False when the loader yielded no batch at all (nothing trained)."""
     module, model, strategy, metrics = trainer.module, trainer.model, trainer.strategy, trainer.metric_store
     engine = trainer.accelerator
     loader = trainer.train_dataloader
@@ -247,6 +277,7 @@ def _train_epoch(trainer: "Trainer") -> None:
     for cb in callbacks:
         cb.on_train_epoch_end(trainer, module)
     metrics.in_epoch_end_hook = False
+    drew = batch_idx >= start or start > 0  # (resumed at an epoch's end: nothing more was asked of the loader)
     # every process must agree to stop, or one would wait in a collective the others never reach;
     # the same collective tells whether any process was asked to stop by a signal
     flags = torch.tensor([float(trainer.should_stop), float(trainer.preemption.received is not None)],
@@ -255,6 +286,7 @@ def _train_epoch(trainer: "Trainer") -> None:
     trainer.should_stop = bool(stop)
     if preempted:
         _stop_preempted(trainer)
+    return drew
 
 
 def _stop_preempted(trainer: "Trainer") -> None:

@@ -430,6 +430,9 @@ class Trainer:
         self.accelerator.registered_objects.clear()
         self.accelerator.per_process_objects.clear()
         self.train_dataloader = self.accelerator.prepare_data_loader(train)
+        # the user's loader and where it came from, named if it yields no batches (loops.empty_loader_warning)
+        self.train_dataloader_source = (train, "given to fit()" if datamodule is None
+                                        else f"from {type(datamodule).__name__}.train_dataloader()")
         self.val_dataloaders = [self._prepare_eval_loader(v) for v in _as_list(val)]
         self._attach(module, with_optimizers=True)
         for sched in self.lr_scheduler_configs:
