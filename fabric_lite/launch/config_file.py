@@ -172,23 +172,28 @@ def validate(values: Mapping[str, Any], source: Optional[str] = None) -> LaunchC
         raise ConfigError(f"{prefix}{err}") from None
 
 
-def _validated(raw: Dict[str, Any]) -> LaunchConfigFile:
+def _validated(raw: Dict[str, Any], written: Optional[Mapping[str, str]] = None) -> LaunchConfigFile:
+    """`raw` (fabric_lite's keys) checked into a config. `written`: the key each value had in the user's file,
+    where it was another one (an Accelerate file's main_process_port for master_port), for the messages."""
+    def name(key: str) -> str:
+        return (written or {}).get(key, key)
+
     out: Dict[str, Any] = {}
     if "compute_environment" in raw:
         out["compute_environment"] = _choice("compute_environment", raw["compute_environment"], COMPUTE_ENVIRONMENTS)
     if "nnodes" in raw:
-        out["nnodes"] = _int("nnodes", raw["nnodes"], 1)
+        out["nnodes"] = _int(name("nnodes"), raw["nnodes"], 1)
     if "node_rank" in raw:
-        out["node_rank"] = _int("node_rank", raw["node_rank"], 0)
+        out["node_rank"] = _int(name("node_rank"), raw["node_rank"], 0)
     if "master_addr" in raw:
         addr = raw["master_addr"]
         if not isinstance(addr, str) or not addr.strip():
-            raise ConfigError(f"master_addr={addr!r} must be a host name or an IP address.")
+            raise ConfigError(f"{name('master_addr')}={addr!r} must be a host name or an IP address.")
         out["master_addr"] = addr.strip()
     if raw.get("master_port") is not None:
-        port = _int("master_port", raw["master_port"], 1)
+        port = _int(name("master_port"), raw["master_port"], 1)
         if port > 65535:
-            raise ConfigError(f"master_port={port} must lie in 1..65535.")
+            raise ConfigError(f"{name('master_port')}={port} must lie in 1..65535.")
         out["master_port"] = port
     if "nproc_per_node" in raw:
         value = raw["nproc_per_node"]
@@ -219,14 +224,16 @@ def _validated(raw: Dict[str, Any]) -> LaunchConfigFile:
             raise ConfigError(f"use_cpu={value!r} must be true or false.")
         out["use_cpu"] = value
     config = replace(LaunchConfigFile(), **out)
-    check_consistent(config)
+    check_consistent(config, written)
     return config
 
 
-def check_consistent(config: LaunchConfigFile) -> None:
-    """Refuse combinations no launch could run."""
+def check_consistent(config: LaunchConfigFile, written: Optional[Mapping[str, str]] = None) -> None:
+    """Refuse combinations no launch could run. `written`: as for `_validated`."""
+    names = written or {}
     if config.node_rank >= config.nnodes:
-        raise ConfigError(f"node_rank={config.node_rank} must be < nnodes={config.nnodes} "
+        raise ConfigError(f"{names.get('node_rank', 'node_rank')}={config.node_rank} must be < "
+                          f"{names.get('nnodes', 'nnodes')}={config.nnodes} "
                           f"(machines are numbered 0..{config.nnodes - 1}).")
     if config.compute_environment == "this_machine" and config.nnodes != 1:
         raise ConfigError(f"compute_environment=this_machine runs on one machine, but nnodes={config.nnodes}; "
@@ -585,9 +592,15 @@ def _named(key: str, value: Any) -> str:
     return key
 
 
+# The Accelerate key each fabric_lite key is read from, to name in messages the key the user wrote.
+_FROM_ACCELERATE = {"nnodes": "num_machines", "node_rank": "machine_rank", "master_addr": "main_process_ip",
+                    "master_port": "main_process_port"}
+
+
 def _as_accelerate(values: Dict[str, Any]) -> AccelerateConfig:
-    """Check `values` as fabric_lite keys (the same messages as a fabric_lite file) into an AccelerateConfig."""
-    base = _validated(values)
+    """Check `values` as fabric_lite keys (the same checks as a fabric_lite file, naming Accelerate's keys) into an
+    AccelerateConfig."""
+    base = _validated(values, _FROM_ACCELERATE)
     return AccelerateConfig(**base.to_dict())
 
 

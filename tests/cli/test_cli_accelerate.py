@@ -147,7 +147,7 @@ def test_an_accelerate_file_maps_to_launch_settings():
     ("compute_environment: AMAZON_SAGEMAKER\n", "SageMaker"),
     ("distributed_type: MEGATRON_LM\n", "no Megatron-LM"),
     ("distributed_type: MULTI_GPU\nmixed_precision: fp8\n", "mixed_precision='fp8' is not supported"),
-    ("distributed_type: MULTI_GPU\nmachine_rank: 1\n", "node_rank=1 must be < nnodes=1"),
+    ("distributed_type: MULTI_GPU\nmachine_rank: 1\n", "machine_rank=1 must be < num_machines=1"),
     ("distributed_type: WARP_DRIVE\n", "distributed_type='WARP_DRIVE'"),
     # a fabric_lite file stays fabric_lite's: a misspelt or Accelerate-named key is refused, with a hint
     ("nproc_per_node: 2\nnum_processes: 2\n", "unknown key 'num_processes' (did you mean nproc_per_node"),
@@ -157,6 +157,21 @@ def test_config_files_that_cannot_work_are_refused_in_one_line(text, fragment):
     with pytest.raises(ConfigError) as info:
         parse_config(text, "my.yaml")
     assert fragment in str(info.value) and str(info.value).startswith("my.yaml: ") and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("main_process_port: 70000\n", "main_process_port=70000 must lie in 1..65535"),
+    ("main_process_port: abc\n", "main_process_port='abc' is not a whole number"),
+    ("main_process_ip: 5\n", "main_process_ip=5 must be a host name or an IP address"),
+    ("num_machines: 2\nmachine_rank: 2\nnum_processes: 2\n", "machine_rank=2 must be < num_machines=2"),
+], ids=["port_range", "port_word", "ip_number", "rank_past_machines"])
+def test_an_accelerate_file_is_refused_naming_the_keys_as_written(text, fragment):
+    with pytest.raises(ConfigError) as info:
+        parse_config(f"distributed_type: MULTI_GPU\n{text}", "acc.yaml")
+    message = str(info.value)
+    assert fragment in message and "\n" not in message, message
+    for mapped in ("master_port", "master_addr", "node_rank", "nnodes"):
+        assert mapped not in message, message
 
 
 def test_config_file_flag_reads_accelerate_and_flags_win(homes, tmp_path):
