@@ -29,8 +29,8 @@ current states are stored and the next epoch draws afresh.
 
 Some draws come from the global RNGs themselves (python, numpy, torch): a custom sampler without a
 `generator` that shuffles with ``torch.randperm(n)``, an IterableDataset loaded in this process that
-draws per item. For those the record also holds every global RNG state right before the draws began
-(``"global"``); a resumed epoch replays the draws it skips under that state, then puts back the
+draws per item. For those the record also holds the global host RNGs' states (Python's, NumPy's,
+torch's CPU generator) right before the draws began (``"global"``); a resumed epoch replays the draws it skips under that state, then puts back the
 checkpoint's (mid-epoch) state, so what comes after the skip draws exactly as in the uninterrupted run.
 """
 
@@ -41,7 +41,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from fabric_lite.seed import capture_rng_state, restore_rng_state
+from fabric_lite.data.rng_states import HostRngStates, checkpointable, restore
 
 __all__ = ["EpochRandomness"]
 
@@ -75,7 +75,7 @@ class EpochRandomness:
         self.sampler = sampler
         self.global_order = global_order
         #: The checkpoint's global RNG states, kept while a resumed epoch replays draws under older ones.
-        self.stashed: Optional[Dict[str, Any]] = None
+        self.stashed: Optional[HostRngStates] = None
         self.warned = False
         self.own: Optional[torch.Generator] = None
         if sampler is not None and sampler.generator is None:
@@ -180,7 +180,7 @@ class EpochRandomness:
         if not self.resuming or self.replayed:
             if self.record is None:
                 self.record = {"base": None}
-            self.record[key] = capture_rng_state()
+            self.record[key] = HostRngStates()  # (every batch for an iterable dataset: kept raw till saved)
             return
         saved = (self.record or {}).get(key)
         if saved is None:
@@ -191,14 +191,14 @@ class EpochRandomness:
                            f"`generator` attribute to draw from, or resume from a checkpoint saved at an epoch's end.")
             return
         if self.stashed is None:
-            self.stashed = capture_rng_state()
-        restore_rng_state(saved)
+            self.stashed = HostRngStates()
+        restore(saved)
 
     def end_replay(self) -> None:
         """The skipped draws are done: the global RNGs go on from the checkpoint's states."""
         self.replayed = self.resuming
         if self.stashed is not None:
-            restore_rng_state(self.stashed)
+            self.stashed.restore()
             self.stashed = None
 
     def warn_once(self, message: str) -> None:
@@ -210,7 +210,7 @@ class EpochRandomness:
 
     def state(self) -> Dict[str, Any]:
         if self.record is not None:
-            return {"drawn": True, **{k: self.record.get(k) for k in _KEYS if k in self.record}}
+            return {"drawn": True, **{k: checkpointable(self.record[k]) for k in _KEYS if k in self.record}}
         order, loader = self.order_generator, self.loader_generator
         return {"drawn": False, "base": None,
                 "order": order.get_state() if order is not None and order is not self.own else None,

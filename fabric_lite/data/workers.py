@@ -25,37 +25,14 @@ checkpoints guide.
 
 from __future__ import annotations
 
-import random
 import warnings
 from typing import Any, Callable, Dict, List, Optional
 
-import numpy as np
 import torch
 
-from fabric_lite.seed import restore_rng_state
+from fabric_lite.data.rng_states import HostRngStates, checkpointable, restore
 
-__all__ = ["WorkerRandomness", "WorkerStates"]
-
-
-class WorkerStates:
-    """A worker's random states right after it collated a batch (python, numpy, torch), in picklable
-    plain types: a tensor would travel through shared memory, which costs more than the bytes."""
-
-    __slots__ = ("python", "numpy", "torch")
-
-    def __init__(self) -> None:
-        self.python = random.getstate()
-        self.numpy = np.random.get_state()
-        self.torch = torch.get_rng_state().numpy().tobytes()
-
-    def checkpointable(self) -> Dict[str, Any]:
-        """In `fabric_lite.seed.capture_rng_state`'s format (what `torch.load(weights_only=True)` reads)."""
-        version, internal, gauss = self.python
-        _, keys, pos, has_gauss, cached = self.numpy
-        return {"python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
-                "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                          "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-                "torch": torch.frombuffer(bytearray(self.torch), dtype=torch.uint8)}
+__all__ = ["WorkerRandomness"]
 
 
 class ReportingCollate:
@@ -66,7 +43,7 @@ class ReportingCollate:
 
     def __call__(self, items: Any) -> Any:
         batch = self.collate(items)
-        return batch, WorkerStates()
+        return batch, HostRngStates()
 
 
 class WorkerStart:
@@ -80,11 +57,7 @@ class WorkerStart:
         if self.init is not None:
             self.init(worker_id)
         if self.states is not None and self.states[worker_id] is not None:
-            restore_rng_state(self.states[worker_id])
-
-
-def _saved(states: Any) -> Optional[Dict[str, Any]]:
-    return states.checkpointable() if isinstance(states, WorkerStates) else states
+            restore(self.states[worker_id])
 
 
 class WorkerRandomness:
@@ -112,7 +85,7 @@ class WorkerRandomness:
         """Where a resumed epoch's dispatch starts: the last multiple of W at or before `skip`."""
         return skip - skip % self.num_workers if self.per_batch else skip
 
-    def loaded(self, index: int, states: WorkerStates) -> None:
+    def loaded(self, index: int, states: HostRngStates) -> None:
         self.after[index] = states
         self.after.pop(index - 2 * self.num_workers, None)
 
@@ -155,7 +128,7 @@ class WorkerRandomness:
         states = [self.after.get(start - W + s) if start - W + s >= 0 else self.at_start[s] for s in range(W)]
         live = pool_live and self.persistent
         return {"num_workers": W, "per_batch": self.per_batch,
-                "states": [_saved(s) for s in states] if self.per_batch else None,
+                "states": [checkpointable(s) for s in states] if self.per_batch else None,
                 "pool_base": self.pool_base if live else None, "pool_epoch": self.pool_epoch if live else None}
 
     def load(self, saved: Optional[Dict[str, Any]], batches_seen: int, epoch: int, what: str) -> None:
