@@ -17,6 +17,7 @@ import json
 import math
 import os
 import pickle
+import re
 import time
 import uuid
 import warnings
@@ -440,13 +441,24 @@ def load_file(
             raise CheckpointError(corrupt) from None
         if isinstance(err, pickle.UnpicklingError) and weights_only:
             raise CheckpointError(
-                f"{url}/{name} holds objects that safe loading (weights_only=True) refuses: {err}. If you trust "
-                f"this checkpoint, load it with weights_only=False.") from None
+                f"{url}/{name} holds objects that safe loading (weights_only=True) refuses: {_refused(err)}. If you trust "
+                f"this checkpoint, call load_state(..., weights_only=False).") from None
         raise CheckpointError(f"{url}/{name} cannot be read ({type(err).__name__}: {str(err)[:200]}); nothing was "
                               f"loaded. Load an earlier checkpoint.") from None
     if not digests.matches(pending.result(), expected):
         raise CheckpointError(corrupt)
     return obj
+
+
+def _refused(err: BaseException) -> str:
+    """What torch's weights_only unpickler refused ("Unsupported global: GLOBAL mod.Class ..."), without the
+    paragraph of advice (and terminal colours) around it."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err))
+    mark = text.find("WeightsUnpickler error:")
+    fact = text[mark + len("WeightsUnpickler error:"):].strip() if mark >= 0 else text.strip()
+    fact = fact.splitlines()[0] if fact else type(err).__name__
+    cut = fact.find(" Please use ")
+    return (fact[:cut] if cut >= 0 else fact).strip().rstrip(".")
 
 
 def verify(url: str, storage_options: Optional[dict] = None) -> Dict[str, Any]:

@@ -140,8 +140,9 @@ class _Applied:
 
     def load(self, what: str, obj: Any, saved: Any, keep: Callable[[], Any]) -> None:
         before = keep()
-        obj.load_state_dict(saved)
+        # put back first: an object that fails part-way through its own load_state_dict is put back too
         self.undo.append((what, lambda: obj.load_state_dict(before)))
+        obj.load_state_dict(saved)
 
     def roll_back(self) -> List[str]:
         failed = []

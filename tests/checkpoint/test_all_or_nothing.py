@@ -28,15 +28,15 @@ class EveryOther(Sampler):
 
 
 class Counter:
-    def __init__(self, refuse=False):
-        self.count, self.refuse = 0, refuse
+    def __init__(self, limit=None):
+        self.count, self.limit = 0, limit
 
     def state_dict(self):
         return {"count": self.count}
 
     def load_state_dict(self, state):
-        if self.refuse:
-            raise ValueError("this counter refuses every saved state")
+        if self.limit is not None and state["count"] > self.limit:
+            raise ValueError(f"this counter refuses a count above {self.limit}")
         self.count = state["count"]
 
 
@@ -113,10 +113,10 @@ def test_a_loader_position_that_cannot_be_carried_over_changes_nothing(mid_epoch
 
 
 def test_an_object_refusing_its_state_puts_back_those_applied_before_it(mid_epoch):
-    run = _run(batch=4, counter=Counter(refuse=True), seed=5)
+    run = _run(batch=4, counter=Counter(limit=2), seed=5)
     _train_one(*run)
     before = _everything(*run)  # the loader is one batch into its epoch; the checkpoint's is three
-    with pytest.raises(CheckpointError, match=r"registered object 0 \(Counter\).*refuses every saved state"):
+    with pytest.raises(CheckpointError, match=r"registered object 0 \(Counter\).*refuses a count above 2.*put back as it was"):
         run[0].load_state(mid_epoch)
     _same(before, _everything(*run))
 

@@ -62,7 +62,8 @@ result = {
     "clip_by_value": error_of(lambda: trainer.strategy.clip_gradients_value([], None, 1.0)),
 }
 ddp_door = Accelerator(strategy="ddp")
-ddp_door.prepare(torch.nn.Linear(4, 1), torch.optim.SGD(torch.nn.Linear(4, 1).parameters(), lr=0.1))
+ddp_model = torch.nn.Linear(4, 1)
+ddp_door.prepare(ddp_model, torch.optim.SGD(ddp_model.parameters(), lr=0.1))
 result["deepspeed_into_ddp"] = error_of(lambda: ddp_door.load_state(checkpoint))
 conflicting = Accelerator(strategy=__import__("fabric_lite.strategies.deepspeed", fromlist=["x"]).DeepSpeedStrategy(
     stage=1, config={"train_micro_batch_size_per_gpu": 4}))
