@@ -33,10 +33,14 @@ from fabric_lite.seed import capture_rng_state, restore_rng_state
 if TYPE_CHECKING:
     from fabric_lite.accelerator.accelerator import Accelerator
 
-__all__ = ["load_state", "CHECKPOINT_RE", "TRAINING_STATE", "state_problem"]
+__all__ = ["load_state", "CHECKPOINT_RE", "TRAINING_STATE", "PER_PROCESS_LOADER_KEYS", "state_problem"]
 
 CHECKPOINT_RE = re.compile(r"checkpoint_(\d+)$")
 TRAINING_STATE = "training_state.pt"
+#: The parts of a loader's state that are each process's own: the global RNG states recorded when its epoch's
+#: order was drawn and its workers' RNG states. The main process's copy is in the training state; every
+#: process's own in its ``rng_<rank>.pt``, taken back when the number of processes is the same.
+PER_PROCESS_LOADER_KEYS = ("generator_state", "workers")
 _LISTS = ("optimizers", "schedulers", "dataloaders", "custom")
 
 
@@ -63,6 +67,9 @@ def _local_problem(local: Any, models: List[Dict[str, torch.Tensor]]) -> Optiona
         return "it holds no RNG states"
     if not isinstance(local.get("objects", []), list):
         return "its 'objects' is not a list"
+    loaders = local.get("loaders", [])
+    if not isinstance(loaders, list) or not all(isinstance(s, dict) for s in loaders):
+        return "its 'loaders' is not a list of loader states"
     grads = local.get("partial_grads")
     if grads is None:
         return None
@@ -251,6 +258,11 @@ def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]],
             raise CheckpointError(f"{url}/{rng_name} is damaged: {problem}. Nothing was loaded.")
     saved_world = manifest["meta"].get("world_size")
     in_window, partial = _partial_gradients(url, manifest, acc, local, saved_world)
+
+    if local is not None and saved_world == strategy.world_size:  # this process's own loader streams
+        own_loaders = local.get("loaders", [])
+        state["dataloaders"] = [{**saved, **own_loaders[i]} if i < len(own_loaders) and isinstance(saved, dict)
+                                else saved for i, saved in enumerate(state["dataloaders"])]
 
     # -- applying: the objects that judge their own saved state first, so that a refusal changes nothing
     applied = _Applied()

@@ -30,7 +30,7 @@ import torch
 from fabric_lite.checkpoint import files as checkpoint_io
 from fabric_lite.checkpoint import fit, locks, names, sharded
 from fabric_lite.checkpoint.files import CheckpointError, CheckpointWriter
-from fabric_lite.checkpoint.restore import CHECKPOINT_RE, TRAINING_STATE, load_state
+from fabric_lite.checkpoint.restore import CHECKPOINT_RE, PER_PROCESS_LOADER_KEYS, TRAINING_STATE, load_state
 from fabric_lite.checkpoint.saver import SaveJob, checkpoint_format, snapshot
 from fabric_lite.seed import capture_rng_state
 
@@ -249,11 +249,12 @@ def _collect(acc: "Accelerator", url: str, engine: Optional[str]) -> Tuple[Dict[
     for hook in acc.save_state_pre_hooks.values():
         hook(acc.models, weights, url)
     files: Dict[str, Any] = {f"model_{i}.pt": w for i, w in enumerate(weights)}
+    loaders = [loader.state_dict() for loader in acc.dataloaders]
     files[TRAINING_STATE] = {
         "models": len(acc.models),
         "optimizers": [None if engine else opt.state_dict() for opt in acc.optimizers],
         "schedulers": [sched.state_dict() for sched in acc.schedulers],
-        "dataloaders": [loader.state_dict() for loader in acc.dataloaders],
+        "dataloaders": loaders,
         "custom": [obj.state_dict() for obj in acc.registered_objects],
         "precision": strategy.precision.state_dict(),
         # checked on load, before anything changes (fit.py)
@@ -262,13 +263,15 @@ def _collect(acc: "Accelerator", url: str, engine: Optional[str]) -> Tuple[Dict[
     }
     if not strategy.is_global_zero:
         files = {}
-    files[f"rng_{strategy.global_rank}.pt"] = _process_local_state(acc)
+    files[f"rng_{strategy.global_rank}.pt"] = _process_local_state(acc, loaders)
     return files, write_more
 
 
-def _process_local_state(acc: "Accelerator") -> Dict[str, Any]:
-    """What differs between processes: RNG states, and mid-accumulation gradients (not yet all-reduced)."""
-    state: Dict[str, Any] = {"rng": capture_rng_state(), "objects": [o.state_dict() for o in acc.per_process_objects]}
+def _process_local_state(acc: "Accelerator", loaders: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """What differs between processes: RNG states, each loader's random streams (the global RNG states recorded
+    when its epoch was drawn, its workers' states), and mid-accumulation gradients (not yet all-reduced)."""
+    state: Dict[str, Any] = {"rng": capture_rng_state(), "objects": [o.state_dict() for o in acc.per_process_objects],
+                             "loaders": [{k: s[k] for k in PER_PROCESS_LOADER_KEYS if k in s} for s in loaders]}
     if not acc.gradient_state.sync_gradients and not acc.strategy.saves_partial_gradients:
         warnings.warn(
             f"save_state inside a gradient accumulation window: {type(acc.strategy).__name__} keeps "

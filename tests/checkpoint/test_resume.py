@@ -253,6 +253,21 @@ def test_raw_door_sigkill_then_load_state_continues_bit_exact(tmp_path, nproc, b
         assert resumed[0]["resumed"] == resumed[1]["resumed"]
 
 
+def test_raw_door_two_processes_with_augmenting_loader_workers_resume_bit_exact(tmp_path):
+    """Each process's loader workers draw their own random stream (a sample-dependent number of draws): each
+    process resumes its own workers' states, not the main process's."""
+    root = tmp_path / "project"
+    flags = ["--workers", 2, "--augment"]
+    code, output, results = Run("resume_raw.py", tmp_path / "killed", "--root", root, "--kill-step", 5,
+                                "--kill-rank", 1, *flags, nproc=2, launcher="torchrun").wait()
+    assert code != 0 and "SIGKILLs itself" in output, output[-4000:]
+    resumed = Run("resume_raw.py", tmp_path / "resumed", "--root", root, "--resume", *flags, nproc=2,
+                  launcher="torchrun").ok()
+    for rank, r in enumerate(resumed):
+        assert r["restored"] == {"steps": 4, "epoch": 1, "batches_seen": 2}
+        assert_bit_equal(r["resumed"], r["uninterrupted"], f"rank {rank}")
+
+
 # -- 4. a crash at every filesystem operation of a checkpoint save --------------------------------------
 
 @pytest.mark.slow

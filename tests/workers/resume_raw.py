@@ -7,6 +7,7 @@ optimizer steps.
 - `--resume`: rebuild everything from another seed, `load_state()` (the newest whole checkpoint), continue
   the loop from the restored loader position, then run the same loop uninterrupted from scratch in a fresh
   Accelerator (another project directory) and report both weights.
+- `--augment`: random noise added in the dataset's `__getitem__` (with `--workers`, drawn in the workers).
 - `--async-save`: `save_state(blocking=False)`: written in the background; the kill waits until one
   checkpoint is published (`latest` exists), while the newest may still be in flight.
 - `--preempt`: loop until `check_preemption()` says stop; `--kill-rank` sends itself SIGTERM at micro-step 5.
@@ -39,7 +40,25 @@ args = parse({
     "--preempt": {"action": "store_true"},
     "--strategy": {"default": "auto"},
     "--async-save": {"action": "store_true"},
+    "--augment": {"action": "store_true"},
 })
+
+
+class Augmented(torch.utils.data.Dataset):
+    """Noise added in __getitem__ from torch's RNG, drawn a number of times that depends on the sample: each
+    process's loader workers end up in states of their own (what `rng_<rank>.pt` must keep per process)."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        x, y = self.data[i]
+        for _ in range(1 + i % 3):
+            x = x + 0.01 * torch.randn(4)
+        return x, y
 
 
 def build(seed, project):
@@ -50,7 +69,8 @@ def build(seed, project):
     model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.8)
-    loader = DataLoader(regression_data(48), batch_size=4, shuffle=True, num_workers=args.workers)
+    data = Augmented(regression_data(48)) if args.augment else regression_data(48)
+    loader = DataLoader(data, batch_size=4, shuffle=True, num_workers=args.workers)
     counter = StepCounter()
     acc.register_for_checkpointing(counter)
     model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
