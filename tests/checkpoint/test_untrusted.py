@@ -71,6 +71,7 @@ def _train_and_save(path, strategy=None):
         opt.step()
         opt.zero_grad()
     acc.save_state(str(path))
+    acc.end_training()  # (the sharded run's process group must not outlive this test)
 
 
 def _fresh():
