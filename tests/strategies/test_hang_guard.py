@@ -109,18 +109,10 @@ def test_ranks_that_end_together_without_end_training_leave_cleanly(tmp_path):
 def test_a_rank_killed_mid_training_is_named_by_the_others(tmp_path):
     """Before: the survivor showed only gloo's "Read error ...: Connection reset by peer" from its gradient
     all-reduce; a SIGKILLed rank runs no exit hook, so it leaves no note of leaving to read."""
-    import sys
-    import time
-
-    from conftest import WORKERS, free_port, run_command
-
-    cmd = [sys.executable, "-m", "fabric_lite.cli", "launch", "--nproc-per-node", "2", "--master-port",
-           str(free_port()), str(WORKERS / "killed_rank.py"), "--out", str(tmp_path), "--victim", "1"]
-    started = time.monotonic()
-    done = run_command(cmd, timeout=150)
+    done, seconds = _launch_leave_early(tmp_path, "--leaver", 1, "--sigkill", "--steps", 100000)
     output = done.stdout + done.stderr
     assert done.returncode != 0, output[-3000:]
-    assert time.monotonic() - started < 90
+    assert seconds < 90, seconds
     assert "rank 1 killing itself at step 3" in output, output[-3000:]
     assert "CollectiveError: Rank 0: the gradient all-reduce in backward() failed because rank 1 died" in output, \
         output[-3000:]

@@ -1,6 +1,9 @@
-"""Rank `--leaver` leaves mid-training with sys.exit(`--code`) while the others train on (`--leaver -1`: every
-rank ends its script together without end_training()). Each rank prints when it leaves or finishes."""
+"""Rank `--leaver` leaves mid-training while the others train on: with sys.exit(`--code`), or killed outright
+with `--sigkill` (no exit hook runs, no note is left). `--leaver -1`: every rank ends its script together
+without end_training(). Each rank prints when it leaves or finishes."""
 
+import os
+import signal
 import sys
 import time
 
@@ -11,7 +14,7 @@ from common import parse
 from fabric_lite import Accelerator
 
 args = parse({"--leaver": {"type": int, "default": 1}, "--code": {"type": int, "default": 0},
-              "--steps": {"type": int, "default": 400}})
+              "--steps": {"type": int, "default": 400}, "--sigkill": {"action": "store_true"}})
 acc = Accelerator()
 torch.manual_seed(0)
 model = nn.Linear(4, 1)
@@ -19,6 +22,9 @@ opt = torch.optim.SGD(model.parameters(), lr=0.1)
 model, opt = acc.prepare(model, opt)
 for step in range(args.steps):
     if step == 3 and acc.process_index == args.leaver:
+        if args.sigkill:
+            print(f"rank {acc.process_index} killing itself at step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         print(f"rank {acc.process_index} leaving at step {step}", flush=True)
         sys.exit(args.code)
     acc.backward(model(torch.randn(8, 4)).pow(2).mean())
