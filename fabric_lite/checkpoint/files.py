@@ -2,7 +2,8 @@
 
 A checkpoint is a directory. Its files are written under a staging name next to it, each file's
 checksum goes into ``manifest.json`` (written last), and only then is the staging directory moved
-into place. Loading reads the manifest and refuses a file whose bytes do not match.
+into place. Loading reads the manifest and refuses a file whose bytes do not match (`loading.load_file`),
+or that is a link leading out of the checkpoint directory (`member_path`).
 
 Next to the checkpoints of a run, ``latest`` names the newest whole one; it is rewritten only after
 that checkpoint is published. `newest_whole_checkpoint` takes the newest checkpoint (by the time in
@@ -16,8 +17,6 @@ import io
 import json
 import math
 import os
-import pickle
-import re
 import time
 import uuid
 import warnings
@@ -28,7 +27,7 @@ import torch
 from fabric_lite.checkpoint import checksums as digests
 from fabric_lite.checkpoint import locks
 
-__all__ = ["CheckpointError", "CheckpointWriter", "read_manifest", "manifest_problem", "load_file", "save_file", "verify",
+__all__ = ["CheckpointError", "CheckpointWriter", "read_manifest", "manifest_problem", "save_file", "verify",
            "update_latest", "newest_whole_checkpoint", "copy_checkpoint", "member_path", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 3  # 2: main-process state in one training_state.pt; 3: "zip:" checksums (below)
@@ -401,64 +400,6 @@ def manifest_problem(manifest: Any) -> Optional[str]:
     if meta.get("engine") is not None and not isinstance(meta["engine"], str):
         return f"meta 'engine' is {meta['engine']!r:.60}, not a name"
     return None
-
-
-def load_file(
-    url: str, name: str, manifest: Dict[str, Any], map_location: Any = "cpu",
-    weights_only: bool = True, storage_options: Optional[dict] = None,
-) -> Any:
-    """Load one file of a checkpoint, checking its checksum against the manifest.
-
-    With `weights_only=True` the checksum is computed on a helper thread while `torch.load` reads (safe:
-    that unpickler builds nothing but tensors and containers), and a mismatch discards the result. With
-    `weights_only=False` unpickling can run code, so the file is verified whole before anything reads it."""
-    fs, path = filesystem(url, storage_options)
-    expected = manifest["files"].get(name)
-    if expected is None:
-        raise CheckpointError(f"{url} has no file {name!r} in its manifest (it holds {sorted(manifest['files'])}).")
-    full = member_path(fs, path, name, url)
-    algorithm = manifest.get("checksum", "sha256")
-    digests.digest(algorithm)  # an unknown algorithm is refused before anything is read
-    if digests.is_local(fs):
-        local = fs._strip_protocol(full)
-        if not os.path.exists(local):
-            raise CheckpointError(f"{url} is missing {name}, which its manifest lists.")
-        source: Any = local
-    else:
-        with fs.open(full, "rb") as f:
-            source = f.read()
-    pending = digests.on_helper_thread(digests.checksum_of, source, expected, algorithm)
-    corrupt = f"{url}/{name} does not match its checksum: the file is corrupt. Load an earlier checkpoint."
-    if not weights_only and not digests.matches(pending.result(), expected):
-        raise CheckpointError(corrupt)
-    try:
-        # A local file is mapped, not read: tensors are views of the page cache until something
-        # writes to them, and load_state_dict copies weights into the existing parameters.
-        obj = torch.load(source if isinstance(source, str) else io.BytesIO(source), map_location=map_location,
-                         weights_only=weights_only, mmap=isinstance(source, str))
-    except Exception as err:
-        if not digests.matches(pending.result(), expected):  # a damaged file explains it better than the unpickler
-            raise CheckpointError(corrupt) from None
-        if isinstance(err, pickle.UnpicklingError) and weights_only:
-            raise CheckpointError(
-                f"{url}/{name} holds objects that safe loading (weights_only=True) refuses: {_refused(err)}. If you trust "
-                f"this checkpoint, call load_state(..., weights_only=False).") from None
-        raise CheckpointError(f"{url}/{name} cannot be read ({type(err).__name__}: {str(err)[:200]}); nothing was "
-                              f"loaded. Load an earlier checkpoint.") from None
-    if not digests.matches(pending.result(), expected):
-        raise CheckpointError(corrupt)
-    return obj
-
-
-def _refused(err: BaseException) -> str:
-    """What torch's weights_only unpickler refused ("Unsupported global: GLOBAL mod.Class ..."), without the
-    paragraph of advice (and terminal colours) around it."""
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err))
-    mark = text.find("WeightsUnpickler error:")
-    fact = text[mark + len("WeightsUnpickler error:"):].strip() if mark >= 0 else text.strip()
-    fact = fact.splitlines()[0] if fact else type(err).__name__
-    cut = fact.find(" Please use ")
-    return (fact[:cut] if cut >= 0 else fact).strip().rstrip(".")
 
 
 def verify(url: str, storage_options: Optional[dict] = None) -> Dict[str, Any]:

@@ -28,6 +28,7 @@ import torch
 from fabric_lite.checkpoint import files as checkpoint_io
 from fabric_lite.checkpoint import fit, names, sharded
 from fabric_lite.checkpoint.files import CheckpointError
+from fabric_lite.checkpoint.loading import load_file
 from fabric_lite.seed import capture_rng_state, restore_rng_state
 
 if TYPE_CHECKING:
@@ -116,7 +117,7 @@ def _partial_gradients(url: str, manifest: Dict[str, Any], acc: "Accelerator", o
     total: Optional[List[Dict[str, torch.Tensor]]] = None
     for name in files:
         local = own if name == f"rng_{acc.strategy.global_rank}.pt" else \
-            checkpoint_io.load_file(url, name, manifest, weights_only=True)
+            load_file(url, name, manifest, weights_only=True)
         problem = _local_problem(local, params)
         if problem:
             raise CheckpointError(f"{url}/{name} is damaged: {problem}. Nothing was loaded.")
@@ -200,7 +201,7 @@ def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]],
     manifest = checkpoint_io.read_manifest(url)
     strategy = acc.strategy
     # -- reading: nothing of the run changes until everything was read and checked
-    state = checkpoint_io.load_file(url, TRAINING_STATE, manifest, weights_only=weights_only)
+    state = load_file(url, TRAINING_STATE, manifest, weights_only=weights_only)
     problem = state_problem(state)
     if problem:
         raise CheckpointError(f"{url}/{TRAINING_STATE} is damaged: {problem}. Nothing was loaded.")
@@ -229,7 +230,7 @@ def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]],
                                     [(opt.module, opt.optimizer) for opt in acc.optimizers], strict)
     else:
         apply_engine = strategy.read_engine_state(url, manifest, strict) if engine else None
-    weights = [] if saved_as else [checkpoint_io.load_file(url, f"model_{i}.pt", manifest, weights_only=weights_only)
+    weights = [] if saved_as else [load_file(url, f"model_{i}.pt", manifest, weights_only=weights_only)
                                    for i in range(len(acc.models))]
     problems: List[str] = []
     for i, model in enumerate(acc.models[:len(weights)]):
@@ -251,7 +252,7 @@ def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]],
             f"{'; '.join(problems[:5])}. Load a checkpoint of these objects (the same model, optimizer and scheduler "
             f"classes, built the same way); strict=False allows missing or unexpected model keys.")
     rng_name = f"rng_{strategy.global_rank}.pt"
-    local = checkpoint_io.load_file(url, rng_name, manifest, weights_only=True) if rng_name in manifest["files"] else None
+    local = load_file(url, rng_name, manifest, weights_only=True) if rng_name in manifest["files"] else None
     if local is not None:
         problem = _local_problem(local, _named_parameters(acc)) or _rng_fits(local["rng"])
         if problem:

@@ -30,6 +30,7 @@ import torch
 from fabric_lite.checkpoint import files as checkpoint_io
 from fabric_lite.checkpoint import fit, locks, names, sharded
 from fabric_lite.checkpoint.files import CheckpointError, CheckpointWriter
+from fabric_lite.checkpoint.loading import load_file
 from fabric_lite.checkpoint.restore import CHECKPOINT_RE, PER_PROCESS_LOADER_KEYS, TRAINING_STATE, load_state
 from fabric_lite.checkpoint.saver import SaveJob, checkpoint_format, snapshot
 from fabric_lite.seed import capture_rng_state
@@ -323,6 +324,6 @@ def _export(url: str, manifest: Dict[str, Any], out: str, model_index: int) -> i
     if name not in manifest["files"]:
         models = sorted(f for f in manifest["files"] if re.fullmatch(r"model_\d+\.pt", f))
         raise CheckpointError(f"{url} has no {name}; it holds {models or 'no model weights'}.")
-    state = checkpoint_io.load_file(url, name, manifest, weights_only=True)
+    state = load_file(url, name, manifest, weights_only=True)
     save_object(state, out, safe_serialization=out.endswith(".safetensors"))
     return len(state)

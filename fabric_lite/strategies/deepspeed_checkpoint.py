@@ -4,7 +4,7 @@ The engine still decides what each rank saves (its module states, its ZeRO parti
 optimizer), but every file goes through a `CheckpointWriter`: streamed to any fsspec URL with a
 checksum, staged and published with the rest of the checkpoint, so top-k pruning, `latest`,
 crash-safety and exact resume work as for any other strategy. Loading reads each file through
-`checkpoint_io.load_file` (checksum verified, `weights_only=True` with DeepSpeed's few plain-data
+`checkpoint.loading.load_file` (checksum verified, `weights_only=True` with DeepSpeed's few plain-data
 classes allowed) before the engine applies anything.
 
 Files are named ``deepspeed_<engine's file name>`` at the top of the checkpoint directory.
@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 import torch
 
-from fabric_lite.checkpoint import files as checkpoint_io
 from fabric_lite.checkpoint.files import CheckpointError, CheckpointWriter
+from fabric_lite.checkpoint.loading import load_file
 
 if TYPE_CHECKING:
     from fabric_lite.strategies.deepspeed import DeepSpeedStrategy
@@ -154,7 +154,7 @@ def read_engine_state(strategy: "DeepSpeedStrategy", url: str, manifest: Dict[st
     def load(name: str) -> Any:
         if name not in cache:
             with _allow_deepspeed_classes():
-                cache[name] = checkpoint_io.load_file(url, PREFIX + name, manifest, weights_only=True)
+                cache[name] = load_file(url, PREFIX + name, manifest, weights_only=True)
         return cache[name]
 
     own = [os.path.basename(p) for p in _own_files(engine, manifest)]
@@ -212,7 +212,7 @@ def consolidate(url: str, manifest: Dict[str, Any]) -> Dict[str, torch.Tensor]:
         loaded: Dict[str, Any] = {}
         with _allow_deepspeed_classes():
             for name in names:
-                loaded[name[len(PREFIX):]] = obj = checkpoint_io.load_file(url, name, manifest, weights_only=True)
+                loaded[name[len(PREFIX):]] = obj = load_file(url, name, manifest, weights_only=True)
                 torch.save(obj, os.path.join(folder, name[len(PREFIX):]))
         try:
             module_keys = next((_module_keys(obj) for n, obj in loaded.items() if n.endswith("_model_states.pt")), [])

@@ -144,10 +144,10 @@ class HangGuard:
         if not gone and not dead:
             return None
         why = "; ".join(part for part in (_left(gone) if gone else "", _died(dead)) if part)
-        advice = (f"Every rank must run to the end together; call accelerator.end_training() (or let fit() return) "
-                  f"on every rank before a script ends." if gone else
-                  f"Its own output, the launcher's summary and the system log (the out-of-memory killer) say why it "
-                  f"ended; resume from the last checkpoint.")
+        advice = ("Every rank must run to the end together; call accelerator.end_training() (or let fit() return) "
+                  "on every rank before a script ends." if gone else
+                  "Its own output, the launcher's summary and the system log (the out-of-memory killer) say why it "
+                  "ended; resume from the last checkpoint.")
         return f"Rank {self.rank}: {what} failed because {why}.\nCause: {_first_line(err)}\n{advice}"
 
     def run(self, name: str, fn: Callable[[], T]) -> T:
