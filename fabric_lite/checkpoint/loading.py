@@ -41,9 +41,12 @@ def load_file(
             raise CheckpointError(f"{url} is missing {name}, which its manifest lists.")
         source: Any = local
     else:
-        with fs.open(full, "rb") as f:
-            source = f.read()
-    pending = digests.on_helper_thread(digests.checksum_of, source, expected, algorithm)
+        try:
+            with fs.open(full, "rb") as f:
+                source = f.read()
+        except FileNotFoundError:
+            raise CheckpointError(f"{url} is missing {name}, which its manifest lists.") from None
+    pending = digests.on_helper_thread(_checksum, source, expected, algorithm)
     corrupt = f"{url}/{name} does not match its checksum: the file is corrupt. Load an earlier checkpoint."
     if not weights_only and not digests.matches(pending.result(), expected):
         raise CheckpointError(corrupt)
@@ -64,6 +67,15 @@ def load_file(
     if not digests.matches(pending.result(), expected):
         raise CheckpointError(corrupt)
     return obj
+
+
+def _checksum(source: Any, expected: str, algorithm: str) -> str:
+    """The file's checksum, or a value that matches nothing where the file cannot be read (a directory, no
+    permission): it is then refused as not matching, before or instead of being unpickled."""
+    try:
+        return digests.checksum_of(source, expected, algorithm)
+    except OSError:
+        return digests.ZIP_DAMAGED
 
 
 def _refused(err: BaseException) -> str:

@@ -4,10 +4,12 @@ Two phases. Reading: the manifest, every file this process needs (checksums firs
 code), the state's layout, whether each model, optimizer and scheduler fits, the RNG states; nothing of the
 run changes and any problem is a `CheckpointError`. Applying: first the small objects whose own
 `load_state_dict` decides whether a saved state fits (dataloader positions, registered objects and the
-Trainer's callbacks, schedulers, the loss scaler, per-process objects), each one's previous state kept so
-that a refusal puts back those already applied; then optimizers (their previous state is kept by reference,
-loading replaces it); then model weights or the engine's state (checked to fit in the first phase), the
-RNGs and a partial accumulation window.
+Trainer's callbacks, schedulers, the loss scaler, per-process objects), each one's previous state kept (on
+the host) so that a refusal puts back those already applied; then optimizers (their previous state is kept
+by reference, loading replaces it). All processes agree that these went through before the model weights
+or the engine's state (checked to fit in the first phase) are loaded, then the RNGs and a partial
+accumulation window. Weights are not copied to be put back (that would cost a model's memory again): a
+failure while loading them (memory, a collective) says the model may be partly loaded.
 
 A checkpoint saved inside an accumulation window holds each process's partial gradients. On the same
 number of processes each takes its own back; on another number, every process takes the average of all
@@ -79,8 +81,8 @@ def _local_problem(local: Any, models: List[Dict[str, torch.Tensor]]) -> Optiona
     for i, (saved, params) in enumerate(zip(grads, models)):
         if not isinstance(saved, dict):
             return f"its partial gradients of model {i} are not a map"
-        for name, grad in saved.items():
-            if name not in params or not isinstance(grad, torch.Tensor) or grad.shape != params[name].shape:
+        for name, grad in saved.items():  # (a parameter the model no longer has is left out, as strict=False does)
+            if not isinstance(grad, torch.Tensor) or (name in params and grad.shape != params[name].shape):
                 return f"its partial gradient {name!r:.60} of model {i} does not fit the model"
     return None
 
@@ -124,8 +126,8 @@ def _partial_gradients(url: str, manifest: Dict[str, Any], acc: "Accelerator", o
         grads = local.get("partial_grads")
         if grads is None:
             return False, None
-        if total is None:
-            total = [{k: g.detach().to(torch.float64 if g.is_floating_point() else g.dtype, copy=True)
+        if total is None:  # (one file's gradients at a time, summed into the first: host memory for two)
+            total = [{k: g.detach().to(torch.float32 if g.is_floating_point() else g.dtype, copy=True)
                       for k, g in model.items()} for model in grads]
             continue
         for acc_model, model in zip(total, grads):
@@ -137,7 +139,20 @@ def _partial_gradients(url: str, manifest: Dict[str, Any], acc: "Accelerator", o
                 acc_model[k] += g
     assert total is not None
     dtypes = [{k: p.dtype for k, p in model.items()} for model in params]
-    return True, [{k: (g / len(files)).to(dtypes[i][k]) for k, g in model.items()} for i, model in enumerate(total)]
+    return True, [{k: (g / len(files)).to(dtypes[i][k]) for k, g in model.items() if k in dtypes[i]}
+                  for i, model in enumerate(total)]
+
+
+def _host_copy(value: Any) -> Any:
+    """`value` (a state dict) kept to put back: tensors copied to the host (an EMA model kept on the GPU is not
+    doubled there), containers rebuilt, the rest deep-copied."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _host_copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_host_copy(v) for v in value) if type(value) in (list, tuple) else copy.deepcopy(value)
+    return copy.deepcopy(value)
 
 
 class _Applied:
@@ -145,34 +160,64 @@ class _Applied:
 
     def __init__(self) -> None:
         self.undo: List[Tuple[str, Callable[[], None]]] = []
+        self.unkept: List[str] = []  # applied without a way back (their state could not be copied)
 
-    def load(self, what: str, obj: Any, saved: Any, keep: Callable[[], Any]) -> None:
-        before = keep()
-        # put back first: an object that fails part-way through its own load_state_dict is put back too
-        self.undo.append((what, lambda: obj.load_state_dict(before)))
+    def load(self, what: str, obj: Any, saved: Any) -> None:
+        try:
+            before = _host_copy(obj.state_dict())
+        except Exception:  # a state that cannot be copied (a lock, a handle): loaded all the same, said if needed
+            self.unkept.append(what)
+        else:
+            # kept before loading: an object that fails part-way through its own load_state_dict is put back too
+            self.undo.append((what, lambda: obj.load_state_dict(before)))
         obj.load_state_dict(saved)
 
+    def load_optimizer(self, what: str, opt: Any, saved: Any) -> None:
+        # load_state_dict gives the optimizer new state and groups; the old ones, kept by reference (this
+        # process's own tensors, also a sharded optimizer's), put it back without a copy
+        inner = opt.optimizer
+        state = inner.state
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
+
+        def undo() -> None:
+            inner.state = state
+            for group, before in zip(inner.param_groups, groups):
+                group.update(before)
+
+        self.undo.append((what, undo))
+        opt.load_state_dict(saved)
+
     def roll_back(self) -> List[str]:
-        failed = []
+        failed = [f"{what} (its state could not be copied to put it back)" for what in self.unkept]
         for what, undo in reversed(self.undo):
             try:
                 undo()
             except Exception as err:  # said, not hidden: the caller names what could not be put back
                 failed.append(f"{what} ({type(err).__name__}: {err})")
         self.undo.clear()
+        self.unkept.clear()
         return failed
 
 
-def _apply_or_roll_back(url: str, applied: _Applied, what: str, step: Callable[[], None]) -> None:
-    try:
-        step()
-    except Exception as err:
-        failed = applied.roll_back()
-        kept = (f"could not put back {'; '.join(failed)}" if failed
-                else "everything loaded before it was put back as it was")
-        raise CheckpointError(f"{url}: loading {what} failed ({type(err).__name__}: {err}); {kept}. Load a "
-                              f"checkpoint this run can take (see the error above), or build the run as the one "
-                              f"that saved it.") from err
+def _failure(url: str, applied: _Applied, what: str, err: BaseException, partly: bool = False) -> CheckpointError:
+    """Put back what was applied; the error that says what failed and what is left."""
+    failed = applied.roll_back()
+    kept = (f"could not put back {'; '.join(failed)}" if failed
+            else "everything loaded before it was put back as it was")
+    if partly:
+        kept += f", but {what} may be partly loaded: load a checkpoint again before training on"
+    return CheckpointError(f"{url}: loading {what} failed ({type(err).__name__}: {err}); {kept}. Load a checkpoint "
+                           f"this run can take (see the error above), or build the run as the one that saved it.")
+
+
+def _agree(strategy: Any, problem: Optional[str]) -> Optional[str]:
+    """Every process's problem (None: none), gathered so that all stop together: a check that fails on one
+    process only must not leave the others waiting in the next collective."""
+    found = [(rank, p) for rank, p in enumerate(strategy.all_gather_object(problem)) if p]
+    if not found:
+        return None
+    rank, first = found[0]
+    return first if rank == strategy.global_rank or strategy.world_size == 1 else f"(on rank {rank}) {first}"
 
 
 def _find(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]]) -> str:
@@ -252,13 +297,20 @@ def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]],
             f"{'; '.join(problems[:5])}. Load a checkpoint of these objects (the same model, optimizer and scheduler "
             f"classes, built the same way); strict=False allows missing or unexpected model keys.")
     rng_name = f"rng_{strategy.global_rank}.pt"
-    local = load_file(url, rng_name, manifest, weights_only=True) if rng_name in manifest["files"] else None
-    if local is not None:
-        problem = _local_problem(local, _named_parameters(acc)) or _rng_fits(local["rng"])
-        if problem:
-            raise CheckpointError(f"{url}/{rng_name} is damaged: {problem}. Nothing was loaded.")
     saved_world = manifest["meta"].get("world_size")
-    in_window, partial = _partial_gradients(url, manifest, acc, local, saved_world)
+    local, in_window, partial, mine = None, False, None, None
+    try:  # each process's own file: checked on every process, then agreed on
+        local = load_file(url, rng_name, manifest, weights_only=True) if rng_name in manifest["files"] else None
+        if local is not None:
+            problem = _local_problem(local, _named_parameters(acc)) or _rng_fits(local["rng"])
+            if problem:
+                raise CheckpointError(f"{url}/{rng_name} is damaged: {problem}. Nothing was loaded.")
+        in_window, partial = _partial_gradients(url, manifest, acc, local, saved_world)
+    except CheckpointError as err:
+        mine = str(err)
+    problem = _agree(strategy, mine)
+    if problem:
+        raise CheckpointError(problem)
 
     if local is not None and saved_world == strategy.world_size:  # this process's own loader streams
         own_loaders = local.get("loaders", [])
@@ -269,29 +321,43 @@ def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]],
     applied = _Applied()
     lists = {"dataloaders": acc.dataloaders, "custom": acc.registered_objects, "schedulers": acc.schedulers}
     labels = {"dataloaders": "dataloader", "custom": "registered object", "schedulers": "scheduler"}
+    steps: List[Tuple[str, Callable[[], None]]] = []
     for kind in ("dataloaders", "custom", "schedulers"):
         for i, (obj, saved_state) in enumerate(zip(lists[kind], state[kind])):
             what = f"{labels[kind]} {i} ({type(obj).__name__})"
-            _apply_or_roll_back(url, applied, what, lambda o=obj, s=saved_state, w=what: applied.load(
-                w, o, s, lambda: copy.deepcopy(o.state_dict())))
-    precision = strategy.precision
-    _apply_or_roll_back(url, applied, "the loss scaler", lambda: applied.load(
-        "the loss scaler", precision, state["precision"], lambda: copy.deepcopy(precision.state_dict())))
+            steps.append((what, lambda w=what, o=obj, s=saved_state: applied.load(w, o, s)))
+    steps.append(("the loss scaler", lambda: applied.load("the loss scaler", strategy.precision, state["precision"])))
     for i, (obj, saved_state) in enumerate(zip(acc.per_process_objects, (local or {}).get("objects", []))):
         what = f"per-process object {i} ({type(obj).__name__})"
-        _apply_or_roll_back(url, applied, what, lambda o=obj, s=saved_state, w=what: applied.load(
-            w, o, s, lambda: copy.deepcopy(o.state_dict())))
+        steps.append((what, lambda w=what, o=obj, s=saved_state: applied.load(w, o, s)))
     for i, (opt, saved_state) in enumerate(zip(acc.optimizers, state["optimizers"])):
         if saved_state is not None:  # None: an engine's optimizer, restored with its own files
             what = f"optimizer {i} ({type(opt).__name__})"
-            # loading replaces the optimizer's state tensors: the old ones, kept by reference, put it back
-            _apply_or_roll_back(url, applied, what, lambda o=opt, s=saved_state, w=what: applied.load(
-                w, o, s, o.state_dict))
+            steps.append((what, lambda w=what, o=opt, s=saved_state: applied.load_optimizer(w, o, s)))
+    mine = None
+    for what, step in steps:
+        try:
+            step()
+        except Exception as err:
+            mine = str(_failure(url, applied, what, err))
+            break
+    problem = _agree(strategy, mine)  # before the weights, which may take collectives: all go on, or none
+    if problem:
+        if mine is None:
+            applied.roll_back()
+        raise CheckpointError(problem)
+    heavy: List[Tuple[str, Callable[[], None]]] = []
     if apply_engine is not None:
-        _apply_or_roll_back(url, applied, f"the {saved_as} model and optimizer state", apply_engine)
+        heavy.append((f"the {saved_as} model and optimizer state", apply_engine))
     for i, (model, saved_weights) in enumerate(zip(acc.models, weights)):
-        _apply_or_roll_back(url, applied, f"model {i}",
-                            lambda m=model, w=saved_weights: strategy.load_module_state_dict(m, w, strict=strict))
+        heavy.append((f"model {i}", lambda m=model, w=saved_weights: strategy.load_module_state_dict(m, w, strict=strict)))
+    for what, step in heavy:
+        # checked to fit above; what still fails here (memory, a collective) leaves the weights partly loaded:
+        # keeping a copy of every model to put back would cost as much memory again
+        try:
+            step()
+        except Exception as err:
+            raise _failure(url, applied, what, err, partly=True) from err
     if local is not None:
         restore_rng_state(local["rng"])
     acc.gradient_state.sync_gradients = not in_window

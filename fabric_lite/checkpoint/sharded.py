@@ -188,18 +188,23 @@ def _verify(url: str, manifest: Dict[str, Any], strategy: Any) -> Any:
     for name in names[strategy.global_rank::strategy.world_size]:
         if name == METADATA:
             continue  # every rank reads and checks the index below
-        full = checkpoint_io.member_path(fs, path, name, url)
-        if not fs.exists(full):
-            errors.append(f"{name} is missing")
-        elif _checksum(fs, full, algorithm) != manifest["files"][name]:
-            errors.append(f"{name} does not match its checksum (corrupt)")
+        try:  # (every problem is gathered: a rank that raised alone would leave the others waiting)
+            full = checkpoint_io.member_path(fs, path, name, url)
+            if not fs.exists(full):
+                errors.append(f"{name} is missing")
+            elif _checksum(fs, full, algorithm) != manifest["files"][name]:
+                errors.append(f"{name} does not match its checksum (corrupt)")
+        except (CheckpointError, OSError) as err:
+            errors.append(f"{name}: {err}")
+    index = None
     try:
         # read once, and what was checked is what is parsed
         with fs.open(checkpoint_io.member_path(fs, path, METADATA, url), "rb") as f:
             index = f.read()
     except FileNotFoundError:
-        index = None
         errors.append(f"{METADATA} is missing")
+    except (CheckpointError, OSError) as err:
+        errors.append(f"{METADATA}: {err}")
     if index is not None and digests.checksum_of(index, manifest["files"][METADATA], algorithm) != manifest["files"][METADATA]:
         errors.append(f"{METADATA} does not match its checksum (corrupt)")
     found = [e for part in _gather(strategy, errors) for e in part]
@@ -297,7 +302,12 @@ def consolidate(url: str, manifest: Dict[str, Any], model_index: int = 0) -> Dic
     if not target:
         models = sorted({k.split(".", 1)[0] for k in metadata.state_dict_metadata if k.startswith("model_")})
         raise CheckpointError(f"{url} holds no model_{model_index}; it holds {models or 'no model weights'}.")
-    with _quiet_lone_process():
-        dcp.load(target, storage_reader=_reader(fs, path, metadata), planner=dcp_reading.safe_load_planner(),
-                 no_dist=True)
+    try:
+        with _quiet_lone_process():
+            dcp.load(target, storage_reader=_reader(fs, path, metadata), planner=dcp_reading.safe_load_planner(),
+                     no_dist=True)
+    except _dcp_errors() as err:
+        if isinstance(err, CheckpointError):
+            raise
+        raise CheckpointError(f"{url} could not be read: {_summary(err)}. Nothing was written.") from None
     return {k[len(prefix):]: v for k, v in target.items()}

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, SequentialSampler
 
 from fabric_lite.data.order import EpochRandomness
 from fabric_lite.data.sharding import IterableDatasetShard, ShardedBatchSampler
@@ -452,7 +452,8 @@ def shard_dataloader(
     # (a custom shuffle with torch.randperm): a resumed epoch replays that draw (see data/order.py).
     drawer = sampler if sampler is not None else batches
     global_order = None
-    if shuffled is None and drawer is not None and type(drawer) is not SequentialSampler:
+    # (a DistributedSampler draws from a generator it seeds itself from its seed and epoch)
+    if shuffled is None and drawer is not None and type(drawer) not in (SequentialSampler, DistributedSampler):
         global_order = type(drawer).__name__
     randomness = _randomness(loader.generator, shuffled, num_replicas, broadcast_seed, global_order)
     if batches is None:

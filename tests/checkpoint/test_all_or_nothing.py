@@ -134,3 +134,25 @@ def test_save_state_onto_an_existing_file_refuses_and_keeps_the_file(tmp_path):
     with pytest.raises(FileExistsError, match="a file exists at that path"):
         acc.save_state(str(target))
     assert target.read_text() == "precious"
+
+
+def test_a_model_that_fails_to_load_puts_the_optimizer_back_and_says_the_weights_may_be_partly_loaded(
+        mid_epoch, monkeypatch):
+    run = _run(batch=4, seed=5)
+    _train_one(*run)
+    before = _everything(*run)
+    strategy = run[0].strategy
+
+    def failing(*_, **__):
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(strategy, "load_module_state_dict", failing)
+    with pytest.raises(CheckpointError, match=r"model 0 failed .*out of memory.*put back as it was, but model 0 may "
+                                              r"be partly loaded"):
+        run[0].load_state(mid_epoch)
+    after = _everything(*run)
+    assert after["optimizer"].keys() == before["optimizer"].keys() and all(
+        torch.equal(after["optimizer"][i][k], before["optimizer"][i][k]) for i in before["optimizer"]
+        for k in before["optimizer"][i] if torch.is_tensor(before["optimizer"][i][k]))
+    assert after["scheduler"] == before["scheduler"] and after["loader"] == before["loader"]
+    assert after["counter"] == before["counter"] and after["lr"] == before["lr"]

@@ -216,9 +216,10 @@ def test_weights_only_false_verifies_before_unpickling(clean, tmp_path):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("member", ["model_0.pt", "manifest.json", "rng_0.pt"])
-def test_a_member_linked_outside_the_checkpoint_is_refused(clean, tmp_path, member):
-    ckpt = _copy(clean, "plain", tmp_path)
+@pytest.mark.parametrize("kind,member", [("plain", "model_0.pt"), ("plain", "manifest.json"), ("plain", "rng_0.pt"),
+                                         ("sharded", "__0_0.distcp"), ("sharded", ".metadata")])
+def test_a_member_linked_outside_the_checkpoint_is_refused(clean, tmp_path, kind, member):
+    ckpt = _copy(clean, kind, tmp_path)
     outside = tmp_path / "outside"
     outside.mkdir()
     shutil.move(str(ckpt / member), outside / member)  # the same bytes: its checksum matches
