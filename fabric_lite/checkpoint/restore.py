@@ -6,9 +6,9 @@ run changes and any problem is a `CheckpointError`. Applying: first the small ob
 `load_state_dict` decides whether a saved state fits (dataloader positions, registered objects and the
 Trainer's callbacks, schedulers, the loss scaler, per-process objects), each one's previous state kept (on
 the host) so that a refusal puts back those already applied; then optimizers (their previous state is kept
-by reference, loading replaces it). All processes agree that these went through before the model weights
-or the engine's state (checked to fit in the first phase) are loaded, then the RNGs and a partial
-accumulation window. Weights are not copied to be put back (that would cost a model's memory again): a
+by reference, loading replaces it), once all processes agree that the small objects went through (what
+follows may take collectives); then the model weights or the engine's state (checked to fit in the first
+phase), the RNGs and a partial accumulation window. Weights are not copied to be put back (that would cost a model's memory again): a
 failure while loading them (memory, a collective) says the model may be partly loaded.
 
 A checkpoint saved inside an accumulation window holds each process's partial gradients. On the same
@@ -330,10 +330,6 @@ def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]],
     for i, (obj, saved_state) in enumerate(zip(acc.per_process_objects, (local or {}).get("objects", []))):
         what = f"per-process object {i} ({type(obj).__name__})"
         steps.append((what, lambda w=what, o=obj, s=saved_state: applied.load(w, o, s)))
-    for i, (opt, saved_state) in enumerate(zip(acc.optimizers, state["optimizers"])):
-        if saved_state is not None:  # None: an engine's optimizer, restored with its own files
-            what = f"optimizer {i} ({type(opt).__name__})"
-            steps.append((what, lambda w=what, o=opt, s=saved_state: applied.load_optimizer(w, o, s)))
     mine = None
     for what, step in steps:
         try:
@@ -341,11 +337,20 @@ def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]],
         except Exception as err:
             mine = str(_failure(url, applied, what, err))
             break
-    problem = _agree(strategy, mine)  # before the weights, which may take collectives: all go on, or none
+    # before optimizers and weights, whose loading may take collectives (a sharded optimizer's full state is
+    # scattered): every process goes on, or none
+    problem = _agree(strategy, mine)
     if problem:
         if mine is None:
             applied.roll_back()
         raise CheckpointError(problem)
+    for i, (opt, saved_state) in enumerate(zip(acc.optimizers, state["optimizers"])):
+        if saved_state is not None:  # None: an engine's optimizer, restored with its own files
+            what = f"optimizer {i} ({type(opt).__name__})"
+            try:
+                applied.load_optimizer(what, opt, saved_state)
+            except Exception as err:
+                raise _failure(url, applied, what, err) from err
     heavy: List[Tuple[str, Callable[[], None]]] = []
     if apply_engine is not None:
         heavy.append((f"the {saved_as} model and optimizer state", apply_engine))
