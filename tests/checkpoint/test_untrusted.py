@@ -134,13 +134,21 @@ def test_crafted_dcp_index_with_a_fixed_manifest_runs_nothing_in_load_state_or_c
     assert ".metadata" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_dcp_index_pointing_outside_the_checkpoint_is_refused(clean, tmp_path):
-    """A well-formed index whose storage entry names another file: DCP would read it; it is refused."""
+def _shard_files(ckpt):
+    return {n for n in os.listdir(ckpt) if n.endswith(".distcp")}
+
+
+def _index(ckpt):
+    """A sharded checkpoint's DCP index, read the safe way (what a crafted one is made from)."""
     from fabric_lite.checkpoint import dcp_reading
 
+    return dcp_reading.read_metadata((ckpt / ".metadata").read_bytes(), _shard_files(ckpt), str(ckpt))
+
+
+def test_dcp_index_pointing_outside_the_checkpoint_is_refused(clean, tmp_path):
+    """A well-formed index whose storage entry names another file: DCP would read it; it is refused."""
     ckpt = _copy(clean, "sharded", tmp_path)
-    data = (ckpt / ".metadata").read_bytes()
-    metadata = dcp_reading.read_metadata(data, {n for n in os.listdir(ckpt) if n.endswith(".distcp")}, str(ckpt))
+    metadata = _index(ckpt)
     for info in metadata.storage_data.values():
         info.relative_path = "../../elsewhere.distcp"
     (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
@@ -157,10 +165,8 @@ def test_crafted_dcp_value_runs_nothing(clean, tmp_path):
     ckpt = _copy(clean, "sharded", tmp_path)
     marker = tmp_path / "ran"
     # the attacker's shards: the same keys, one optimizer value replaced by a payload
-    from fabric_lite.checkpoint import dcp_reading
-
-    shards = {n for n in os.listdir(ckpt) if n.endswith(".distcp")}
-    metadata = dcp_reading.read_metadata((ckpt / ".metadata").read_bytes(), shards, str(ckpt))
+    shards = _shard_files(ckpt)
+    metadata = _index(ckpt)
     state = {}
     for key, entry in metadata.state_dict_metadata.items():
         if hasattr(entry, "size"):
