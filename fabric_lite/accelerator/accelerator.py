@@ -272,10 +272,11 @@ class Accelerator(StepEngine, ProcessControl, ModelState):
         placement = list(device_placement) if device_placement is not None else [self.device_placement] * len(args)
         if len(placement) != len(args):
             raise ValueError(f"device_placement has {len(placement)} entries for {len(args)} objects to prepare.")
-        self.check_optimizers([a for a in args if isinstance(a, torch.optim.Optimizer)
-                               and not isinstance(a, AcceleratedOptimizer)],
-                              [a for a in args if isinstance(a, nn.Module) and a not in self.models])
         joint = self.strategy.setup_takes_optimizers and any(isinstance(a, nn.Module) for a in args)
+        if not joint:  # (the joint set-up checks what it is given itself)
+            self.check_optimizers([a for a in args if isinstance(a, torch.optim.Optimizer)
+                                   and not isinstance(a, AcceleratedOptimizer)],
+                                  [a for a in args if isinstance(a, nn.Module) and a not in self.models])
         if joint:  # (a later prepare() of loaders or schedulers alone takes the usual path)
             models = [a for a in args if isinstance(a, nn.Module)]
             optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
