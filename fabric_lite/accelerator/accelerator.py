@@ -33,6 +33,7 @@ from fabric_lite.accelerator.optimizer_check import PreparedParameters
 from fabric_lite.checkpoint.saver import CheckpointSaver
 from fabric_lite.strategies.precision import PrecisionForward
 from fabric_lite.accelerator.process_control import ProcessControl
+from fabric_lite.accelerator.run_settings import RunSettings, handlers_by_attribute
 from fabric_lite.strategies import Strategy
 from fabric_lite.accelerator.tracking import KNOWN_TRACKERS, GeneralTracker, make_trackers
 # (the module, not its names: fabric_lite.state imports this package, and may be the one imported first)
@@ -41,7 +42,7 @@ from fabric_lite import state as run_state
 __all__ = ["Accelerator", "DistributedType"]
 
 
-class Accelerator(StepEngine, ProcessControl, ModelState):
+class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings):
     """Run a hand-written training loop on any device, any number of processes, any precision.
 
     Examples:
@@ -136,6 +137,9 @@ class Accelerator(StepEngine, ProcessControl, ModelState):
             strategy = fsdp_plugin.to_strategy()
         process = detect_process()
         handlers = {type(h): h for h in kwargs_handlers}
+        #: Each kind of kwargs handler given, under Accelerate's attribute names (`ddp_handler`, ...; else None).
+        for attribute, handler in handlers_by_attribute(kwargs_handlers).items():
+            setattr(self, attribute, handler)
 
         if gradient_accumulation_plugin is not None:
             plugin = gradient_accumulation_plugin
@@ -197,6 +201,9 @@ class Accelerator(StepEngine, ProcessControl, ModelState):
         strategy.setup_environment()
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+        #: Accepted as Accelerate takes it; the data order is always seeded and the same on every process here.
+        self.rng_types = ["generator"] if rng_types is None else ([rng_types] if isinstance(rng_types, str)
+                                                                    else list(rng_types))
         self.dataloaders: List[DataLoaderShard] = []
         self._prepared_params = PreparedParameters()  # what the optimizers given to prepare are checked against
         #: What `save_state` saves beyond the prepared objects: the main process's state, and each process's own.
@@ -223,45 +230,6 @@ class Accelerator(StepEngine, ProcessControl, ModelState):
     def state(self) -> "run_state.AcceleratorState":
         """This run's `AcceleratorState` (Accelerate's `accelerator.state`): process facts and settings."""
         return run_state.AcceleratorState.of(self)
-
-    @property
-    def mixed_precision(self) -> str:
-        return self.strategy.precision.accelerate_name
-
-    @property
-    def gradient_accumulation_steps(self) -> int:
-        return self.gradient_accumulation_plugin.num_steps
-
-    @gradient_accumulation_steps.setter
-    def gradient_accumulation_steps(self, value: int) -> None:
-        if not is_int(value) or value < 1:
-            raise ValueError(f"gradient_accumulation_steps={value!r} must be an integer >= 1.")
-        self.gradient_accumulation_plugin.num_steps = value
-
-    @property
-    def split_batches(self) -> bool:
-        return self.dataloader_config.split_batches
-
-    @property
-    def even_batches(self) -> bool:
-        return self.dataloader_config.even_batches
-
-    @property
-    def scaler(self) -> Optional[torch.amp.GradScaler]:
-        """The fp16 loss scaler (None in other precisions)."""
-        return self.strategy.precision.scaler
-
-    @property
-    def project_dir(self) -> Optional[str]:
-        return self.project_configuration.project_dir
-
-    @property
-    def logging_dir(self) -> Optional[str]:
-        return self.project_configuration.logging_dir
-
-    @property
-    def save_iteration(self) -> int:
-        return self.project_configuration.iteration
 
     # -- prepare -----------------------------------------------------------------------------------
     def prepare(self, *args: Any, device_placement: Optional[Sequence[bool]] = None) -> Any:
@@ -400,6 +368,24 @@ class Accelerator(StepEngine, ProcessControl, ModelState):
         self.dataloaders.append(loader)
         return loader
 
+    def lomo_backward(self, loss: torch.Tensor, learning_rate: float) -> None:
+        """Backward and update in one pass for LOMO optimizers (`lomo_optim.Lomo` / `AdaLomo`, whose
+        `fused_backward(loss, lr)` updates each parameter as its gradient is computed)."""
+        if learning_rate is None:
+            raise ValueError("lomo_backward(loss, learning_rate=None): LOMO updates the weights during backward "
+                             "and needs the learning rate, e.g. lomo_backward(loss, scheduler.get_last_lr()[0]).")
+        fused = [o.optimizer for o in self.optimizers if callable(getattr(o.optimizer, "fused_backward", None))]
+        if not fused:
+            raise ValueError("lomo_backward() found no LOMO optimizer among the prepared ones "
+                             f"({[type(o.optimizer).__name__ for o in self.optimizers]}); prepare a "
+                             "lomo_optim.Lomo or AdaLomo, or call accelerator.backward(loss).")
+        for optimizer in fused:
+            optimizer.fused_backward(loss, learning_rate)
+
+    @property
+    def has_lomo_optimizer(self) -> bool:
+        return any(callable(getattr(o.optimizer, "fused_backward", None)) for o in self.optimizers)
+
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
         """The loader's current epoch, starting after `num_batches` of this process's batches."""
         return skip_first_batches(dataloader, num_batches)
@@ -409,10 +395,6 @@ class Accelerator(StepEngine, ProcessControl, ModelState):
         """Run the enclosed code under this run's mixed precision (for code outside the model's forward)."""
         with self.strategy.precision.autocast():
             yield
-
-    @property
-    def native_amp(self) -> bool:
-        return self.strategy.precision.is_mixed
 
     # -- models and checkpoints --------------------------------------------------------------------
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True,

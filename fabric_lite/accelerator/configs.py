@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 import enum
 from dataclasses import dataclass, fields
-from typing import Any, Dict, Optional, Sequence, Union
+from typing import Any, ClassVar, Dict, Optional, Sequence, Union
 
 __all__ = [
     "KwargsHandler", "DistributedDataParallelKwargs", "GradScalerKwargs", "InitProcessGroupKwargs",
@@ -34,6 +34,9 @@ class StrEnum(str, enum.Enum):
 class KwargsHandler:
     """Base of the `kwargs_handlers` dataclasses: `to_kwargs()` returns only the fields changed from default."""
 
+    #: The Accelerator attribute a handler of this kind is kept under (`ddp_handler`, ...); None: none.
+    accelerator_attribute: ClassVar[Optional[str]] = None
+
     def to_kwargs(self) -> Dict[str, Any]:
         default = type(self)()
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)}
@@ -42,6 +45,8 @@ class KwargsHandler:
 @dataclass
 class DistributedDataParallelKwargs(KwargsHandler):
     """Keywords passed to `torch.nn.parallel.DistributedDataParallel`."""
+
+    accelerator_attribute: ClassVar[str] = "ddp_handler"  # (Accelerator.ddp_handler)
 
     dim: int = 0
     broadcast_buffers: bool = True
@@ -56,6 +61,8 @@ class DistributedDataParallelKwargs(KwargsHandler):
 class GradScalerKwargs(KwargsHandler):
     """Keywords passed to `torch.amp.GradScaler` under fp16 mixed precision."""
 
+    accelerator_attribute: ClassVar[str] = "scaler_handler"  # (Accelerator.scaler_handler)
+
     init_scale: float = 65536.0
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
@@ -66,6 +73,8 @@ class GradScalerKwargs(KwargsHandler):
 @dataclass
 class InitProcessGroupKwargs(KwargsHandler):
     """Process-group settings: backend (None picks gloo/nccl) and the collective timeout."""
+
+    accelerator_attribute: ClassVar[str] = "init_handler"  # (Accelerator.init_handler)
 
     backend: Optional[str] = None
     init_method: Optional[str] = None

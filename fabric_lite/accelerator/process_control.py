@@ -174,6 +174,22 @@ class ProcessFacts:
 
         return wrapper
 
+    def on_local_process(self, function: Optional[Callable] = None,
+                         local_process_index: Optional[int] = None) -> Callable:
+        """Decorator: run only on the process whose index on its machine is `local_process_index` (on every
+        machine)."""
+        if function is None:
+            return functools.partial(self.on_local_process, local_process_index=local_process_index)
+        if local_process_index is None:
+            raise TypeError(f"on_local_process({function.__qualname__}) needs local_process_index=<int>, e.g. "
+                            "@accelerator.on_local_process(local_process_index=0).")
+
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return function(*args, **kwargs) if self.local_process_index == local_process_index else None
+
+        return wrapper
+
     def on_last_process(self, function: Callable) -> Callable:
         return self.on_process(function, process_index=self.num_processes - 1)
 
