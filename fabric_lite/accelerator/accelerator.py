@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from fabric_lite.accelerator.configs import (
     DataLoaderConfiguration, DeepSpeedPlugin, DistributedType, FullyShardedDataParallelPlugin,
-    GradientAccumulationPlugin, GradScalerKwargs, KwargsHandler, LoggerType, ProjectConfiguration, TorchDynamoPlugin,
+    GradientAccumulationPlugin, GradScalerKwargs, KwargsHandler, ProjectConfiguration, TorchDynamoPlugin,
     strategy_from_handlers,
 )
 from fabric_lite.strategies.connector import connect, resolve_accelerator
@@ -35,14 +35,15 @@ from fabric_lite.strategies.precision import PrecisionForward
 from fabric_lite.accelerator.process_control import ProcessControl
 from fabric_lite.accelerator.run_settings import RunSettings, handlers_by_attribute
 from fabric_lite.strategies import Strategy
-from fabric_lite.accelerator.tracking import KNOWN_TRACKERS, GeneralTracker, make_trackers
+from fabric_lite.accelerator.tracking import GeneralTracker
+from fabric_lite.accelerator.run_tracking import TrackerControl, check_log_with
 # (the module, not its names: fabric_lite.state imports this package, and may be the one imported first)
 from fabric_lite import state as run_state
 
 __all__ = ["Accelerator", "DistributedType"]
 
 
-class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings):
+class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerControl):
     """Run a hand-written training loop on any device, any number of processes, any precision.
 
     Examples:
@@ -90,7 +91,7 @@ class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings):
                                                 allow_none=True, hint="None: the launch's setting, else 1")
         check.bool("cpu", cpu)
         check.instance("dataloader_config", dataloader_config, DataLoaderConfiguration)
-        log_with = _check_log_with(check, log_with)
+        log_with = check_log_with(check, log_with)
         project_dir = check.path("project_dir", project_dir)
         check.instance("project_config", project_config, ProjectConfiguration)
         check.instance("gradient_accumulation_plugin", gradient_accumulation_plugin, GradientAccumulationPlugin)
@@ -438,29 +439,6 @@ class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings):
             self._preemption.ignore_signals()
         return stop
 
-    # -- trackers ----------------------------------------------------------------------------------
-    def init_trackers(self, project_name: str, config: Optional[Dict[str, Any]] = None,
-                      init_kwargs: Optional[Dict[str, Dict[str, Any]]] = None) -> None:
-        """Start the trackers named by `log_with` (main process only) and record `config`."""
-        if not self.is_main_process:
-            return
-        self.trackers = make_trackers(self.log_with, project_name, self.logging_dir, init_kwargs or {})
-        if config is not None:
-            for tracker in self.trackers:
-                tracker.store_init_configuration(config)
-
-    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
-        for tracker in self.trackers:
-            if tracker.name == name:
-                return tracker.tracker if unwrap else tracker
-        if self.is_main_process:
-            raise ValueError(f"No tracker named {name!r}; started: {[t.name for t in self.trackers]}.")
-        return GeneralTracker()
-
-    def log(self, values: Dict[str, Any], step: Optional[int] = None, log_kwargs: Optional[Dict[str, Any]] = None) -> None:
-        for tracker in self.trackers:
-            tracker.log(values, step=step, **(log_kwargs or {}).get(tracker.name, {}))
-
     def end_training(self) -> None:
         """Wait for a background save in flight, close trackers, wait for every process, and shut the process
         group down."""
@@ -492,22 +470,3 @@ def _check_plugin_steps(argument: str, plugin: str, field: str, value: Any) -> N
         raise (ValueError if is_int(value) else TypeError)(
             f"Accelerator({argument}={plugin}({field}={value!r}, ...)): gradient_accumulation_steps={value!r} "
             f"must be an integer >= 1.")
-
-
-def _check_log_with(check: ArgumentCheck, value: Any) -> Any:
-    """None, a tracker name (KNOWN_TRACKERS, or 'all'; a `LoggerType` member is one), a GeneralTracker, or a
-    list of those. Names come back as plain strings."""
-    if value is None:
-        return None
-    if isinstance(value, LoggerType):
-        value = value.value
-    elif isinstance(value, (list, tuple)):
-        value = [item.value if isinstance(item, LoggerType) else item for item in value]
-    allowed = f"{', '.join(map(repr, [*KNOWN_TRACKERS, 'all']))}, or a GeneralTracker"
-    single = isinstance(value, (str, GeneralTracker))
-    items = [value] if single else check.instances("log_with", value, (str, GeneralTracker),
-                                                   what=f"trackers ({allowed})")
-    for item in items:
-        if isinstance(item, str) and item != "all" and item.lower() not in KNOWN_TRACKERS:
-            check.fail("log_with", value, f"unknown tracker {item!r}; allowed: {allowed}, or a list of them.")
-    return value if single else items
