@@ -73,8 +73,8 @@ class ArgumentCheck:
     def strategy(self, name: str, value: Any) -> Any:
         return check_strategy(self.owner, name, value)
 
-    def precision(self, name: str, value: Any, allow_none: bool = False) -> Any:
-        return check_precision(self.owner, name, value, allow_none=allow_none)
+    def precision(self, name: str, value: Any, allow_none: bool = False, fp8_emulated: bool = False) -> Any:
+        return check_precision(self.owner, name, value, allow_none=allow_none, fp8_emulated=fp8_emulated)
 
 
 def fail(owner: str, name: str, value: Any, rule: str, error: Type[Exception] = ValueError) -> NoReturn:
@@ -248,8 +248,11 @@ def check_strategy(owner: str, name: str, value: Any) -> Any:
     return value.lower()
 
 
-def check_precision(owner: str, name: str, value: Any, allow_none: bool = False) -> Any:
-    """A precision any door accepts ("bf16-mixed", "fp16", "no", 32, 16, ...: PRECISION_ALIASES, any case)."""
+def check_precision(owner: str, name: str, value: Any, allow_none: bool = False, fp8_emulated: bool = False) -> Any:
+    """A precision any door accepts ("bf16-mixed", "fp16", "no", "fp8", 32, 16, ...: PRECISION_ALIASES, any case).
+
+    "fp8" is refused here, naming the machine, where no GPU of it can compute in fp8 (unless `fp8_emulated`:
+    torchao's emulation, for tests); the run's own device and the fp8 library are checked by the connector."""
     from fabric_lite.strategies.precision import PRECISION_ALIASES
 
     if value is None and allow_none:
@@ -261,4 +264,10 @@ def check_precision(owner: str, name: str, value: Any, allow_none: bool = False)
     if str(value).lower() not in PRECISION_ALIASES:
         fail(owner, name, value, f"unknown precision. {rule}. For mixed precision on a GPU use 'bf16-mixed' (or "
                                  f"'16-mixed'); on CPU 'bf16-mixed'.")
+    if PRECISION_ALIASES[str(value).lower()] == "fp8" and not fp8_emulated:
+        from fabric_lite.strategies.fp8 import machine_problem
+
+        problem = machine_problem()
+        if problem is not None:
+            fail(owner, name, value, problem)
     return value

@@ -6,7 +6,7 @@ environment, and the place that refuses combinations that cannot work.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Dict, Optional, Union
 
 import torch
 
@@ -84,10 +84,22 @@ def connect(
     precision: Optional[str] = None,
     process: Optional[ProcessInfo] = None,
     scaler_kwargs: Optional[dict] = None,
+    autocast_kwargs: Optional[Dict[str, Any]] = None,
+    fp8_recipe: Any = None,
 ) -> Strategy:
-    """Return a configured (not yet started) strategy for this process."""
+    """Return a configured (not yet started) strategy for this process.
+
+    `autocast_kwargs`: torch.autocast's `enabled` / `cache_enabled` for every autocast of the run (Accelerate's
+    AutocastKwargs). `fp8_recipe`: how precision "fp8" trains (an `FP8Recipe`; None: torchao's default)."""
     process = process if process is not None else ProcessInfo()
     precision_name = resolve_precision(precision)
+
+    def make_precision(device_type: str, device: Optional[torch.device] = None) -> Precision:
+        if precision_name == "fp8":
+            _check_fp8_strategy(instance, fp8_recipe)
+        return Precision(precision_name, device_type, scaler_kwargs, autocast_kwargs=autocast_kwargs,
+                         fp8_recipe=fp8_recipe, device=device)
+
     device_type = resolve_accelerator(accelerator)
     if isinstance(strategy, Strategy):
         instance = strategy
@@ -112,7 +124,7 @@ def connect(
             f"replica per device) or 'xla_spmd' (one process over every device), or leave strategy 'auto'.")
     if needs is not None:  # the runtime owns the world (XLA's PJRT): it says where this replica is
         process, root = instance.start_runtime(process, devices)
-        instance.configure(process, root, Precision(precision_name, device_type, scaler_kwargs))
+        instance.configure(process, root, make_precision(device_type))
         return instance
     check_devices(devices, device_type, process)
     if device_type == "cuda" and process.device is not None and process.device.startswith("cuda"):
@@ -121,5 +133,22 @@ def connect(
         root = torch.device("cuda", process.local_rank % max(1, torch.cuda.device_count()))
     else:
         root = torch.device(device_type)
-    instance.configure(process, root, Precision(precision_name, device_type, scaler_kwargs))
+    instance.configure(process, root, make_precision(device_type, root))
     return instance
+
+
+def _check_fp8_strategy(instance: Strategy, recipe: Any) -> None:
+    """Refuse the strategies fp8 cannot train with here (the engine or the sharding would not see the fp8 layers)."""
+    kind = instance.accelerate_type
+    if kind == "DEEPSPEED":
+        raise ValueError(
+            "mixed_precision='fp8' with DeepSpeed is not supported here: DeepSpeed's engine keeps its own bf16/fp16 "
+            "copies of the weights, which the fp8 layers would not see. Use strategy='fsdp' (sharded, with torchao "
+            "fp8) or 'ddp', or train DeepSpeed in mixed_precision='bf16'.")
+    from fabric_lite.strategies.fp8 import default_fp8_recipe
+
+    backend = (recipe if recipe is not None else default_fp8_recipe()).backend
+    if kind == "FSDP" and backend != "ao":
+        raise ValueError(
+            "mixed_precision='fp8' with FSDP trains with torchao here (AORecipeKwargs); TransformerEngine's layers "
+            "(TERecipeKwargs) are not sharded by it. Use AORecipeKwargs, or strategy='ddp' with TransformerEngine.")

@@ -1,4 +1,5 @@
-"""Numeric precision plugins: full fp32, fp16 / bf16 autocast, and pure bf16 weights.
+"""Numeric precision plugins: full fp32, fp16 / bf16 autocast, pure bf16 weights, and fp8 (float8 linear layers
+under bf16 autocast; the conversion is in strategies/fp8.py).
 
 A plugin owns everything precision-specific in a step: the autocast context around the forward,
 the loss scaling in backward, unscaling before clipping, and skipping an optimizer step whose
@@ -24,6 +25,7 @@ PRECISION_ALIASES: Dict[str, str] = {
     "16-mixed": "16-mixed", "16": "16-mixed", "fp16": "16-mixed",
     "bf16-mixed": "bf16-mixed", "bf16": "bf16-mixed",
     "bf16-true": "bf16-true",
+    "fp8": "fp8",  # Accelerate's name; Lightning has none
 }
 
 
@@ -32,15 +34,32 @@ def _cast_floating(data: Any, dtype: torch.dtype) -> Any:
 
 
 class Precision:
-    """One precision setting, bound to a device type ("cpu", "cuda", "mps")."""
+    """One precision setting, bound to a device type ("cpu", "cuda", "mps").
 
-    def __init__(self, name: str = "32-true", device_type: str = "cpu", scaler_kwargs: Optional[dict] = None):
+    `autocast_kwargs` (enabled, cache_enabled: Accelerate's `AutocastKwargs`) go to every `torch.autocast` it
+    opens. "fp8" trains with `fp8_recipe` (an `FP8Recipe`; None: torchao where installed) and is refused, naming
+    the reason and the fix, where the library or the GPU (`device`, else the current one) cannot run it.
+    """
+
+    def __init__(self, name: str = "32-true", device_type: str = "cpu", scaler_kwargs: Optional[dict] = None,
+                 autocast_kwargs: Optional[Dict[str, Any]] = None, fp8_recipe: Any = None,
+                 device: Optional[torch.device] = None):
         self.name = resolve_precision(name)
         self.device_type = device_type
         self.autocast_dtype: Optional[torch.dtype] = {
-            "16-mixed": torch.float16, "bf16-mixed": torch.bfloat16
+            "16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "fp8": torch.bfloat16,
         }.get(self.name)
+        self.autocast_kwargs: Dict[str, Any] = dict(autocast_kwargs or {})
         self.scaler: Optional[torch.amp.GradScaler] = None
+        self.fp8_recipe: Any = None
+        if self.name == "fp8":
+            from fabric_lite.strategies.fp8 import check_fp8, default_fp8_recipe
+
+            self.fp8_recipe = fp8_recipe if fp8_recipe is not None else default_fp8_recipe()
+            check_fp8(device_type, self.fp8_recipe, device)
+        elif fp8_recipe is not None:
+            raise ValueError(f"An fp8 recipe ({fp8_recipe!r}) was given, but precision={name!r}: pass "
+                             f"mixed_precision='fp8' to train in fp8, or drop the recipe.")
         if self.name == "16-mixed":
             if device_type == "xla":
                 raise ValueError(
@@ -63,21 +82,29 @@ class Precision:
     @property
     def accelerate_name(self) -> str:
         """The same setting in Accelerate's vocabulary: 'no', 'fp16' or 'bf16'."""
-        return {"32-true": "no", "16-mixed": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16"}[self.name]
+        return {"32-true": "no", "16-mixed": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16", "fp8": "fp8"}[self.name]
 
     @property
     def is_mixed(self) -> bool:
         return self.autocast_dtype is not None
 
-    def autocast(self) -> ContextManager:
-        """The context the forward pass runs in (autocast for mixed precision, else a no-op)."""
+    def autocast(self, autocast_kwargs: Optional[Dict[str, Any]] = None) -> ContextManager:
+        """The context the forward pass runs in (autocast for mixed precision, else a no-op).
+
+        `autocast_kwargs` replace this precision's own for this block (`enabled=False` turns autocast off in it);
+        without mixed precision there is no autocast to change, and the block runs as it is."""
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device_type, dtype=self.autocast_dtype)
+        kwargs = self.autocast_kwargs if autocast_kwargs is None else autocast_kwargs
+        return torch.autocast(device_type=self.device_type, dtype=self.autocast_dtype, **kwargs)
 
     def convert_module(self, module: torch.torch.nn.Module) -> torch.torch.nn.Module:
         if self.name == "bf16-true":
             return module.to(torch.bfloat16)
+        if self.name == "fp8":
+            from fabric_lite.strategies.fp8 import convert_model_to_fp8
+
+            return convert_model_to_fp8(module, self.fp8_recipe)
         return module
 
     def convert_input(self, data: Any) -> Any:
@@ -139,7 +166,8 @@ def resolve_precision(name: Any) -> str:
         allowed = ", ".join(repr(k) for k in PRECISION_ALIASES)
         raise ValueError(
             f"Unknown precision {name!r}. Allowed values: {allowed}. "
-            f"For mixed precision on a GPU use 'bf16-mixed' (or 'fp16'); on CPU use 'bf16-mixed'."
+            f"For mixed precision on a GPU use 'bf16-mixed' (or 'fp16'; 'fp8' on H100-class GPUs); on CPU use "
+            f"'bf16-mixed'."
         )
     return PRECISION_ALIASES[key]
 
