@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, ContextManager, Dict, Optional, Sequence, Tuple
 
 from fabric_lite.accelerator.configs import KwargsHandler
-from fabric_lite.strategies.fp8 import INSTALL, FP8Recipe
+from fabric_lite.strategies.fp8 import INSTALL, FP8Recipe, default_ao_config, package_problem
 
 __all__ = ["AutocastKwargs", "AORecipeKwargs", "TERecipeKwargs", "MSAMPRecipeKwargs", "FP8RecipeKwargs",
            "FP8_RECIPE_HANDLERS", "fp8_recipe_from_handlers", "autocast_kwargs", "autocast_context"]
@@ -76,14 +76,9 @@ class AORecipeKwargs(KwargsHandler):
 
     def _default_config(self) -> Any:
         """torchao's config for these fields, or None where torchao is not installed (refused when the run starts)."""
-        from fabric_lite.strategies.fp8 import package_problem
-
         if package_problem("ao") is not None:
             return None
-        from torchao.float8 import Float8LinearConfig
-
-        return Float8LinearConfig(pad_inner_dim=bool(self.pad_inner_dim),
-                                  enable_fsdp_float8_all_gather=bool(self.enable_fsdp_float8_all_gather))
+        return default_ao_config(bool(self.pad_inner_dim), bool(self.enable_fsdp_float8_all_gather))
 
     def to_fp8_recipe(self) -> FP8Recipe:
         config = self.config if self.config is not None else self._default_config()

@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-__all__ = ["FP8Recipe", "FP8_BACKENDS", "MIN_CAPABILITY", "INSTALL", "default_fp8_recipe", "fp8_problem",
+__all__ = ["FP8Recipe", "FP8_BACKENDS", "MIN_CAPABILITY", "INSTALL", "default_fp8_recipe", "default_ao_config", "fp8_problem",
            "hardware_problem", "machine_problem", "package_problem", "check_fp8", "convert_model_to_fp8", "find_first_last_linear_layers",
            "filter_linear_layers", "fp8_layer_names", "TORCHAO_MIN_VERSION"]
 
@@ -45,7 +45,7 @@ _USE_BF16 = "Use bf16 mixed precision (mixed_precision='bf16', or precision='bf1
 class FP8Recipe:
     """How to train in fp8: the library (`backend` "ao" or "te") and its settings.
 
-    ao: `config` is a `torchao.float8.Float8LinearConfig` (None: torchao's default). te: `te_recipe` holds the
+    ao: `config` is a `torchao.float8.Float8LinearConfig` (None: `default_ao_config()`, Accelerate's default). te: `te_recipe` holds the
     keywords of TransformerEngine's `DelayedScaling` recipe (`margin`, `interval`, `fp8_format` as a name,
     `amax_history_len`, `amax_compute_algo`, `override_linear_precision`), `use_mxfp8_block_scaling` asks for its
     `MXFP8BlockScaling` instead, and `use_autocast_during_eval` keeps fp8 on while the model is in eval mode.
@@ -99,6 +99,14 @@ def _version(distribution: str) -> Optional[Tuple[int, ...]]:
         digits = "".join(ch for ch in piece if ch.isdigit())
         parts.append(int(digits) if digits else 0)
     return tuple(parts)
+
+
+def default_ao_config(pad_inner_dim: bool = True, enable_fsdp_float8_all_gather: bool = True) -> Any:
+    """torchao's `Float8LinearConfig` as Accelerate makes it when none is given: inner dimensions padded to a
+    multiple of 16 (so `torch._scaled_mm` takes any size), and FSDP2 all-gathering the weights in fp8."""
+    from torchao.float8 import Float8LinearConfig
+
+    return Float8LinearConfig(pad_inner_dim=pad_inner_dim, enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather)
 
 
 def default_fp8_recipe() -> FP8Recipe:
@@ -226,8 +234,9 @@ def convert_model_to_fp8(model: nn.Module, recipe: FP8Recipe) -> nn.Module:
         from torchao.float8 import convert_to_float8_training
         from torchao.float8.float8_linear import Float8Linear
 
+        config = recipe.config if recipe.config is not None else default_ao_config()
         model = convert_to_float8_training(model, module_filter_fn=_layer_filter(model, recipe, Float8Linear),
-                                           config=recipe.config)
+                                           config=config)
         count = sum(isinstance(m, Float8Linear) for m in model.modules())
     else:
         count = _convert_te(model, recipe)
