@@ -47,6 +47,22 @@ _EXPORTS = {
     "DataModule": "fabric_lite.trainer.module",
     "EXIT_PREEMPTED": "fabric_lite.launch.preemption",
     "Callback": "fabric_lite.callbacks.base",
+    # Accelerate's other top-level names (each imported on first use, from where it is defined)
+    "debug_launcher": "fabric_lite.launch.debug",
+    "GradientState": "fabric_lite.state",
+    "DDPCommunicationHookType": "fabric_lite.accelerator.configs",
+    "AutocastKwargs": "fabric_lite.accelerator.precision_handlers",
+    "ProfileKwargs": "fabric_lite.accelerator.profiling",
+    "find_executable_batch_size": "fabric_lite.accelerator.memory",
+    "synchronize_rng_states": "fabric_lite.utils.rng",
+    "load_checkpoint_in_model": "fabric_lite.utils.modeling",
+    "cpu_offload": "fabric_lite.big_modeling",
+    "cpu_offload_with_hook": "fabric_lite.big_modeling",
+    "disk_offload": "fabric_lite.big_modeling",
+    "dispatch_model": "fabric_lite.big_modeling",
+    "infer_auto_device_map": "fabric_lite.big_modeling",
+    "load_checkpoint_and_dispatch": "fabric_lite.big_modeling",
+    "prepare_pippy": "fabric_lite.inference",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -20,6 +20,9 @@ commands:
   consolidate CHECKPOINT OUT
             write a checkpoint's model weights as one file a plain nn.Module loads
             (OUT ending in .safetensors: safetensors; otherwise torch.save)
+  merge-weights CHECKPOINT OUTPUT_DIR
+            Accelerate's spelling: OUTPUT_DIR/model.safetensors (--unsafe_serialization:
+            pytorch_model.bin); --remove_checkpoint_dir deletes CHECKPOINT afterwards
 """
 
 
@@ -123,6 +126,31 @@ def _consolidate(args: List[str]) -> int:
             f"only: if you trust this checkpoint, load it in Python with accelerator.load_state(..., "
             f"weights_only=False) and save the model's state_dict().") from err
     print(f"wrote {count} tensors to {written}")
+    return 0
+
+
+def _merge_weights(args: List[str]) -> int:
+    """`accelerate merge-weights`, over the same code as `consolidate`."""
+    from fabric_lite.cli.parsing import CliParser
+    from fabric_lite.utils.fsdp import merge_fsdp_weights
+
+    parser = CliParser(
+        prog="fabric-lite merge-weights",
+        description="Write the whole model weights of a (sharded) checkpoint that accelerator.save_state wrote as "
+                    "OUTPUT_DIR/model.safetensors (or pytorch_model.bin): one state dict a plain nn.Module loads. "
+                    "CHECKPOINT is the checkpoint directory, or a model directory inside it named as Accelerate "
+                    "names them (pytorch_model_fsdp_<i>): model i. Runs on the CPU, without a process group.")
+    parser.add_argument("checkpoint_directory")
+    parser.add_argument("output_path", help="the directory to write into (made if missing)")
+    parser.add_argument("--unsafe-serialization", "--unsafe_serialization", action="store_false",
+                        dest="safe_serialization", help="write pytorch_model.bin (torch.save) instead of safetensors")
+    parser.add_argument("--remove-checkpoint-dir", "--remove_checkpoint_dir", action="store_true",
+                        help="delete CHECKPOINT once the weights are written")
+    parsed = parser.parse_args(args)
+    written = merge_fsdp_weights(parsed.checkpoint_directory, parsed.output_path,
+                                 safe_serialization=parsed.safe_serialization,
+                                 remove_checkpoint_dir=parsed.remove_checkpoint_dir)
+    print(f"wrote the merged weights to {written}")
     return 0
 
 
@@ -264,7 +292,7 @@ def _explain(args: List[str]) -> int:
 
 COMMANDS: Dict[str, Callable[[List[str]], int]] = {
     "launch": _launch, "explain": _explain, "env": _env, "config": _config, "test": _test,
-    "consolidate": _consolidate,
+    "consolidate": _consolidate, "merge-weights": _merge_weights,
 }
 
 
