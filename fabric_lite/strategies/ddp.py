@@ -9,12 +9,13 @@ import weakref
 import contextlib
 import os
 import sys
-from typing import Any, ClassVar, ContextManager, Optional, Tuple
+from typing import Any, ClassVar, ContextManager, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from fabric_lite.strategies.base import Strategy
+from fabric_lite.strategies.comm_hooks import CommHook
 
 __all__ = ["DDPStrategy"]
 
@@ -61,7 +62,10 @@ class DDPStrategy(Strategy):
     """One process per device; gradients are averaged with an all-reduce during backward.
 
     ``DDPStrategy(find_unused_parameters=True, timeout=timedelta(minutes=5))``; any keyword of
-    ``torch.nn.parallel.DistributedDataParallel`` may be given.
+    ``torch.nn.parallel.DistributedDataParallel`` may be given. `comm_hook` replaces DDP's plain gradient
+    all-reduce with one of torch's communication hooks ("fp16", "bf16", "power_sgd", "batched_power_sgd"),
+    `comm_wrapper` ("fp16"/"bf16") casts what PowerSGD compresses, `comm_state_option` are PowerSGDState keywords:
+    ``DDPStrategy(comm_hook="power_sgd", comm_state_option={"matrix_approximation_rank": 2})``.
     """
 
     aliases: ClassVar[Tuple[str, ...]] = ("ddp",)
@@ -70,12 +74,18 @@ class DDPStrategy(Strategy):
         self,
         process_group_backend: Optional[str] = None,
         timeout: Optional[datetime.timedelta] = None,
+        comm_hook: Any = "no",
+        comm_wrapper: Any = "no",
+        comm_state_option: Optional[Mapping[str, Any]] = None,
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__()
         self.process_group_backend = process_group_backend
         self.timeout = timeout or DEFAULT_TIMEOUT
         self.ddp_kwargs = ddp_kwargs
+        #: The communication hook registered on every model this strategy wraps in DDP (`CommHook("no")`: none).
+        self.comm_hook = CommHook(comm_hook, comm_wrapper, comm_state_option or {})
+        self._comm_states: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
         self._owns_process_group = False
 
     @property
@@ -147,7 +157,20 @@ class DDPStrategy(Strategy):
         device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
         wrapped = DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
         _WRAPPERS.add(wrapped)
+        if self.comm_hook.enabled:
+            self._comm_states[wrapped] = self.comm_hook.register(wrapped)
         return wrapped
+
+    def comm_hook_state(self, module: nn.Module) -> Any:
+        """The state of the communication hook on a model this strategy wrapped (a PowerSGDState, with its
+        iteration count and error-feedback memory), or None (no hook, a stateless one, or an unwrapped model)."""
+        return self._comm_states.get(module)
+
+    def explain_lines(self, modules: Sequence[nn.Module], optimizers: Sequence[Any], world: int) -> List[Tuple[str, str, str]]:
+        if not self.comm_hook.enabled:
+            return []
+        where = "" if world > 1 else " (unused on one process: nothing is all-reduced)"
+        return [("precision", "gradient all-reduce", self.comm_hook.describe() + where)]
 
     def unwrap_module(self, module: nn.Module) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel
