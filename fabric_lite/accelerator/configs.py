@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime
 import enum
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Dict, Optional, Sequence, Union
 
 __all__ = [
@@ -12,7 +12,7 @@ __all__ = [
     "DataLoaderConfiguration", "ProjectConfiguration", "GradientAccumulationPlugin", "DeepSpeedPlugin",
     "FullyShardedDataParallelPlugin", "TorchDynamoPlugin",
     "strategy_from_handlers",
-    "DistributedType", "LoggerType", "PrecisionType", "DynamoBackend",
+    "DDPCommunicationHookType", "DistributedType", "LoggerType", "PrecisionType", "DynamoBackend",
 ]
 
 
@@ -42,9 +42,51 @@ class KwargsHandler:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)}
 
 
+class _ValuesContained(enum.EnumMeta):
+    """`"fp16" in DDPCommunicationHookType` is True: a value counts as contained (as in Accelerate)."""
+
+    def __contains__(cls, item: Any) -> bool:
+        try:
+            cls(item)
+        except ValueError:
+            return False
+        return True
+
+
+class DDPCommunicationHookType(StrEnum, metaclass=_ValuesContained):
+    """How DDP reduces gradients, for `DistributedDataParallelKwargs(comm_hook=..., comm_wrapper=...)`: NO (plain
+    all-reduce), FP16 / BF16 (compressed to half precision), POWER_SGD / BATCHED_POWER_SGD (low-rank PowerSGD).
+    ``DDPCommunicationHookType("power_sgd")`` (any case) gives the member."""
+
+    NO = "no"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    POWER_SGD = "power_sgd"
+    BATCHED_POWER_SGD = "batched_power_sgd"
+
+    @classmethod
+    def _missing_(cls, value: Any) -> Any:
+        text = str(value).strip().lower() if isinstance(value, str) else None
+        for member in cls:
+            if member.value == text:
+                return member
+        return None
+
+
 @dataclass
 class DistributedDataParallelKwargs(KwargsHandler):
-    """Keywords passed to `torch.nn.parallel.DistributedDataParallel`."""
+    """Keywords passed to `torch.nn.parallel.DistributedDataParallel`, and the communication hook it reduces
+    gradients with (Accelerate's fields)::
+
+        DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.POWER_SGD,
+                                      comm_wrapper=DDPCommunicationHookType.FP16,
+                                      comm_state_option={"matrix_approximation_rank": 2})
+
+    `comm_hook`: FP16/BF16 compress the all-reduced gradients, POWER_SGD approximates them (torch's hooks).
+    `comm_wrapper` (FP16/BF16): casts the gradients a PowerSGD hook compresses. `comm_state_option`: keywords of
+    torch's `PowerSGDState` (PowerSGD only). On one process nothing is all-reduced and the hook goes unused; FSDP,
+    DeepSpeed and XLA reduce gradients their own way and refuse a hook. Checked when built.
+    """
 
     accelerator_attribute: ClassVar[str] = "ddp_handler"  # (Accelerator.ddp_handler)
 
@@ -55,6 +97,37 @@ class DistributedDataParallelKwargs(KwargsHandler):
     check_reduction: bool = False
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
+    comm_hook: DDPCommunicationHookType = DDPCommunicationHookType.NO
+    comm_wrapper: DDPCommunicationHookType = DDPCommunicationHookType.NO
+    comm_state_option: dict = field(default_factory=dict)
+
+    #: The fields that choose the communication hook (registered after wrapping; not DDP constructor keywords).
+    COMM_FIELDS: ClassVar[tuple] = ("comm_hook", "comm_wrapper", "comm_state_option")
+
+    def __post_init__(self) -> None:
+        self.comm_hook_spec()
+
+    def to_kwargs(self) -> Dict[str, Any]:
+        """The DistributedDataParallel keywords changed from their defaults (the hook's fields are not ones)."""
+        return {k: v for k, v in super().to_kwargs().items() if k not in self.COMM_FIELDS}
+
+    def comm_hook_spec(self) -> Any:
+        """The hook these fields ask for, checked (a `fabric_lite.strategies.comm_hooks.CommHook`); the fields
+        become `DDPCommunicationHookType` members. Raises, naming the field, for a bad value or combination."""
+        from fabric_lite.strategies.comm_hooks import CommHook
+
+        spec = CommHook(self.comm_hook, self.comm_wrapper, self.comm_state_option)
+        self.comm_hook = DDPCommunicationHookType(spec.hook)
+        self.comm_wrapper = DDPCommunicationHookType(spec.wrapper)
+        return spec
+
+    def register_comm_hook(self, model: Any) -> Any:
+        """Register the hook on a `DistributedDataParallel` model (`prepare` does it); a model that is not one
+        (one process) is left alone. Returns the hook's state (a PowerSGDState, else None)."""
+        spec = self.comm_hook_spec()
+        if not spec.enabled or not hasattr(model, "register_comm_hook"):
+            return None
+        return spec.register(model)
 
 
 @dataclass
@@ -352,14 +425,26 @@ def _compile_regions(module: Any, kwargs: Dict[str, Any]) -> int:
     return count
 
 
-def strategy_from_handlers(name: str, handlers: Dict[type, Any], world_size: int) -> Any:
-    """The strategy a name means, with the DDP and process-group kwargs handlers applied (or the name)."""
+def strategy_from_handlers(name: Any, handlers: Dict[type, Any], world_size: int) -> Any:
+    """The strategy a name means, with the DDP and process-group kwargs handlers applied (or the name).
+
+    A Strategy instance (the user's, or a DeepSpeed/FSDP plugin's) keeps its own settings; only the DDP
+    communication hook applies to it, and is refused where the strategy does not wrap models in DDP.
+    """
     from fabric_lite.strategies import create_strategy
+    from fabric_lite.strategies.comm_hooks import apply_comm_hook
 
     ddp, pg = handlers.get(DistributedDataParallelKwargs), handlers.get(InitProcessGroupKwargs)
+    hook = ddp.comm_hook_spec() if ddp is not None else None
+    if not isinstance(name, str):
+        if hook is not None:
+            apply_comm_hook(name, hook)
+        return name
     if ddp is None and pg is None:
         return name
     instance = create_strategy(name, world_size)
+    if hook is not None:
+        apply_comm_hook(instance, hook)
     if ddp is not None and hasattr(instance, "ddp_kwargs"):
         instance.ddp_kwargs.update(ddp.to_kwargs())
     if pg is not None:
