@@ -86,8 +86,9 @@ def find_executable_batch_size(function: Optional[Callable[..., Any]] = None, st
     which it must take as its first parameter (passing it is refused with a TypeError). Build everything that
     holds memory (model, optimizer, loaders) inside it, so that a failed attempt's memory can be freed:
     between attempts the error and its frames are dropped, Python's garbage is collected and the device cache
-    emptied. The next size is half the last (``reduce_batch_size_fn``, called with no arguments, returns it
-    instead; it must return a smaller integer). At zero, a RuntimeError says so. A later call starts from the
+    emptied. The next size is half the last, as Accelerate's guide and examples describe (its newest releases
+    take 90% instead; pass ``reduce_batch_size_fn`` for any other rule: called with no arguments, it returns
+    the next size, which must be smaller). At zero, a RuntimeError says so. A later call starts from the
     last size that ran. Any other error goes on untouched.
 
     On several processes (a process group is up when an attempt ends), every attempt runs with the same batch

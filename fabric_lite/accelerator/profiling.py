@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Union
+from typing import Any, Callable, ClassVar, Dict, Iterator, List, Optional, Union
 
 import torch
 
@@ -70,6 +70,8 @@ class ProfileKwargs(KwargsHandler):
         ...         train_step(batch)
         ...         prof.step()
     """
+
+    accelerator_attribute: ClassVar[str] = "profile_handler"  # (Accelerator.profile_handler)
 
     activities: Optional[List[Any]] = None
     schedule_option: Optional[Dict[str, int]] = None

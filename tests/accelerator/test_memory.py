@@ -315,3 +315,32 @@ def test_a_real_cuda_out_of_memory_error_is_recovered_and_its_memory_freed():
     assert tried == [1024, 512, 256, 128]
     assert max(peaks) < total // 256 * 2  # what a failed attempt allocated was freed before the next
     assert torch.cuda.memory_reserved() < total // 2 + 2**30  # the cache was emptied after the failures
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_a_training_step_too_large_for_the_gpu_finds_a_batch_that_fits():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024)).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model(torch.randn(8, 1024, device="cuda")).sum().backward()  # (cuBLAS's workspaces, kept: part of the base)
+    optimizer.zero_grad(set_to_none=True)
+    base = torch.cuda.memory_allocated()
+    total = torch.cuda.get_device_properties(0).total_memory
+    start = 1 << (total // (1024 * 4)).bit_length()  # one input batch alone is larger than the card
+    tried = []
+
+    @find_executable_batch_size(starting_batch_size=start)
+    def step(batch_size):
+        tried.append(batch_size)
+        x = torch.randn(batch_size, 1024, device="cuda")
+        loss = model(x).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return batch_size
+
+    found = step()
+    assert 0 < found < start and tried == [start >> i for i in range(len(tried))] and tried[-1] == found
+    assert len(tried) >= 2
+    assert torch.cuda.memory_allocated() - base < 2**20  # nothing of the attempts is left (gradients: set to None)

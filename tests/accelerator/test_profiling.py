@@ -163,3 +163,19 @@ def test_two_processes_write_one_trace_each(tmp_path_factory):
         events = json.loads((traces / f"profile_{rank}.json").read_text())["traceEvents"]
         assert {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")} == \
             {"ProfilerStep#2", "ProfilerStep#3"}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_the_default_activities_take_the_gpu_kernels_too(tmp_path):
+    model = torch.nn.Linear(256, 256).cuda()
+    x = torch.randn(64, 256, device="cuda")
+    with profile_context(ProfileKwargs(output_trace_dir=tmp_path, with_flops=True), process_index=0) as prof:
+        model(x).sum().backward()
+        torch.cuda.synchronize()
+    assert torch.profiler.ProfilerActivity.CUDA in prof.activities
+    events = json.loads((tmp_path / "profile_0.json").read_text())["traceEvents"]
+    assert any(e.get("cat") == "kernel" for e in events)  # GPU kernels in the Chrome trace
+    averages = prof.key_averages()
+    assert sum(e.device_time_total for e in averages) > 0
+    assert sum(e.flops for e in averages) >= 2 * 64 * 256 * 256
