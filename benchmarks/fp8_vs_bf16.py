@@ -106,8 +106,9 @@ def train(config: GPTConfig, tokens: torch.Tensor, steps: int, batch: int, mixed
         window_times.append((time.perf_counter() - start) / WINDOW)
     curve = torch.stack(losses).float().cpu().tolist()
     accelerator.end_training()
+    params = sum(p.numel() for p in accelerator.unwrap_model(model).parameters())
     return {"losses": curve, "s_per_step": statistics.median(window_times) if window_times else float("nan"),
-            "fp8_layers": layers, "device": str(device)}
+            "fp8_layers": layers, "device": str(device), "params": params}
 
 
 def tail_mean(losses: List[float]) -> float:
@@ -133,8 +134,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     problem = fp8_device_problem()
     emulate = cpu = False
     if args.quick:
-        args.width, args.layers, args.heads, args.context, args.vocab = 64, 2, 2, 64, 256
-        args.steps = min(args.steps, 60)
+        args.width, args.layers, args.heads, args.context, args.vocab, args.batch = 32, 2, 2, 32, 128, 4
+        args.steps = min(args.steps, 30)
         if problem is not None:
             emulate = cpu = True
     elif problem is not None:
@@ -153,9 +154,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     bf16, fp8 = results["bf16"], results["fp8"]
     name = torch.cuda.get_device_name() if not cpu and torch.cuda.is_available() else "CPU (fp8 emulated)"
-    params = sum(p.numel() for p in GPT(config).parameters())
+    params = bf16["params"]
     print(f"device: {name}; torch {torch.__version__}; model: width {args.width}, {args.layers} layers, "
-          f"{params / 1e6:.0f}M parameters, context {args.context}, batch {args.batch}; {args.steps} steps"
+          f"{params / 1e6:.1f}M parameters, context {args.context}, batch {args.batch}; {args.steps} steps"
           f"{', torch.compile' if args.compile else ''}")
     print(f"fp8 layers ({len(fp8['fp8_layers'])}): {', '.join(fp8['fp8_layers'][:6])}"
           f"{', ...' if len(fp8['fp8_layers']) > 6 else ''}")

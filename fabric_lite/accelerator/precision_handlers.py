@@ -142,8 +142,8 @@ class TERecipeKwargs(KwargsHandler):
 
 def _msamp_refusal(given: str) -> ValueError:
     return ValueError(f"{given}: MS-AMP is not supported here (its package is unmaintained and needs its own CUDA "
-                      f"build). Train fp8 with torchao instead: kwargs_handlers=[AORecipeKwargs()] ({INSTALL['ao']}), "
-                      f"or with TransformerEngine: TERecipeKwargs().")
+                      f"build). Train fp8 with torchao instead: kwargs_handlers=[AORecipeKwargs()], after "
+                      f"{INSTALL['ao']}; or with TransformerEngine: TERecipeKwargs().")
 
 
 @dataclass
