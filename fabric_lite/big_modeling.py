@@ -30,6 +30,8 @@ set_module_tensor_to_device = refused("set_module_tensor_to_device", FEATURE,
                                       "move the whole model with model.to(device), or load weights with "
                                       "load_checkpoint_in_model")
 align_module_device = refused("align_module_device", FEATURE, INSTEAD)
+retie_parameters = refused("retie_parameters", FEATURE,
+                           "tie weights in the model's own code (module.weight = other.weight) before prepare")
 
 
 def has_offloaded_params(module) -> bool:
@@ -55,5 +57,6 @@ __all__ = [
     "NotSupportedError", "FEATURE", "dispatch_model", "load_checkpoint_and_dispatch", "infer_auto_device_map",
     "get_balanced_memory", "cpu_offload", "cpu_offload_with_hook", "disk_offload", "attach_layerwise_casting_hooks",
     "load_offloaded_weights", "offload_state_dict", "set_module_tensor_to_device", "align_module_device",
+    "retie_parameters",
     "has_offloaded_params", *_ELSEWHERE,
 ]

@@ -1,7 +1,7 @@
 """Accelerate's ``accelerate.utils`` names that scripts import, in one place.
 
-Every name is imported on first use (``import fabric_lite.utils`` imports torch and two small modules of its own: the constants and the
-``is_*_available`` checks), from the module
+Every name is imported on first use (``import fabric_lite.utils`` imports torch and two small modules of its own:
+the constants and the ``is_*_available`` checks), from the module
 that defines it. The free collectives (`gather`, `reduce`, `broadcast`, `wait_for_everyone`, ...) work on the
 current state, with no Accelerator object at hand. Names of features fabric_lite does not have (Megatron-LM,
 Transformer Engine FP8, big-model inference, bitsandbytes) import too; using one raises `NotSupportedError`, which
@@ -57,7 +57,8 @@ _LAZY: Dict[str, str] = {
                      "get_module_children_bottom_up", "dtype_byte_size"), _MODELING),
     **dict.fromkeys(("merge_fsdp_weights", "enable_fsdp_ram_efficient_loading",
                      "disable_fsdp_ram_efficient_loading"), "fabric_lite.utils.fsdp"),
-    **dict.fromkeys(("tqdm", "get_active_deepspeed_plugin"), "fabric_lite.utils.other"),
+    **dict.fromkeys(("tqdm", "get_active_deepspeed_plugin", "get_grad_scaler", "get_mixed_precision_context_manager"),
+                    "fabric_lite.utils.other"),
     **dict.fromkeys(("NotSupportedError",), "fabric_lite.utils.refusals"),
     **dict.fromkeys((
         "MegatronLMPlugin", "MegatronLMDummyScheduler", "MegatronLMDummyDataLoader", "AbstractTrainStep",
@@ -68,7 +69,8 @@ _LAZY: Dict[str, str] = {
         "fsdp2_switch_optimizer_parameters", "fsdp2_prepare_model", "fsdp2_prepare_auto_wrap_policy", "install_xla",
         "set_numa_affinity", "override_numa_affinity"), _NO),
     **dict.fromkeys(("infer_auto_device_map", "get_balanced_memory", "load_offloaded_weights", "offload_state_dict",
-                     "set_module_tensor_to_device", "has_offloaded_params", "align_module_device"), _BIG),
+                     "set_module_tensor_to_device", "has_offloaded_params", "align_module_device", "retie_parameters"),
+                    _BIG),
 }
 def _load_tables() -> None:
     """The constants and the is_*_available() checks are many small names: their (small) modules list them."""

@@ -49,7 +49,7 @@ def merge_fsdp_weights(checkpoint_dir: Union[str, os.PathLike], output_path: Uni
     """Write the whole weights of a (sharded, FSDP) checkpoint as ``{output_path}/model.safetensors``, or
     ``pytorch_model.bin`` without `safe_serialization`: one state dict a plain ``nn.Module`` loads. Runs on the CPU
     in this process, without a process group; launched on several processes, the main one writes and the others
-    wait. `remove_checkpoint_dir` deletes `checkpoint_dir` afterwards. Returns the file written."""
+    wait. `remove_checkpoint_dir` deletes the checkpoint afterwards. Returns the file written."""
     from fabric_lite.checkpoint.state import export_weights
     from fabric_lite.state import process_facts
     from fabric_lite.utils.constants import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
@@ -61,7 +61,7 @@ def merge_fsdp_weights(checkpoint_dir: Union[str, os.PathLike], output_path: Uni
         os.makedirs(os.fspath(output_path), exist_ok=True)
         export_weights(url, out, model_index)
         if remove_checkpoint_dir:
-            shutil.rmtree(os.fspath(checkpoint_dir))
+            shutil.rmtree(url)
     if facts["num_processes"] > 1:
         from fabric_lite.state import PartialState
 

@@ -87,7 +87,8 @@ def load_checkpoint_in_model(model: nn.Module, checkpoint: Union[str, os.PathLik
         keep = tuple(keep_in_fp32_modules or ())
         state = {k: v.to(dtype) if v.is_floating_point() and not any(m in k.split(".") for m in keep) else v
                  for k, v in state.items()}
-    model.load_state_dict(for_module(state, model.state_dict()), strict=strict)
+    # with a dtype the weights take it (assign: the loaded tensors become the parameters), as in Accelerate
+    model.load_state_dict(for_module(state, model.state_dict()), strict=strict, assign=dtype is not None)
 
 
 def dtype_byte_size(dtype: torch.dtype) -> float:

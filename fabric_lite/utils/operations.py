@@ -44,8 +44,9 @@ def honor_type(obj: Any, generator: Iterable[Any]) -> Any:
     return type(obj)(generator)
 
 
-def recursively_apply(func: Callable[..., Any], data: Any, *args: Any, test_type: Callable[[Any], bool] = is_torch_tensor,
-                      error_on_other_type: bool = False, **kwargs: Any) -> Any:
+def recursively_apply(func: Callable[..., Any], data: Any, *args: Any,
+                      test_type: Callable[[Any], bool] = is_torch_tensor, error_on_other_type: bool = False,
+                      **kwargs: Any) -> Any:
     """`data` (nested lists, tuples, namedtuples, mappings) with ``func(leaf, *args, **kwargs)`` applied to every leaf
     for which `test_type` is true; other leaves are kept, or with `error_on_other_type` a TypeError names them."""
     if isinstance(data, (tuple, list)):

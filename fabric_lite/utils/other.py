@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Optional
 
-__all__ = ["tqdm", "get_active_deepspeed_plugin"]
+import torch
+
+__all__ = ["tqdm", "get_active_deepspeed_plugin", "get_grad_scaler", "get_mixed_precision_context_manager"]
 
 
 def tqdm(*args: Any, main_process_only: bool = True, **kwargs: Any) -> Any:
@@ -27,3 +30,25 @@ def get_active_deepspeed_plugin(state: Any) -> Any:
         raise ValueError("get_active_deepspeed_plugin: this run does not use DeepSpeed; pass a DeepSpeedPlugin to "
                          "Accelerator(deepspeed_plugin=...) or launch with --use_deepspeed.")
     return plugin
+
+
+def get_grad_scaler(distributed_type: Any = None, **kwargs: Any) -> torch.amp.GradScaler:
+    """A `torch.amp.GradScaler` for this machine's device (CUDA where there is one, else the CPU); `kwargs` go to
+    its constructor (``init_scale=``, ``growth_interval=``, ...)."""
+    return torch.amp.GradScaler("cuda" if torch.cuda.is_available() else "cpu", **kwargs)
+
+
+def get_mixed_precision_context_manager(native_amp: bool = False, autocast_kwargs: Optional[Any] = None) -> Any:
+    """`torch.autocast` in the current run's mixed precision (fp16 / bf16) on its device, or a context that does
+    nothing where `native_amp` is false or the run is in full precision. `autocast_kwargs` (an AutocastKwargs)
+    adds its changed fields."""
+    if not native_amp:
+        return contextlib.nullcontext()
+    from fabric_lite.state import AcceleratorState
+
+    state = AcceleratorState()
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(str(state.mixed_precision))
+    if dtype is None:
+        return contextlib.nullcontext()
+    kwargs = autocast_kwargs.to_kwargs() if autocast_kwargs is not None else {}
+    return torch.autocast(device_type=state.device.type, dtype=dtype, **kwargs)

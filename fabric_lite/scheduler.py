@@ -1,0 +1,19 @@
+"""Accelerate's ``accelerate.scheduler`` module path, so ``from fabric_lite.scheduler import ...`` works as the script's
+``from accelerate.scheduler import ...`` did: AcceleratedScheduler, from `fabric_lite.accelerator.wrappers` (imported on first use)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+TARGET = "fabric_lite.accelerator.wrappers"
+
+
+def __getattr__(name: str) -> Any:
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return getattr(importlib.import_module(TARGET), name)
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(dir(importlib.import_module(TARGET))))
