@@ -29,9 +29,11 @@ def test_a_real_cpu_allocation_failure_is_an_out_of_memory_error():
     torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.1 GiB total capacity)"),
     RuntimeError("XPU out of memory. Tried to allocate 1.00 GiB"),
     RuntimeError("HIP out of memory. Tried to allocate 1.00 GiB"),
-    RuntimeError("MPS backend out of memory (MPS allocated: 17.1 GB, other allocations: 1.2 GB, max allowed: 18.1 GB)."),
+    RuntimeError("MPS backend out of memory (MPS allocated: 17.1 GB, other allocations: 1.2 GB, max allowed: "
+                 "18.1 GB)."),
     RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"),
-    RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input."),
+    RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a "
+                 "non-contiguous input."),
     RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"),
     RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
     RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried ..."),

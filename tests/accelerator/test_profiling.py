@@ -98,12 +98,13 @@ def test_a_schedule_records_its_active_steps_and_calls_on_trace_ready(tmp_path):
 
 def test_the_trace_is_written_at_the_end_and_then_everyone_waits(tmp_path):
     seen = []
-    handler = ProfileKwargs(activities=["cpu"], output_trace_dir=str(tmp_path / "new" / "dir"))
+    trace_dir = tmp_path / "new" / "dir"
+    handler = ProfileKwargs(activities=["cpu"], output_trace_dir=str(trace_dir))
     with profile_context(handler, process_index=0,
-                         wait_for_everyone=lambda: seen.append(sorted(p.name for p in (tmp_path / "new" / "dir").iterdir()))):
-        assert (tmp_path / "new" / "dir").is_dir()  # made before the work starts
+                         wait_for_everyone=lambda: seen.append(sorted(p.name for p in trace_dir.iterdir()))):
+        assert trace_dir.is_dir()  # made before the work starts
         work()
-        assert not any((tmp_path / "new" / "dir").iterdir())
+        assert not any(trace_dir.iterdir())
     assert seen == [["profile_0.json"]]  # written (whole, under its name) before waiting for the others
 
 
