@@ -33,6 +33,7 @@ from fabric_lite.accelerator.optimizer_check import PreparedParameters
 from fabric_lite.checkpoint.saver import CheckpointSaver
 from fabric_lite.strategies.precision import PrecisionForward
 from fabric_lite.accelerator.process_control import ProcessControl
+from fabric_lite.accelerator.profiling import ProfileKwargs, profile_context
 from fabric_lite.accelerator.run_settings import RunSettings, handlers_by_attribute
 from fabric_lite.strategies import Strategy
 from fabric_lite.accelerator.tracking import GeneralTracker
@@ -356,15 +357,21 @@ class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerCo
         padding: right for evaluation, where no gradient all-reduce needs every rank in step.
         """
         place = self.device_placement if device_placement is None else device_placement
+        config = self.dataloader_config
+        config.validate()  # (its fields may have been changed since it was made)
         shard_kwargs = self.strategy.distributed_sampler_kwargs or {"num_replicas": 1, "rank": 0}
         loader = shard_dataloader(
             data_loader, num_replicas=shard_kwargs["num_replicas"], rank=shard_kwargs["rank"],
             # DataLoader batches are already on the CPU: moving them there would only cost time.
             device=self.device if place and self.device.type != "cpu" else None, gradient_state=self.gradient_state,
-            split_batches=self.split_batches, even_batches=self.even_batches if even_batches is None else even_batches,
+            split_batches=config.split_batches,
+            even_batches=config.even_batches if even_batches is None else even_batches,
             broadcast_seed=self.strategy.broadcast_object,
-            non_blocking=self.dataloader_config.non_blocking,
-            device_feed=self.strategy.device_feed(self.dataloader_config.non_blocking) if place else None,
+            non_blocking=config.non_blocking,
+            device_feed=self.strategy.device_feed(config.non_blocking) if place else None,
+            # (use_stateful_dataloader: every prepared loader answers state_dict/load_state_dict and resumes exactly)
+            dispatch_batches=config.dispatch_batches, use_seedable_sampler=config.use_seedable_sampler,
+            data_seed=config.data_seed,
         )
         self.dataloaders.append(loader)
         return loader
@@ -390,6 +397,15 @@ class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerCo
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
         """The loader's current epoch, starting after `num_batches` of this process's batches."""
         return skip_first_batches(dataloader, num_batches)
+
+    @contextlib.contextmanager
+    def profile(self, profile_handler: Optional[ProfileKwargs] = None) -> Iterator[torch.profiler.profile]:
+        """Profile the enclosed block with torch's profiler, which is yielded. Settings come from `profile_handler`,
+        else the ProfileKwargs in kwargs_handlers, else the defaults. With `output_trace_dir`, each process writes
+        ``profile_<process_index>.json`` there when the block ends, then waits for the others."""
+        handler = profile_handler if profile_handler is not None else self.profile_handler
+        with profile_context(handler, self.process_index, self.wait_for_everyone) as profiler:
+            yield profiler
 
     @contextlib.contextmanager
     def autocast(self, autocast_handler: Any = None) -> Iterator[None]:

@@ -127,7 +127,6 @@ def test_an_unusable_trace_dir_fails_before_the_work(tmp_path):
     assert ran == []
 
 
-@pytest.mark.skipif(not hasattr(Accelerator, "profile"), reason="Accelerator.profile is not wired in yet")
 def test_accelerator_profile_takes_the_handler_from_kwargs_handlers_or_the_argument(tmp_path):
     handler = ProfileKwargs(activities=["cpu"], with_flops=True, output_trace_dir=tmp_path / "from_handlers")
     accelerator = Accelerator(cpu=True, kwargs_handlers=[handler])
