@@ -189,9 +189,12 @@ def apply_comm_hook(strategy: Any, hook: CommHook) -> None:
         strategy.comm_hook = hook
         return
     kind = getattr(strategy, "accelerate_type", None)
+    own = {"FSDP": "FSDP reduce-scatters gradients in its mixed-precision policy's reduce_dtype (reduce_dtype="
+                   "torch.bfloat16 compresses them)",
+           "DEEPSPEED": "DeepSpeed reduces gradients in its config's communication_data_type (\"fp16\"/\"bf16\" "
+                        "compresses them)",
+           "XLA": "XLA all-reduces gradients with its own collectives"}.get(str(kind), "it reduces gradients its own way")
     raise ValueError(
         f"DistributedDataParallelKwargs(comm_hook={hook.hook.upper()}) registers a hook on torch's "
         f"DistributedDataParallel, which strategy {type(strategy).__name__}{f' ({kind})' if kind else ''} does not use: "
-        f"it reduces gradients its own way (FSDP: reduce-scatter in its mixed-precision policy's reduce_dtype; "
-        f"DeepSpeed: its config's communication_data_type). Drop comm_hook (DDPCommunicationHookType.NO), or train "
-        f"with strategy='ddp' (plain data parallel).")
+        f"{own}. Drop comm_hook (DDPCommunicationHookType.NO), or train with strategy='ddp' (plain data parallel).")

@@ -1,4 +1,4 @@
-"""DDP communication hooks asked for with DistributedDataParallelKwargs, on 1 or 2 processes.
+"""DDP communication hooks asked for with DistributedDataParallelKwargs, on 1 or 2 processes (run by ddp_features.py).
 
 1. Every hook trains the same small regression; each run is compared (by the test) with a plain-torch loop that
    takes every step on the global batch at once, which is what DDP's averaged gradients equal.
@@ -7,10 +7,7 @@
    kwargs_handlers=...), prepare of five objects, accumulate, gather_for_metrics).
 """
 
-import argparse
-import json
 import math
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -133,24 +130,11 @@ def training_function(config, args):
             "distributed_type": str(accelerator.distributed_type), "mixed_precision": accelerator.mixed_precision}
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--mixed_precision", type=str, default=None, choices=["no", "fp16", "bf16", "fp8"])
-    parser.add_argument("--ddp_comm_hook", type=str, default="no",
-                        choices=["no", "fp16", "bf16", "power_sgd", "batched_power_sgd"])
-    parser.add_argument("--ddp_comm_wrapper", type=str, default="no", choices=["no", "fp16", "bf16"])
-    parser.add_argument("--cpu", action="store_true")
-    args = parser.parse_args()
+def run(args):
+    """Every variant, the plain reference and the example-shaped run; returns (result, accelerator)."""
     runs, accelerator = {}, None
     for name, fields in VARIANTS.items():
         runs[name], accelerator = train(fields)
-    result = {"runs": runs, "reference": plain_reference(accelerator.num_processes),
-              "world": accelerator.num_processes,
-              "example": training_function({"lr": 3e-3, "num_epochs": 3, "seed": 42, "batch_size": 8}, args)}
-    Path(args.out, f"rank{accelerator.process_index}.json").write_text(json.dumps(result))
     assert not any(math.isnan(v) for r in runs.values() for v in r["weights"])
-
-
-if __name__ == "__main__":
-    main()
+    return {"runs": runs, "reference": plain_reference(accelerator.num_processes), "world": accelerator.num_processes,
+            "example": training_function({"lr": 3e-3, "num_epochs": 3, "seed": 42, "batch_size": 8}, args)}, accelerator

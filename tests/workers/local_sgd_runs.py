@@ -1,4 +1,4 @@
-"""LocalSGD on 1 or 2 processes.
+"""LocalSGD on 1 or 2 processes (run by ddp_features.py).
 
 1. Training with `fabric_lite.local_sgd.LocalSGD` (with and without gradient accumulation) next to a plain-torch
    loop written by hand: each process steps on its own batches with no gradient all-reduce, and every K steps the
@@ -8,10 +8,6 @@
    (Accelerator with gradient_accumulation_steps, the distributed_type check, prepare of five objects, a LocalSGD
    block per epoch around accumulate, local_sgd.step() after each optimizer step, gather_for_metrics).
 """
-
-import argparse
-import json
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -100,6 +96,19 @@ def by_hand(local_sgd_steps, accumulation, world, rank):
     return {"steps": after_each_step, "final": flat(model)}
 
 
+def model_lookup(accelerator):
+    """Which model LocalSGD turns DDP's all-reduce off on: the prepared one, also when given the model it wraps;
+    a model this accelerator never prepared is refused (where LocalSGD is on)."""
+    prepared = accelerator.models[0]
+    found = LocalSGD(accelerator, accelerator.unwrap_model(prepared), 2).model is prepared
+    try:
+        LocalSGD(accelerator, torch.nn.Linear(2, 2), 2)
+        refused = None
+    except ValueError as err:
+        refused = str(err)
+    return {"unwrapped_finds_prepared": found, "unprepared_refused": refused}
+
+
 def training_function(config, args):
     gradient_accumulation_steps = int(args.gradient_accumulation_steps)
     local_sgd_steps = args.local_sgd_steps
@@ -148,23 +157,12 @@ def training_function(config, args):
             "weights": flat(accelerator.unwrap_model(model)), "distributed_type": str(accelerator.distributed_type)}
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--mixed_precision", type=str, default=None, choices=["no", "fp16", "bf16", "fp8"])
-    parser.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    parser.add_argument("--local_sgd_steps", type=int, default=8)
-    parser.add_argument("--cpu", action="store_true")
-    args = parser.parse_args()
+def run(args):
+    """Both LocalSGD runs next to their plain loops, and the example-shaped run; returns the result."""
     runs = {}
-    for name, run in RUNS.items():
-        runs[name], accelerator = with_accelerator(run["local_sgd_steps"], run["accumulation"])
-        runs[name]["by_hand"] = by_hand(run["local_sgd_steps"], run["accumulation"], accelerator.num_processes,
+    for name, setting in RUNS.items():
+        runs[name], accelerator = with_accelerator(setting["local_sgd_steps"], setting["accumulation"])
+        runs[name]["by_hand"] = by_hand(setting["local_sgd_steps"], setting["accumulation"], accelerator.num_processes,
                                         accelerator.process_index)
-    result = {"runs": runs, "world": accelerator.num_processes,
-              "example": training_function({"lr": 3e-3, "num_epochs": 3, "seed": 42, "batch_size": 8}, args)}
-    Path(args.out, f"rank{accelerator.process_index}.json").write_text(json.dumps(result))
-
-
-if __name__ == "__main__":
-    main()
+    return {"runs": runs, "world": accelerator.num_processes, "model_lookup": model_lookup(accelerator),
+            "example": training_function({"lr": 3e-3, "num_epochs": 3, "seed": 42, "batch_size": 8}, args)}
