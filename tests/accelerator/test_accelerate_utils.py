@@ -175,6 +175,10 @@ def test_model_sizes_and_offload_questions():
 def test_save_load_and_load_checkpoint_in_model(tmp_path):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    # no Accelerator: torch's own wrappers are peeled (torch.compile's only when asked)
+    compiled = torch.compile(nn.DataParallel(model))
+    assert utils.extract_model_from_parallel(compiled) is compiled
+    assert utils.extract_model_from_parallel(compiled, keep_torch_compile=False) is model
     utils.save(model.state_dict(), tmp_path / "w.pt")
     utils.save(model.state_dict(), tmp_path / "w.safetensors", safe_serialization=True)
     for name in ("w.pt", "w.safetensors"):
@@ -289,3 +293,12 @@ def test_debug_launcher_runs_the_collectives_on_cpu_processes():
         utils.synchronize_rng_state("generator")
     with pytest.raises(ValueError, match="rng_type='npu'"):
         utils.synchronize_rng_state("npu")
+
+
+def test_import_fabric_lite_utils_stays_light():
+    code = ("import sys, torch\nbefore = set(sys.modules)\nimport fabric_lite\n"
+            "print(sorted(set(sys.modules) - before))\nbefore = set(sys.modules)\nimport fabric_lite.utils\nprint(sorted(set(sys.modules) - before))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    top, utils = out.splitlines()
+    assert eval(top) == ["fabric_lite"]
+    assert eval(utils) == ["fabric_lite.utils", "fabric_lite.utils.constants", "fabric_lite.utils.imports"]
