@@ -51,6 +51,8 @@ class CommHook:
             raise ValueError(f"comm_wrapper={self.wrapper!r} is not valid: allowed values are "
                              f"{', '.join(map(repr, COMM_WRAPPERS))}; a wrapper casts the gradients a PowerSGD hook "
                              f"compresses.")
+        if self.state_option is None:
+            object.__setattr__(self, "state_option", {})
         if not isinstance(self.state_option, Mapping):
             raise TypeError(f"comm_state_option={self.state_option!r}: pass a dict of PowerSGDState keywords, e.g. "
                             f"{{'matrix_approximation_rank': 2}}.")
