@@ -159,3 +159,11 @@ def test_accelerator_members_scripts_read_as_accelerates():
     assert prepared_model.weight.grad is not None
     assert acc.free_memory(prepared_model, optimizer) == [None, None]
     assert acc.clear() == []
+
+
+def test_the_counts_the_page_states_are_the_tables():
+    text = PAGE.read_text(encoding="utf-8").split(SECTION, 1)[1]
+    said = re.search(r"(\d+) names,\s+(\d+) that work, (\d+) refused, (\d+) later\.", text)
+    assert said, "the section says how many names work, are refused and come later"
+    counts = [len(ROWS), *(sum(r["status"].startswith(s) for r in ROWS) for s in ("works", "refused", "later"))]
+    assert [int(n) for n in said.groups()] == counts
