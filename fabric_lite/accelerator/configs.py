@@ -156,14 +156,58 @@ class InitProcessGroupKwargs(KwargsHandler):
 
 @dataclass
 class DataLoaderConfiguration:
-    """How prepared dataloaders shard: split each batch or hand out whole ones; pad the last step or not."""
+    """How `prepare` builds dataloaders (Accelerate's fields, defaults and meanings).
+
+    - `split_batches`: each process gets a slice of every batch (the batch size must divide by the number of
+      processes) instead of a whole batch of its own.
+    - `dispatch_batches`: the main process alone reads the data and hands every process its part of each global
+      batch (None: True for an IterableDataset, False otherwise). The parts are the ones the processes would read
+      themselves, so the samples of each step do not depend on it.
+    - `even_batches`: pad the last global step with samples from the epoch's start so that every process gets a
+      batch of the same size (`gather_for_metrics` drops the padding); False gives each sample to one process.
+    - `use_seedable_sampler`: a shuffling `RandomSampler` is replaced by one whose order in epoch e depends only on
+      its seed and e (`data_seed`, or rank 0's `torch.initial_seed()` when None), not on how much the global RNG
+      was used before.
+    - `non_blocking`: copy batches to the device asynchronously (use with `pin_memory=True`). On a GPU batches
+      of tensors go through a side stream anyway (data/transfer.py); this matters for other devices.
+    - `use_stateful_dataloader`: the prepared loaders answer torchdata's `StatefulDataLoader` protocol:
+      `state_dict()` mid-epoch, and `load_state_dict()` (or `load_state`) makes the next iteration go on with the
+      remaining batches, without `skip_first_batches`. A prepared loader here keeps its position whether or not
+      this is set (in global samples, with its generators' and workers' random states), so torchdata is not
+      needed; a `StatefulDataLoader` given to `prepare` works too.
+    """
 
     split_batches: bool = False
+    dispatch_batches: Optional[bool] = None
     even_batches: bool = True
-    # On a GPU batches of tensors are copied asynchronously on a side stream anyway (transfer.py, CudaFeed);
-    # this flag (Accelerate's) matters for other devices and for batches moved the plain way.
+    use_seedable_sampler: bool = False
+    data_seed: Optional[int] = None
     non_blocking: bool = False
-    use_seedable_sampler: bool = True  # accepted for compatibility: sampling is always seeded here
+    use_stateful_dataloader: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (also done by `prepare`, after fields were changed); raises naming the bad one."""
+        for name in ("split_batches", "even_batches", "use_seedable_sampler", "non_blocking",
+                     "use_stateful_dataloader", "dispatch_batches"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (value is None and name == "dispatch_batches"):
+                allowed = "True, False or None (None: True for an IterableDataset)" if name == "dispatch_batches" \
+                    else "True or False"
+                raise TypeError(f"DataLoaderConfiguration({name}={value!r}): pass {allowed}.")
+        seed = self.data_seed
+        if seed is not None:
+            if isinstance(seed, bool) or not isinstance(seed, int) or hasattr(seed, "dtype"):
+                if hasattr(seed, "__index__") and not isinstance(seed, bool):
+                    seed = self.data_seed = int(seed)  # a NumPy or torch integer
+                else:
+                    raise TypeError(f"DataLoaderConfiguration(data_seed={seed!r}): pass an integer seed "
+                                    f"(or None: rank 0's torch.initial_seed()).")
+            if not -(1 << 63) <= seed < (1 << 64):
+                raise ValueError(f"DataLoaderConfiguration(data_seed={seed}): a torch generator takes seeds in "
+                                 f"[-2**63, 2**64); pass a smaller integer.")
 
 
 @dataclass

@@ -18,9 +18,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, SequentialSampler
+from torch.utils.data import (
+    BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler,
+)
 
+from fabric_lite.data.dispatch import Dispatch
 from fabric_lite.data.order import EpochRandomness
+from fabric_lite.data.seedable import SeedableRandomSampler, seedable_from
 from fabric_lite.data.sharding import IterableDatasetShard, ShardedBatchSampler
 from fabric_lite.data.transfer import CudaFeed, move_to_device
 from fabric_lite.data.workers import WorkerRandomness
@@ -56,7 +60,8 @@ class DataLoaderShard(DataLoader):
         randomness: EpochRandomness, sharded_sampler: Optional[ShardedBatchSampler],
         position: _Position, remainder: int, total_batch_size: Optional[int],
         convert_batch: Optional[Callable[[Any], Any]] = None, non_blocking: bool = False,
-        device_feed: Optional[Callable[[Any], Any]] = None, **loader_kwargs: Any,
+        device_feed: Optional[Callable[[Any], Any]] = None, dispatch: Optional[Dispatch] = None,
+        **loader_kwargs: Any,
     ) -> None:
         # The DataLoader draws its workers' seed from the user's generator (or the global RNG) when it
         # builds an iterator, as the plain loader does (see data/order.py).
@@ -84,6 +89,8 @@ class DataLoaderShard(DataLoader):
         self._device_feed = device_feed  # the strategy's own transfer (see Strategy.device_feed), or None
         self._skip_request = 0
         self._at_last = False
+        #: `dispatch_batches`: how this loader's global batches are shared (read on rank 0 only), or None.
+        self.dispatch = dispatch
         # The user's sampler, batch sampler and dataset hear the epoch, as under a plain DistributedSampler.
         inner = batch_sampler.batch_sampler if batch_sampler is not None else None
         candidates = [inner, getattr(inner, "sampler", None), dataset]
@@ -105,6 +112,18 @@ class DataLoaderShard(DataLoader):
     @property
     def epoch(self) -> int:
         return self._position.epoch
+
+    @property
+    def batches_seen(self) -> int:
+        """Batches yielded in the current epoch (with `dispatch_batches`: global steps)."""
+        return self._position.batches_seen
+
+    def follow(self, epoch: int, batches_seen: int, last: bool) -> None:
+        """Take the main process's position (`dispatch_batches`: the other processes read nothing themselves)."""
+        pos = self._position
+        pos.epoch, pos.batches_seen, pos.restored, pos.converted_from = epoch, batches_seen, False, None
+        self._skip_samples(0)
+        self._at_last = last
 
     def set_epoch(self, epoch: int) -> None:
         """Number the epoch the next iteration starts (done automatically each epoch): the number the
@@ -160,15 +179,33 @@ class DataLoaderShard(DataLoader):
         return skip  # no sampler to skip in: skip after loading
 
     def __iter__(self) -> Iterator[Any]:
+        if self.dispatch is not None:
+            return self.dispatch.iterate(self)
+        return self.load_batches(self.gradient_state)
+
+    def place(self, batch: Any) -> Any:
+        """A batch on the device, converted as this loader converts its own."""
+        if self._device_feed is not None:
+            batch = self._device_feed(batch)
+        elif self.device is not None:
+            batch = move_to_device(batch, self.device, self._non_blocking)
+        if self._convert is not None:
+            batch = self._convert(batch)
+        return batch
+
+    def load_batches(self, state: Any, placed: bool = True) -> Iterator[Any]:
+        """This loader's next epoch as it reads it, reported to `state` (a GradientState); `placed=False` leaves
+        the batches where they were loaded (`dispatch_batches` places each process's part after cutting)."""
         skip_loaded = self._start_epoch()
         pos = self._position
         if pos.converted_from is None:
             pos.batches_seen = max(self._skip_request, pos.batches_seen)
         pos.converted_from = None
-        state = self.gradient_state
         self._at_last = False
         state.enter(self)
         device, convert, non_blocking, custom = self.device, self._convert, self._non_blocking, self._device_feed
+        if not placed:
+            device = convert = custom = None
         feed = self._cuda_feed() if custom is None and device is not None and device.type == "cuda" else None
         if custom is not None:
             device = None  # the strategy's feed moves the batch
@@ -326,9 +363,20 @@ class DataLoaderShard(DataLoader):
         # generator_state: what the epoch's order and worker seed are drawn from (data/order.py)
         workers = self._workers
         pool_live = self.persistent_workers and self._iterator is not None
-        return {"epoch": pos.epoch, "batches_seen": pos.batches_seen, "generator_state": self._randomness.state(),
-                "samples_seen": seen, "total_batch_size": self.total_batch_size, "num_replicas": self._replicas(),
-                "workers": workers.state(pos.batches_seen, pool_live) if workers is not None else None}
+        state = {"epoch": pos.epoch, "batches_seen": pos.batches_seen, "generator_state": self._randomness.state(),
+                 "samples_seen": seen, "total_batch_size": self.total_batch_size, "num_replicas": self._replicas(),
+                 "workers": workers.state(pos.batches_seen, pool_live) if workers is not None else None}
+        seedable = self._seedable()
+        if seedable is not None:  # (use_seedable_sampler: its seed, which a resumed run may not be given again)
+            state["sampler_seed"] = seedable.seed
+        return state
+
+    def _seedable(self) -> Optional[SeedableRandomSampler]:
+        inner = getattr(self._batch_sampler, "batch_sampler", None)
+        for candidate in (inner, getattr(inner, "sampler", None)):
+            if isinstance(candidate, SeedableRandomSampler):
+                return candidate
+        return None
 
     def _replicas(self) -> Optional[int]:
         sampler = self._batch_sampler
@@ -359,6 +407,9 @@ class DataLoaderShard(DataLoader):
                         f"size, or from a checkpoint saved at an epoch's end.")
                 batches, skipped = 0, int(seen)
             self._position.converted_from = int(state["batches_seen"])
+        seedable = self._seedable()
+        if seedable is not None and state.get("sampler_seed") is not None:
+            seedable.seed = int(state["sampler_seed"])
         self._position.epoch = int(state["epoch"])
         self._position.batches_seen = batches
         self._position.restored = True
@@ -400,27 +451,45 @@ def shard_dataloader(
     gradient_state: Any, split_batches: bool = False, even_batches: bool = True,
     broadcast_seed: Callable[[Any], Any] = lambda obj: obj, convert_batch: Optional[Callable[[Any], Any]] = None,
     non_blocking: bool = False, device_feed: Optional[Callable[[Any], Any]] = None,
+    dispatch_batches: Optional[bool] = False, use_seedable_sampler: bool = False, data_seed: Optional[int] = None,
 ) -> DataLoaderShard:
     """Rebuild `loader` so this rank reads its shard of the user's order, reshuffled every epoch.
 
     `broadcast_seed` hands rank 0's object to every rank (the strategy's `broadcast_object`): the ranks
     agree on their generators' states here, and each epoch on the global RNG's draw that seeds a sampler
-    without a generator of its own (see data/order.py).
+    without a generator of its own (see data/order.py); with `dispatch_batches` it hands out each global batch
+    (data/dispatch.py); `dispatch_batches` None: True for an IterableDataset. `use_seedable_sampler`: a
+    `RandomSampler` is replaced by a `SeedableRandomSampler` seeded with `data_seed` (None: rank 0's
+    `torch.initial_seed()`).
     """
     if isinstance(loader, DataLoaderShard):
         return loader
     if not isinstance(loader, DataLoader):
         raise TypeError(f"prepare() shards torch.utils.data.DataLoader objects, got {type(loader).__name__}.")
+    if getattr(loader, "next_iter_state", None) is not None:  # a torchdata StatefulDataLoader, state loaded
+        raise ValueError(
+            f"This {type(loader).__name__} was given a state (load_state_dict) before prepare(); the prepared "
+            f"loader reads its own kind of state. Call load_state_dict on the loader prepare() returns (or "
+            f"accelerator.load_state after prepare) instead.")
     kwargs = _loader_kwargs(loader)
     dataset = loader.dataset
     batch_size = loader.batch_size
     drop_last = loader.drop_last
+    iterable = isinstance(dataset, IterableDataset)
+    dispatch = None
+    if num_replicas > 1 and (iterable if dispatch_batches is None else dispatch_batches):
+        per = (batch_size or 0) // num_replicas if split_batches else (batch_size or 0)
+        dispatch = Dispatch(rank, num_replicas, per,
+                            even_chunks=split_batches and not iterable, broadcast=broadcast_seed)
     common = dict(device=device, gradient_state=gradient_state, convert_batch=convert_batch,
-                  non_blocking=non_blocking, device_feed=device_feed)
-    if isinstance(dataset, IterableDataset):
+                  non_blocking=non_blocking, device_feed=device_feed, dispatch=dispatch)
+    # With dispatch_batches the main process reads every rank's part of each step, and alone draws the order.
+    reader, drawers = (None, 1) if dispatch is not None else (rank, num_replicas)
+    if iterable:
         if batch_size is None:
             raise ValueError("prepare() of an IterableDataset loader needs batch_size set on the DataLoader.")
-        shard = IterableDatasetShard(dataset, batch_size, num_replicas, rank, split_batches, even_batches, drop_last)
+        shard = IterableDatasetShard(dataset, batch_size, num_replicas, reader, split_batches, even_batches,
+                                     drop_last)
         per_rank = batch_size // num_replicas if split_batches else batch_size
         # Several processes: the shard drops or pads the tail itself. One process: the loader does.
         total = batch_size if split_batches else batch_size * num_replicas
@@ -428,9 +497,9 @@ def shard_dataloader(
         if num_replicas > 1 and not drop_last and hasattr(dataset, "__len__"):
             remainder = len(dataset) % total
         return DataLoaderShard(
-            shard, batch_size=per_rank, drop_last=drop_last and num_replicas == 1, sharded_sampler=None,
-            position=_Position(), remainder=remainder, total_batch_size=total,
-            randomness=_randomness(loader.generator, None, num_replicas, broadcast_seed), **common, **kwargs,
+            shard, batch_size=total if dispatch is not None else per_rank, drop_last=drop_last and num_replicas == 1,
+            sharded_sampler=None, position=_Position(), remainder=remainder, total_batch_size=total,
+            randomness=_randomness(loader.generator, None, drawers, broadcast_seed), **common, **kwargs,
         )
 
     # The batches: the loader's batch sampler, or, with batch_size=None, a BatchSampler given as the
@@ -445,25 +514,34 @@ def shard_dataloader(
             "yourself with split_between_processes."
         )
     sampler = loader.sampler if batches is None else getattr(batches, "sampler", None)
+    replaced = use_seedable_sampler and isinstance(sampler, RandomSampler)
+    if replaced:  # (the same on every rank: so is the broadcast)
+        seed = data_seed
+        if seed is None:
+            seed = torch.initial_seed()
+            if num_replicas > 1:
+                seed = broadcast_seed(seed)
+        sampler = seedable_from(sampler, seed)
     shuffled = None  # the loader's copy of a sampler that draws from a generator (the user's object, or its own)
-    if sampler is not None and hasattr(sampler, "generator"):
+    if not replaced and sampler is not None and hasattr(sampler, "generator"):
         sampler = shuffled = copy.copy(sampler)
     # A sampler (or batch sampler) without a generator of its own may draw its order from the global RNGs
     # (a custom shuffle with torch.randperm): a resumed epoch replays that draw (see data/order.py).
     drawer = sampler if sampler is not None else batches
     global_order = None
     # (a DistributedSampler draws from a generator it seeds itself from its seed and epoch)
-    if shuffled is None and drawer is not None and type(drawer) not in (SequentialSampler, DistributedSampler):
+    if shuffled is None and drawer is not None and type(drawer) not in (SequentialSampler, DistributedSampler,
+                                                                        SeedableRandomSampler):
         global_order = type(drawer).__name__
-    randomness = _randomness(loader.generator, shuffled, num_replicas, broadcast_seed, global_order)
+    randomness = _randomness(loader.generator, shuffled, drawers, broadcast_seed, global_order)
     if batches is None:
         sharded = ShardedBatchSampler(sampler, 1, 0, None)  # one process: passes samples through, can skip
         kwargs.update(sampler=sharded, batch_size=None)
     else:
         batch_sampler = copy.copy(batches)
-        if shuffled is not None and hasattr(batch_sampler, "sampler"):
-            batch_sampler.sampler = shuffled
-        sharded = ShardedBatchSampler(batch_sampler, num_replicas, rank, batch_size, split_batches, even_batches,
+        if (shuffled is not None or replaced) and hasattr(batch_sampler, "sampler"):
+            batch_sampler.sampler = sampler
+        sharded = ShardedBatchSampler(batch_sampler, num_replicas, reader, batch_size, split_batches, even_batches,
                                       drop_last)
         if loader.batch_sampler is None:  # (sampler=BatchSampler(...), batch_size=None)
             kwargs.update(sampler=sharded, batch_size=None)

@@ -9,16 +9,27 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SequentialSampler
 
+from fabric_lite.data.seedable import SeedableRandomSampler
+
 __all__ = ["ShardedBatchSampler", "IterableDatasetShard"]
 
 
 class ShardedBatchSampler:
-    """This rank's share of the user's batch sampler (see the module docstring for the layout)."""
+    """This rank's share of the user's batch sampler (see the module docstring for the layout).
+
+    `rank=None`: every rank's share of each global step, one after the other in one batch of indices (the
+    main process reads them all and hands each process its part: `dispatch_batches`).
+    """
 
     def __init__(
-        self, batch_sampler: Any, num_replicas: int, rank: int, batch_size: Optional[int],
+        self, batch_sampler: Any, num_replicas: int, rank: Optional[int], batch_size: Optional[int],
         split_batches: bool = False, even_batches: bool = True, drop_last: bool = False,
     ) -> None:
+        if rank is None and num_replicas > 1 and batch_size is None:
+            raise ValueError(
+                "dispatch_batches=True needs the DataLoader's batch_size (the main process cuts each global batch "
+                "in the processes' parts by it); this loader uses a batch_sampler of its own. Use "
+                "DataLoaderConfiguration(dispatch_batches=False), or a DataLoader with batch_size.")
         if split_batches and num_replicas > 1 and batch_size is None:
             raise ValueError(
                 "split_batches=True needs the DataLoader's batch_size to split each batch evenly; this loader "
@@ -55,6 +66,8 @@ class ShardedBatchSampler:
         sampler = getattr(bs, "sampler", None)
         if type(bs) is not BatchSampler:
             return False
+        if type(sampler) is SeedableRandomSampler:  # (a permutation drawn whole from its seed and epoch)
+            return not sampler.replacement and sampler.num_samples == len(sampler.data_source)
         return type(sampler) is SequentialSampler or (
             type(sampler) is RandomSampler and not sampler.replacement and sampler.generator is not None
             and sampler.num_samples == len(sampler.data_source))
@@ -124,7 +137,14 @@ class ShardedBatchSampler:
             yield group, False
 
     def _this_rank(self, group: List[List[int]], head: List[List[int]]) -> Optional[List[int]]:
-        W, r = self.num_replicas, self.rank
+        if self.rank is not None:
+            return self._part(group, head, self.rank)
+        parts = [self._part(group, head, r) for r in range(self.num_replicas)]  # every rank's, one after the other
+        joined = [i for part in parts if part is not None for i in part]
+        return joined or None
+
+    def _part(self, group: List[List[int]], head: List[List[int]], r: int) -> Optional[List[int]]:
+        W = self.num_replicas
         flat = [i for batch in group for i in batch]
         if self.split_batches:
             full = self.batch_size or len(flat)
@@ -184,6 +204,9 @@ class ShardedBatchSampler:
             W, b = self.num_replicas, self.batch_size
             whole = len(order) // (W * b)
             for k in range(skip, whole):
+                if r is None:  # every rank's part: the whole global step
+                    yield order[k * W * b:(k + 1) * W * b]
+                    continue
                 start = (k * W + r) * b
                 yield order[start:start + b]
             self._finish(pulls)  # (where a plain loader with batch W*b runs its sampler out, or about)
@@ -215,7 +238,7 @@ class ShardedBatchSampler:
             if not head:
                 head = group
             if complete and not self.split_batches:
-                yield group[r]
+                yield group[r] if r is not None else [i for batch in group for i in batch]
                 continue
             mine = self._this_rank(group, head)
             if mine is not None:
@@ -224,7 +247,8 @@ class ShardedBatchSampler:
     def __len__(self) -> int:
         n = self._user_batch_count()
         W = self.num_replicas
-        if self.split_batches and W > 1 and not self.even_batches and not self.drop_last and n:
+        if self.split_batches and W > 1 and not self.even_batches and not self.drop_last and n \
+                and self.rank is not None:
             # the short last batch is cut in ceil(L/W) pieces: the last ranks may get none
             sampler = getattr(self.batch_sampler, "sampler", None)
             last = (len(sampler) - self.skip_samples) % self.batch_size if self.batch_size and hasattr(sampler, "__len__") else 0
@@ -234,16 +258,17 @@ class ShardedBatchSampler:
             return n
         if self.drop_last:
             return n // W
-        if self.even_batches:
+        if self.even_batches or self.rank is None:
             return math.ceil(n / W)
         return n // W + (1 if self.rank < n % W else 0)
 
 
 class IterableDatasetShard(IterableDataset):
-    """This rank's share of an IterableDataset: chunks of W*b samples, slice r of each."""
+    """This rank's share of an IterableDataset: chunks of W*b samples, slice r of each (`rank=None`: all of
+    each chunk, padded as the ranks' slices would be: what the main process reads for `dispatch_batches`)."""
 
     def __init__(
-        self, dataset: Any, batch_size: int, num_replicas: int, rank: int,
+        self, dataset: Any, batch_size: int, num_replicas: int, rank: Optional[int],
         split_batches: bool = False, even_batches: bool = True, drop_last: bool = False,
     ) -> None:
         self.dataset = dataset
@@ -258,13 +283,29 @@ class IterableDatasetShard(IterableDataset):
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(epoch)
 
+    def __len__(self) -> int:
+        """How many samples this shard yields in an epoch, when the dataset has a length (else TypeError)."""
+        n = len(self.dataset)
+        if self.num_replicas == 1:
+            return n
+        per = self.batch_size // self.num_replicas if self.split_batches else self.batch_size
+        chunk = per * self.num_replicas
+        whole, tail = divmod(n, chunk)
+        share = chunk if self.rank is None else per
+        if not tail or self.drop_last:
+            return whole * share
+        if self.even_batches:
+            return (whole + 1) * share
+        lo = 0 if self.rank is None else self.rank * per
+        return whole * share + max(0, min(share, tail - lo))
+
     def __iter__(self) -> Iterator[Any]:
         if self.num_replicas == 1:
             yield from self.dataset
             return
         per = self.batch_size // self.num_replicas if self.split_batches else self.batch_size
         chunk = per * self.num_replicas
-        lo, hi = self.rank * per, (self.rank + 1) * per
+        lo, hi = (0, chunk) if self.rank is None else (self.rank * per, (self.rank + 1) * per)
         buffer: List[Any] = []
         head: List[Any] = []
         for item in self.dataset:
