@@ -114,7 +114,13 @@ def test_csv_tracker_widens_its_header_and_goes_on_after_a_restart(tmp_path):
 def test_all_names_every_installed_tracker_and_each_starts_once(tmp_path):
     pytest.importorskip("mlflow")
     pytest.importorskip("wandb")
-    assert available_trackers() == ["tensorboard", "mlflow", "wandb", "csv"]
+    from fabric_lite.accelerator.tracking import KNOWN_TRACKERS, is_installed
+
+    assert available_trackers()[:4] == ["tensorboard", "mlflow", "wandb", "csv"]
+    optional = {"comet_ml": "comet_ml", "aim": "aim", "clearml": "clearml", "dvclive": "dvclive", "swanlab": "swanlab",
+                "trackio": "trackio"}
+    assert available_trackers()[4:] == [name for name, module in optional.items() if is_installed(module)]
+    assert list(KNOWN_TRACKERS)[4:] == list(optional)
     trackers = make_trackers(["csv", "CSV", "tensorboard"], "run", str(tmp_path), {})
     assert [t.name for t in trackers] == ["csv", "tensorboard"]
     for tracker in trackers:
@@ -124,17 +130,18 @@ def test_all_names_every_installed_tracker_and_each_starts_once(tmp_path):
 
 
 def test_missing_packages_are_named_with_what_to_install(tmp_path):
-    """Without mlflow and wandb (their import blocked), importing fabric_lite does not import them, `log_with`
+    """Without mlflow, wandb and the other trackers' packages (their import blocked), importing fabric_lite does not import them, `log_with`
     names what to install in one line, and "all" starts the trackers that are there."""
     script = textwrap.dedent(f"""
         import sys
         import fabric_lite, fabric_lite.accelerator.tracking, fabric_lite.callbacks
-        print("imported:", sorted(m for m in ("mlflow", "wandb") if m in sys.modules))
-        sys.modules["mlflow"] = None
-        sys.modules["wandb"] = None
+        print("imported:", sorted(m for m in ("mlflow", "wandb", "comet_ml", "aim", "clearml", "dvclive", "swanlab",
+                                              "trackio") if m in sys.modules))
+        for name in ("mlflow", "wandb", "comet_ml", "aim", "clearml", "dvclive", "swanlab", "trackio"):
+            sys.modules[name] = None
         from fabric_lite import Accelerator
         from fabric_lite.callbacks import MLFlowLogger, WandbLogger
-        for name in ("mlflow", "wandb"):
+        for name in ("mlflow", "wandb", "comet_ml", "aim", "clearml", "dvclive", "swanlab", "trackio"):
             try:
                 Accelerator(log_with=name, project_dir={str(tmp_path)!r}).init_trackers("p")
             except ModuleNotFoundError as err:
@@ -156,6 +163,12 @@ def test_missing_packages_are_named_with_what_to_install(tmp_path):
         "imported: []",
         "error: log_with='mlflow' needs mlflow: pip install 'fabric-lite[mlflow]' | chained: False",
         "error: log_with='wandb' needs wandb: pip install 'fabric-lite[wandb]' | chained: False",
+        "error: log_with='comet_ml' needs comet_ml: pip install 'fabric-lite[comet]' | chained: False",
+        "error: log_with='aim' needs aim: pip install 'fabric-lite[aim]' | chained: False",
+        "error: log_with='clearml' needs clearml: pip install 'fabric-lite[clearml]' | chained: False",
+        "error: log_with='dvclive' needs dvclive: pip install 'fabric-lite[dvclive]' | chained: False",
+        "error: log_with='swanlab' needs swanlab: pip install 'fabric-lite[swanlab]' | chained: False",
+        "error: log_with='trackio' needs trackio: pip install 'fabric-lite[trackio]' | chained: False",
         "error: MLFlowLogger needs mlflow: pip install 'fabric-lite[mlflow]'",
         "error: WandbLogger needs wandb: pip install 'fabric-lite[wandb]'",
         "all: ['tensorboard', 'csv']",
