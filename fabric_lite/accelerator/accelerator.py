@@ -224,7 +224,8 @@ class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerCo
         #: `register_save_state_pre_hook` / `register_load_state_pre_hook` hooks, by handle id.
         self.save_state_pre_hooks: Dict[int, Callable] = {}
         self.load_state_pre_hooks: Dict[int, Callable] = {}
-        self._trigger = torch.zeros(1, device=self.device)
+        #: The flag `set_trigger` raises and `check_trigger` reads (summed over processes).
+        self.flag_tensor = torch.zeros(1, device=self.device)
         run_state.bind_accelerator(self)  # PartialState() and fabric_lite.utils' functions answer from this run
 
     # -- where this process is (`device`, `num_processes`, `process_index`, ...: ProcessFacts) ---------------

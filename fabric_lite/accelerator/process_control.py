@@ -3,7 +3,7 @@
 `ProcessFacts` answers where this process is and runs the collectives over `self.strategy` alone; it is
 shared by `Accelerator` and by `fabric_lite.state.PartialState`, so both give the same answers.
 `ProcessControl` (a mixin of `Accelerator`) adds what needs more of it: `self.gradient_state`,
-`self.dataloader_config` and `self._trigger`.
+`self.dataloader_config` and `self.flag_tensor`.
 """
 
 from __future__ import annotations
@@ -221,13 +221,13 @@ class ProcessControl(ProcessFacts):
 
     def set_trigger(self) -> None:
         """Raise a flag on this process that `check_trigger` will see on every process (e.g. early stop)."""
-        self._trigger.fill_(1)
+        self.flag_tensor.fill_(1)
 
     def check_trigger(self) -> bool:
         """True on every process if any process called `set_trigger` since the last check (one all-reduce)."""
-        raised = bool(self.strategy.all_reduce(self._trigger, "sum").item() > 0)
+        raised = bool(self.strategy.all_reduce(self.flag_tensor, "sum").item() > 0)
         if raised:
-            self._trigger.zero_()
+            self.flag_tensor.zero_()
         return raised
 
     @contextlib.contextmanager

@@ -71,6 +71,10 @@ class RunSettings:
     ao_recipe_handler: Any = None
     te_recipe_handler: Any = None
     msamp_recipe_handler: Any = None
+    #: Accelerate keeps its DeepSpeed engine here; in fabric_lite the prepared model is the engine, so this reads None.
+    deepspeed_engine_wrapped: Any = None
+    #: fp8 autocast is never delayed past the forward here (Accelerate's flag for its DeepSpeed + TE path).
+    delayed_fp8_autocast: bool = False
 
     # -- precision ------------------------------------------------------------------------------------
     @property

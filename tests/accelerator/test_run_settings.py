@@ -136,3 +136,11 @@ def test_lomo_backward_updates_through_the_fused_optimizer_and_says_what_is_miss
     assert plain.has_lomo_optimizer is False
     with pytest.raises(ValueError, match=r"no LOMO optimizer among the prepared ones \(\['SGD'\]\)"):
         plain.lomo_backward(other(x).sum(), 0.1)
+
+
+def test_members_accelerate_keeps_for_its_engines_read_as_here():
+    acc = Accelerator(cpu=True)
+    assert acc.deepspeed_engine_wrapped is None and acc.delayed_fp8_autocast is False
+    assert acc.flag_tensor.tolist() == [0] and acc.check_trigger() is False
+    acc.set_trigger()
+    assert acc.flag_tensor.tolist() == [1] and acc.check_trigger() is True and acc.flag_tensor.tolist() == [0]
