@@ -10,7 +10,7 @@ Offline use, with nothing sent anywhere:
   comet_ml  COMET_START_ONLINE=false (or `init_kwargs={"comet_ml": {"online": False}}`): an archive
             `<project_dir>/comet_ml/<id>.zip` (or COMET_OFFLINE_DIRECTORY) that `comet upload` sends later;
   clearml   CLEARML_OFFLINE_MODE=1 (or `Task.set_offline(True)` first): a session folder and zip under
-            CLEARML_CACHE_DIR/offline that `clearml-task import` / `Task.import_offline_session` sends later;
+            CLEARML_CACHE_DIR/offline that `Task.import_offline_session` sends later;
   swanlab   SWANLAB_MODE=offline (or `init_kwargs={"swanlab": {"mode": "offline"}}`): a run folder in
             `<project_dir>/swanlog` that `swanlab sync` sends later;
   trackio   local by default: a SQLite database per project in TRACKIO_DIR.
