@@ -262,8 +262,8 @@ def test_tracker_classes_take_accelerate_arguments():
         cls = KNOWN_TRACKERS[name]
         params = [p.name for p in inspect.signature(cls).parameters.values()
                   if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
-        assert (cls.__name__, cls.requires_logging_directory, cls.main_process_only, positional) == \
-            (cls_name, needs_dir, main_only, expected[name][3]), name
+        assert (cls.__name__, cls.requires_logging_directory, cls.main_process_only, params) == \
+            (cls_name, needs_dir, main_only, positional), name
     import fabric_lite.tracking
     import fabric_lite.utils
 
