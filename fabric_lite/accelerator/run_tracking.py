@@ -28,6 +28,8 @@ class TrackerControl:
         if not self.is_main_process:
             return
         self.trackers = make_trackers(self.log_with, project_name, self.logging_dir, init_kwargs or {})
+        for tracker in self.trackers:
+            tracker.start()  # (a tracker written to start late, as Accelerate's custom trackers may be)
         if config is not None:
             for tracker in self.trackers:
                 tracker.store_init_configuration(config)

@@ -474,9 +474,6 @@ def accelerator_conflicts(plan: Plan, accelerator: "Accelerator", layout: _Layou
     if given.get("rng_types") is not None:
         plan.add(CONFLICTS_SECTION, "rng_types", f"rng_types={given['rng_types']!r} is accepted for compatibility and "
                                           f"ignored: dataloader order is always seeded and the same on every rank.")
-    if not accelerator.dataloader_config.use_seedable_sampler:
-        plan.add(CONFLICTS_SECTION, "use_seedable_sampler", "DataLoaderConfiguration(use_seedable_sampler=False) is ignored: "
-                                                     "sampling is always seeded.")
     if launch.use_cpu and str(given.get("accelerator", "auto")) not in ("auto", "cpu"):
         plan.add(CONFLICTS_SECTION, "cpu", f"{setting_origin('cpu', '1')} wins over accelerator={given['accelerator']!r}: "
                                     f"the run uses the CPU.")
