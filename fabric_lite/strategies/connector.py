@@ -11,6 +11,7 @@ from typing import Any, Dict, Optional, Union
 import torch
 
 from fabric_lite.strategies.environments import ProcessInfo, read_xla_settings
+from fabric_lite.strategies.fp8 import FP8Recipe, default_fp8_recipe
 from fabric_lite.strategies.precision import Precision, resolve_precision
 from fabric_lite.strategies import Strategy, create_strategy
 
@@ -95,10 +96,12 @@ def connect(
     precision_name = resolve_precision(precision)
 
     def make_precision(device_type: str, device: Optional[torch.device] = None) -> Precision:
+        recipe = fp8_recipe
         if precision_name == "fp8":
-            _check_fp8_strategy(instance, fp8_recipe)
+            recipe = recipe if recipe is not None else default_fp8_recipe()
+            _check_fp8_strategy(instance, recipe)
         return Precision(precision_name, device_type, scaler_kwargs, autocast_kwargs=autocast_kwargs,
-                         fp8_recipe=fp8_recipe, device=device)
+                         fp8_recipe=recipe, device=device)
 
     device_type = resolve_accelerator(accelerator)
     if isinstance(strategy, Strategy):
@@ -137,7 +140,7 @@ def connect(
     return instance
 
 
-def _check_fp8_strategy(instance: Strategy, recipe: Any) -> None:
+def _check_fp8_strategy(instance: Strategy, recipe: FP8Recipe) -> None:
     """Refuse the strategies fp8 cannot train with here (the engine or the sharding would not see the fp8 layers)."""
     kind = instance.accelerate_type
     if kind == "DEEPSPEED":
@@ -145,10 +148,7 @@ def _check_fp8_strategy(instance: Strategy, recipe: Any) -> None:
             "mixed_precision='fp8' with DeepSpeed is not supported here: DeepSpeed's engine keeps its own bf16/fp16 "
             "copies of the weights, which the fp8 layers would not see. Use strategy='fsdp' (sharded, with torchao "
             "fp8) or 'ddp', or train DeepSpeed in mixed_precision='bf16'.")
-    from fabric_lite.strategies.fp8 import default_fp8_recipe
-
-    backend = (recipe if recipe is not None else default_fp8_recipe()).backend
-    if kind == "FSDP" and backend != "ao":
+    if kind == "FSDP" and recipe.backend != "ao":
         raise ValueError(
             "mixed_precision='fp8' with FSDP trains with torchao here (AORecipeKwargs); TransformerEngine's layers "
             "(TERecipeKwargs) are not sharded by it. Use AORecipeKwargs, or strategy='ddp' with TransformerEngine.")

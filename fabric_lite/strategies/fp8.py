@@ -7,6 +7,11 @@ Two libraries do the work, each imported only when an fp8 run starts:
 * NVIDIA TransformerEngine (``pip install 'transformer_engine[pytorch]'``): eligible `nn.Linear` layers become
   `transformer_engine.pytorch.Linear`, and the model's forward runs inside TransformerEngine's fp8 autocast.
 
+torchao's fp8 all-gather for FSDP2 (`enable_fsdp_float8_all_gather`, on in Accelerate's default config) is turned
+off here: it replaces each converted weight with a new Parameter of a tensor subclass, which optimizers built
+before `prepare` would not hold and safetensors cannot save. FSDP2 gathers those weights in its bf16 param_dtype,
+and each layer casts them to fp8 itself.
+
 Which layers: by default every `nn.Linear` whose in and out features are multiples of 16 (what the fp8 matrix
 product kernels take), except the first and the last `nn.Linear` the model registers (in `named_modules()`
 order): the embedding-side and output-side projections are the most sensitive to fp8's range, and keeping them
@@ -19,6 +24,7 @@ H100, H200; Blackwell). `fp8_problem` says why a run cannot train in fp8 here, i
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import importlib.util
 import types
@@ -235,6 +241,10 @@ def convert_model_to_fp8(model: nn.Module, recipe: FP8Recipe) -> nn.Module:
         from torchao.float8.float8_linear import Float8Linear
 
         config = recipe.config if recipe.config is not None else default_ao_config()
+        if config.enable_fsdp_float8_all_gather:
+            # (its weight wrapper is a new Parameter of a tensor subclass: optimizers built before prepare would lose
+            # their parameters, and safetensors cannot save it; FSDP2 all-gathers in its param_dtype instead)
+            config = dataclasses.replace(config, enable_fsdp_float8_all_gather=False)
         model = convert_to_float8_training(model, module_filter_fn=_layer_filter(model, recipe, Float8Linear),
                                            config=config)
         count = sum(isinstance(m, Float8Linear) for m in model.modules())
