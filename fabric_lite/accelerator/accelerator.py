@@ -185,8 +185,7 @@ class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerCo
             launch.accelerator if accelerator == "auto" and launch.accelerator else accelerator)
         if strategy == "auto" and resolve_accelerator(accelerator) == "xla":
             strategy = "xla"  # (DDP's kwargs handlers, if any, do not apply there)
-        if isinstance(strategy, str):
-            strategy = strategy_from_handlers(strategy, handlers, process.world_size)
+        strategy = strategy_from_handlers(strategy, handlers, process.world_size)  # (an instance: hook checked)
         scaler = handlers.get(GradScalerKwargs)
         strategy = connect(
             strategy,
