@@ -11,7 +11,7 @@ with accelerator.autocast(AutocastKwargs(enabled=False)):   # this block in fp32
 Field names and defaults are Accelerate's. Differences: a handler is built without its library installed (the
 library is asked for when the Accelerator starts, and its absence named there with the `pip install`); fields
 left None take their default here, not from `ACCELERATE_FP8_*` environment variables; MS-AMP is refused (use
-torchao). The conversion itself lives in `fabric_lite.strategies.fp8`.
+torchao); torchao's fp8 all-gather for FSDP2 is not used. The conversion lives in `fabric_lite.strategies.fp8`.
 """
 
 from __future__ import annotations
@@ -53,8 +53,9 @@ class AORecipeKwargs(KwargsHandler):
     `Float8Linear`.
 
     `config`: a `torchao.float8.Float8LinearConfig`; None builds one with `pad_inner_dim` and
-    `enable_fsdp_float8_all_gather` (both default True, as in Accelerate). `module_filter_func(module, name) ->
-    bool` chooses the layers; None: every `nn.Linear` with sizes divisible by 16 but the model's first and last.
+    `enable_fsdp_float8_all_gather` (both default True, as in Accelerate; the fp8 all-gather is then turned off
+    when the model is converted, see `fabric_lite.strategies.fp8`). `module_filter_func(module, name) -> bool`
+    chooses the layers; None: every `nn.Linear` with sizes divisible by 16 but the model's first and last.
     """
 
     accelerator_attribute: ClassVar[str] = "ao_recipe_handler"
