@@ -16,10 +16,10 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from fabric_lite.accelerator.configs import (
-    DataLoaderConfiguration, DeepSpeedPlugin, DistributedType, FullyShardedDataParallelPlugin,
-    GradientAccumulationPlugin, GradScalerKwargs, KwargsHandler, ProjectConfiguration, TorchDynamoPlugin,
-    strategy_from_handlers,
+    DataLoaderConfiguration, DeepSpeedPlugin, FullyShardedDataParallelPlugin, GradientAccumulationPlugin,
+    GradScalerKwargs, KwargsHandler, ProjectConfiguration, TorchDynamoPlugin, strategy_from_handlers,
 )
+from fabric_lite.accelerator.enums import DistributedType
 from fabric_lite.strategies.connector import connect, resolve_accelerator
 from fabric_lite.data.loader import DataLoaderShard, shard_dataloader, skip_first_batches
 from fabric_lite.engine import LOSS_DIVISIONS, StepEngine
@@ -34,6 +34,9 @@ from fabric_lite.checkpoint.saver import CheckpointSaver
 from fabric_lite.strategies.precision import PrecisionForward
 from fabric_lite.accelerator.process_control import ProcessControl
 from fabric_lite.accelerator.profiling import ProfileKwargs, profile_context
+from fabric_lite.accelerator.precision_handlers import (
+    AutocastKwargs, autocast_context, autocast_kwargs, fp8_recipe_from_handlers,
+)
 from fabric_lite.accelerator.run_settings import RunSettings, handlers_by_attribute
 from fabric_lite.strategies import Strategy
 from fabric_lite.accelerator.tracking import GeneralTracker
@@ -87,7 +90,13 @@ class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerCo
         check = ArgumentCheck("Accelerator")
         check.bool("device_placement", device_placement)
         check.bool("split_batches", split_batches, allow_none=True, hint="None: dataloader_config's")
-        mixed_precision = check.precision("mixed_precision", mixed_precision, allow_none=True)
+        kwargs_handlers = check.instances(
+            "kwargs_handlers", kwargs_handlers, KwargsHandler,
+            what="KwargsHandler objects (DistributedDataParallelKwargs, GradScalerKwargs, AutocastKwargs, "
+                 "ProfileKwargs, AORecipeKwargs, ...)")
+        fp8_recipe = fp8_recipe_from_handlers(kwargs_handlers)  # (refuses MS-AMP and two fp8 recipes)
+        mixed_precision = check.precision("mixed_precision", mixed_precision, allow_none=True,
+                                          fp8_emulated=fp8_recipe is not None and fp8_recipe.emulated)
         gradient_accumulation_steps = check.int("gradient_accumulation_steps", gradient_accumulation_steps, minimum=1,
                                                 allow_none=True, hint="None: the launch's setting, else 1")
         check.bool("cpu", cpu)
@@ -100,9 +109,6 @@ class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerCo
             _check_plugin_steps("gradient_accumulation_plugin", "GradientAccumulationPlugin", "num_steps",
                                 gradient_accumulation_plugin.num_steps)
         check.bool("step_scheduler_with_optimizer", step_scheduler_with_optimizer)
-        kwargs_handlers = check.instances(
-            "kwargs_handlers", kwargs_handlers, KwargsHandler,
-            what="KwargsHandler objects (DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs)")
         check.bool("even_batches", even_batches, allow_none=True, hint="None: dataloader_config's")
         if rng_types is not None and not isinstance(rng_types, str):  # (accepted, and not needed: see above)
             check.instances("rng_types", rng_types, str, what="RNG names ('torch', 'cuda', 'generator', ...)")
@@ -194,6 +200,8 @@ class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerCo
             precision=mixed_precision or launch.mixed_precision or "no",
             process=process,
             scaler_kwargs=scaler.to_kwargs() if scaler else None,
+            autocast_kwargs=autocast_kwargs(handlers.get(AutocastKwargs)),
+            fp8_recipe=fp8_recipe,
         )
         # The step engine: the prepared models, optimizers and schedulers, and the accumulation window.
         self.init_engine(strategy, plugin, divide_loss_by)
@@ -408,9 +416,12 @@ class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerCo
             yield profiler
 
     @contextlib.contextmanager
-    def autocast(self, autocast_handler: Any = None) -> Iterator[None]:
-        """Run the enclosed code under this run's mixed precision (for code outside the model's forward)."""
-        with self.strategy.precision.autocast():
+    def autocast(self, autocast_handler: Optional[AutocastKwargs] = None) -> Iterator[None]:
+        """Run the enclosed code under this run's mixed precision (for code outside the model's forward).
+
+        `autocast_handler` replaces, for this block, the AutocastKwargs given in kwargs_handlers:
+        ``accelerator.autocast(AutocastKwargs(enabled=False))`` runs the block without autocast."""
+        with autocast_context(self.strategy.precision, autocast_handler):
             yield
 
     # -- models and checkpoints --------------------------------------------------------------------

@@ -13,7 +13,8 @@ from typing import Any, Dict, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
-from fabric_lite.accelerator.configs import DistributedType, KwargsHandler, StrEnum
+from fabric_lite.accelerator.configs import KwargsHandler
+from fabric_lite.accelerator.enums import DistributedType, StrEnum
 from fabric_lite.arguments import is_int
 
 __all__ = ["RunSettings", "FP8BackendType", "HANDLER_ATTRIBUTES", "handlers_by_attribute"]
@@ -108,7 +109,10 @@ class RunSettings:
                               ("msamp_recipe_handler", FP8BackendType.MSAMP)):
             if getattr(self, name) is not None:
                 return backend
-        return FP8BackendType.AO if self.fp8_enabled else FP8BackendType.NO
+        if self.fp8_enabled:
+            recipe = self.strategy.precision.fp8_recipe
+            return FP8BackendType.TE if recipe is not None and recipe.backend == "te" else FP8BackendType.AO
+        return FP8BackendType.NO
 
     # -- accumulation -----------------------------------------------------------------------------------
     @property
