@@ -18,7 +18,7 @@ if "FABRIC_LITE_LAUNCHER_PID" in os.environ:  # a worker of `fabric-lite launch`
 
 _EXPORTS = {
     "Accelerator": "fabric_lite.accelerator.accelerator",
-    "DistributedType": "fabric_lite.accelerator.configs",
+    "DistributedType": "fabric_lite.accelerator.enums",
     "notebook_launcher": "fabric_lite.launch.launcher",
     "set_seed": "fabric_lite.seed",
     "seed_everything": "fabric_lite.seed",
@@ -32,7 +32,7 @@ _EXPORTS = {
     "DeepSpeedPlugin": "fabric_lite.accelerator.configs",
     "FullyShardedDataParallelPlugin": "fabric_lite.accelerator.configs",
     "TorchDynamoPlugin": "fabric_lite.accelerator.configs",
-    "LoggerType": "fabric_lite.accelerator.configs",
+    "LoggerType": "fabric_lite.accelerator.enums",
     "PartialState": "fabric_lite.state",
     "AcceleratorState": "fabric_lite.state",
     "init_empty_weights": "fabric_lite.accelerator.model_state",
@@ -50,7 +50,7 @@ _EXPORTS = {
     # Accelerate's other top-level names (each imported on first use, from where it is defined)
     "debug_launcher": "fabric_lite.launch.debug",
     "GradientState": "fabric_lite.state",
-    "DDPCommunicationHookType": "fabric_lite.accelerator.configs",
+    "DDPCommunicationHookType": "fabric_lite.accelerator.enums",
     "AutocastKwargs": "fabric_lite.accelerator.precision_handlers",
     "ProfileKwargs": "fabric_lite.accelerator.profiling",
     "find_executable_batch_size": "fabric_lite.accelerator.memory",

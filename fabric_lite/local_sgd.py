@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from fabric_lite.accelerator.configs import DistributedType
+from fabric_lite.accelerator.enums import DistributedType
 
 __all__ = ["LocalSGD"]
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Dict, List, Optional
 
-from fabric_lite.accelerator.configs import DistributedType
+from fabric_lite.accelerator.enums import DistributedType
 from fabric_lite.accelerator.process_control import ProcessFacts
 from fabric_lite.engine import GradientState as EngineGradientState
 

@@ -2,6 +2,6 @@
 configuration objects, and experiment trackers."""
 
 from fabric_lite.accelerator.accelerator import Accelerator
-from fabric_lite.accelerator.configs import DistributedType
+from fabric_lite.accelerator.enums import DistributedType
 
 __all__ = ["Accelerator", "DistributedType"]

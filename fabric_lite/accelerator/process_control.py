@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence
 import torch
 
 from fabric_lite._tree import tree_map
-from fabric_lite.accelerator.configs import DistributedType
+from fabric_lite.accelerator.enums import DistributedType
 
 __all__ = ["ProcessFacts", "ProcessControl"]
 

@@ -27,10 +27,11 @@ _TRACKING = "fabric_lite.accelerator.tracking"
 # name -> the module that defines it
 _LAZY: Dict[str, str] = {
     **dict.fromkeys((
-        "DataLoaderConfiguration", "DistributedDataParallelKwargs", "DDPCommunicationHookType",
-        "GradientAccumulationPlugin", "GradScalerKwargs", "InitProcessGroupKwargs", "KwargsHandler",
-        "ProjectConfiguration", "DeepSpeedPlugin", "FullyShardedDataParallelPlugin", "TorchDynamoPlugin",
-        "DistributedType", "LoggerType", "PrecisionType", "DynamoBackend"), _CONFIGS),
+        "DataLoaderConfiguration", "DistributedDataParallelKwargs", "GradientAccumulationPlugin", "GradScalerKwargs",
+        "InitProcessGroupKwargs", "KwargsHandler", "ProjectConfiguration", "DeepSpeedPlugin",
+        "FullyShardedDataParallelPlugin", "TorchDynamoPlugin"), _CONFIGS),
+    **dict.fromkeys(("DDPCommunicationHookType", "DistributedType", "LoggerType", "PrecisionType", "DynamoBackend"),
+                    "fabric_lite.accelerator.enums"),
     **dict.fromkeys(("ComputeEnvironment", "RNGType", "SageMakerDistributedType"), "fabric_lite.utils.dataclasses"),
     **dict.fromkeys(("AutocastKwargs", "FP8RecipeKwargs", "AORecipeKwargs", "TERecipeKwargs", "MSAMPRecipeKwargs"),
                     _PRECISION),

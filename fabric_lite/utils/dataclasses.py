@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from fabric_lite.accelerator.configs import StrEnum
+from fabric_lite.accelerator.enums import StrEnum
 
 __all__ = ["ComputeEnvironment", "RNGType", "SageMakerDistributedType"]
 
