@@ -1,9 +1,8 @@
 """Dataloaders for several processes: sharding of the user's batch order, a resumable position,
 and batches moved to the device (on a side stream on CUDA)."""
 
-from fabric_lite.data.loader import (
-    DataLoaderShard, IterableDatasetShard, ShardedBatchSampler, shard_dataloader, skip_first_batches,
-)
+from fabric_lite.data.loader import DataLoaderShard, shard_dataloader, skip_first_batches
+from fabric_lite.data.sharding import IterableDatasetShard, ShardedBatchSampler
 
 __all__ = ["DataLoaderShard", "IterableDatasetShard", "ShardedBatchSampler", "shard_dataloader",
            "skip_first_batches"]

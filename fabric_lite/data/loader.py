@@ -7,6 +7,10 @@ kW ... kW+W-1, one per rank. So on one process the batches are the plain loader'
 with batch b see in step k exactly the samples of a plain loader's batch k of W*b, every epoch.
 Padding that makes every rank get the same number of full batches sits only in the final global
 step, where `remainder` says how many of its samples are real.
+
+This module is the prepared loader (`DataLoaderShard`) and its doors (`shard_dataloader`, `skip_first_batches`);
+what a user's DataLoader is rebuilt from (its settings, samplers, dataset, randomness) is worked out in
+`data/rebuild.py`.
 """
 
 from __future__ import annotations
@@ -18,13 +22,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
-from torch.utils.data import (
-    BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler,
-)
+from torch.utils.data import DataLoader, IterableDataset
 
 from fabric_lite.data.dispatch import Dispatch
 from fabric_lite.data.order import EpochRandomness
-from fabric_lite.data.seedable import SeedableRandomSampler, seedable_from
+from fabric_lite.data.rebuild import sharded_loader_arguments
+from fabric_lite.data.seedable import SeedableRandomSampler
 from fabric_lite.data.sharding import IterableDatasetShard, ShardedBatchSampler
 from fabric_lite.data.transfer import CudaFeed, move_to_device
 from fabric_lite.data.workers import WorkerRandomness
@@ -433,19 +436,6 @@ class DataLoaderShard(DataLoader):
         return view
 
 
-def _loader_kwargs(loader: DataLoader) -> Dict[str, Any]:
-    kwargs: Dict[str, Any] = dict(
-        num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
-        timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context, persistent_workers=loader.persistent_workers,
-    )
-    if loader.num_workers > 0:
-        kwargs["prefetch_factor"] = loader.prefetch_factor
-    if hasattr(loader, "in_order"):
-        kwargs["in_order"] = loader.in_order
-    return kwargs
-
-
 def shard_dataloader(
     loader: DataLoader, *, num_replicas: int, rank: int, device: Optional[torch.device],
     gradient_state: Any, split_batches: bool = False, even_batches: bool = True,
@@ -464,105 +454,12 @@ def shard_dataloader(
     """
     if isinstance(loader, DataLoaderShard):
         return loader
-    if not isinstance(loader, DataLoader):
-        raise TypeError(f"prepare() shards torch.utils.data.DataLoader objects, got {type(loader).__name__}.")
-    if getattr(loader, "next_iter_state", None) is not None:  # a torchdata StatefulDataLoader, state loaded
-        raise ValueError(
-            f"This {type(loader).__name__} was given a state (load_state_dict) before prepare(); the prepared "
-            f"loader reads its own kind of state. Call load_state_dict on the loader prepare() returns (or "
-            f"accelerator.load_state after prepare) instead.")
-    kwargs = _loader_kwargs(loader)
-    dataset = loader.dataset
-    batch_size = loader.batch_size
-    drop_last = loader.drop_last
-    iterable = isinstance(dataset, IterableDataset)
-    dispatch = None
-    if num_replicas > 1 and (iterable if dispatch_batches is None else dispatch_batches):
-        per = (batch_size or 0) // num_replicas if split_batches else (batch_size or 0)
-        dispatch = Dispatch(rank, num_replicas, per,
-                            even_chunks=split_batches and not iterable, broadcast=broadcast_seed)
-    common = dict(device=device, gradient_state=gradient_state, convert_batch=convert_batch,
-                  non_blocking=non_blocking, device_feed=device_feed, dispatch=dispatch)
-    # With dispatch_batches the main process reads every rank's part of each step, and alone draws the order.
-    reader, drawers = (None, 1) if dispatch is not None else (rank, num_replicas)
-    if iterable:
-        if batch_size is None:
-            raise ValueError("prepare() of an IterableDataset loader needs batch_size set on the DataLoader.")
-        shard = IterableDatasetShard(dataset, batch_size, num_replicas, reader, split_batches, even_batches,
-                                     drop_last)
-        per_rank = batch_size // num_replicas if split_batches else batch_size
-        # Several processes: the shard drops or pads the tail itself. One process: the loader does.
-        total = batch_size if split_batches else batch_size * num_replicas
-        remainder = -1
-        if num_replicas > 1 and not drop_last and hasattr(dataset, "__len__"):
-            remainder = len(dataset) % total
-        return DataLoaderShard(
-            shard, batch_size=total if dispatch is not None else per_rank, drop_last=drop_last and num_replicas == 1,
-            sharded_sampler=None, position=_Position(), remainder=remainder, total_batch_size=total,
-            randomness=_randomness(loader.generator, None, drawers, broadcast_seed), **common, **kwargs,
-        )
-
-    # The batches: the loader's batch sampler, or, with batch_size=None, a BatchSampler given as the
-    # sampler (each item it yields is a batch of indices, as Accelerate shards it); else single samples.
-    batches = loader.batch_sampler
-    if batches is None and isinstance(loader.sampler, BatchSampler):
-        batches = loader.sampler
-    if batches is None and num_replicas > 1:
-        raise ValueError(
-            "prepare() shards batches, but this DataLoader has batch_size=None (no automatic batching). "
-            "Give it a batch_size (or sampler=BatchSampler(...)), or batch inside the dataset and shard it "
-            "yourself with split_between_processes."
-        )
-    sampler = loader.sampler if batches is None else getattr(batches, "sampler", None)
-    replaced = use_seedable_sampler and isinstance(sampler, RandomSampler)
-    if replaced:  # (the same on every rank: so is the broadcast)
-        seed = data_seed
-        if seed is None:
-            seed = torch.initial_seed()
-            if num_replicas > 1:
-                seed = broadcast_seed(seed)
-        sampler = seedable_from(sampler, seed)
-    shuffled = None  # the loader's copy of a sampler that draws from a generator (the user's object, or its own)
-    if not replaced and sampler is not None and hasattr(sampler, "generator"):
-        sampler = shuffled = copy.copy(sampler)
-    # A sampler (or batch sampler) without a generator of its own may draw its order from the global RNGs
-    # (a custom shuffle with torch.randperm): a resumed epoch replays that draw (see data/order.py).
-    drawer = sampler if sampler is not None else batches
-    global_order = None
-    # (a DistributedSampler draws from a generator it seeds itself from its seed and epoch)
-    if shuffled is None and drawer is not None and type(drawer) not in (SequentialSampler, DistributedSampler,
-                                                                        SeedableRandomSampler):
-        global_order = type(drawer).__name__
-    randomness = _randomness(loader.generator, shuffled, drawers, broadcast_seed, global_order)
-    if batches is None:
-        sharded = ShardedBatchSampler(sampler, 1, 0, None)  # one process: passes samples through, can skip
-        kwargs.update(sampler=sharded, batch_size=None)
-    else:
-        batch_sampler = copy.copy(batches)
-        if (shuffled is not None or replaced) and hasattr(batch_sampler, "sampler"):
-            batch_sampler.sampler = sampler
-        sharded = ShardedBatchSampler(batch_sampler, num_replicas, reader, batch_size, split_batches, even_batches,
-                                      drop_last)
-        if loader.batch_sampler is None:  # (sampler=BatchSampler(...), batch_size=None)
-            kwargs.update(sampler=sharded, batch_size=None)
-        else:
-            kwargs.update(batch_sampler=sharded)
-    total = None if batch_size is None else (batch_size if split_batches else batch_size * num_replicas)
-    remainder = -1
-    if num_replicas > 1 and total is not None and not drop_last and sampler is not None and hasattr(sampler, "__len__"):
-        remainder = len(sampler) % total
-    return DataLoaderShard(
-        dataset, sharded_sampler=sharded, position=_Position(), randomness=randomness,
-        remainder=remainder, total_batch_size=total, **common, **kwargs,
-    )
-
-
-def _randomness(loader_generator: Optional[torch.Generator], sampler: Any, num_replicas: int,
-                broadcast: Callable[[Any], Any], global_order: Optional[str] = None) -> EpochRandomness:
-    randomness = EpochRandomness(loader_generator, sampler, num_replicas, broadcast, global_order)
-    if num_replicas > 1:
-        randomness.agree()
-    return randomness
+    arguments = sharded_loader_arguments(
+        loader, num_replicas=num_replicas, rank=rank, split_batches=split_batches, even_batches=even_batches,
+        broadcast_seed=broadcast_seed, dispatch_batches=dispatch_batches, use_seedable_sampler=use_seedable_sampler,
+        data_seed=data_seed)
+    return DataLoaderShard(device=device, gradient_state=gradient_state, convert_batch=convert_batch,
+                           non_blocking=non_blocking, device_feed=device_feed, position=_Position(), **arguments)
 
 
 def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:

@@ -42,7 +42,7 @@ def loader_share(loader: Any, world: int) -> Share:
     Batches come from the same `ShardedBatchSampler` the real run builds for rank 0 of `world`;
     samples, padding and dropped samples are counted from the dataset length and batch size.
     """
-    from fabric_lite.data.loader import IterableDatasetShard, ShardedBatchSampler
+    from fabric_lite.data.sharding import IterableDatasetShard, ShardedBatchSampler
 
     dataset = getattr(loader, "dataset", None)
     if isinstance(dataset, IterableDatasetShard):
