@@ -54,6 +54,7 @@ _EXPORTS = {
     "AutocastKwargs": "fabric_lite.accelerator.precision_handlers",
     "ProfileKwargs": "fabric_lite.accelerator.profiling",
     "find_executable_batch_size": "fabric_lite.accelerator.memory",
+    "is_rich_available": "fabric_lite.utils.imports",
     "synchronize_rng_states": "fabric_lite.utils.rng",
     "load_checkpoint_in_model": "fabric_lite.utils.modeling",
     "cpu_offload": "fabric_lite.big_modeling",
