@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from fabric_lite.accelerator.configs import LoggerType
+from fabric_lite.accelerator.enums import LoggerType
 from fabric_lite.accelerator.tracking import KNOWN_TRACKERS, GeneralTracker, make_trackers
 from fabric_lite.arguments import ArgumentCheck
 

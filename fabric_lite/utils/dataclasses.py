@@ -1,4 +1,4 @@
-"""Accelerate's enums that `fabric_lite.accelerator.configs` does not define: `ComputeEnvironment`, `RNGType`,
+"""Accelerate's enums that `fabric_lite.accelerator.enums` does not define: `ComputeEnvironment`, `RNGType`,
 `SageMakerDistributedType`. Like the others they are string enums: ``RNGType.TORCH == "torch"``."""
 
 from __future__ import annotations
