@@ -119,7 +119,8 @@ class GeneralTracker:
     """A tracker: `store_init_configuration`, `log`, `finish`; `tracker` is the underlying object.
 
     `requires_logging_directory`: whether it needs `Accelerator(project_dir=...)`; `package`: the module it
-    imports (None: nothing beyond fabric_lite), which `log_with="all"` checks for; `main_process_only`: whether
+    imports (None: nothing beyond fabric_lite), which `log_with="all"` checks for, with `setup_missing` (an
+    account it would need and nobody set up here); `main_process_only`: whether
     its methods decorated with `on_main_process` run on the main process only (the Accelerator starts and feeds
     trackers on the main process either way).
     """
@@ -131,6 +132,16 @@ class GeneralTracker:
 
     @property
     def tracker(self) -> Any:
+        return None
+
+    @classmethod
+    def setup_missing(cls, init_kwargs: Dict[str, Any]) -> Optional[str]:
+        """What this tracker lacks to start here and how to give it, in a few words, or None when it can start
+        (the default: it needs no account). Decided from the environment, the tool's config files and
+        `init_kwargs` (its part of `init_trackers(init_kwargs=...)`), without the network or its package.
+
+        `log_with="all"` skips, with a warning, an installed tracker that lacks something; a tracker named in
+        `log_with` is started anyway, and when it fails this is added to the error."""
         return None
 
     def start(self) -> None:

@@ -8,6 +8,7 @@ import os
 from typing import Any, Dict, List, Optional, Union
 
 from fabric_lite.accelerator.tracker_base import GeneralTracker, config_for_file, flatten, is_number, require, scalar
+from fabric_lite.accelerator.tracker_setup import wandb_setup_missing
 
 __all__ = ["TensorBoardTracker", "WandBTracker", "CSVTracker"]
 
@@ -64,6 +65,11 @@ class WandBTracker(GeneralTracker):
 
     name = "wandb"
     package = "wandb"
+
+    @classmethod
+    def setup_missing(cls, init_kwargs: Dict[str, Any]) -> Optional[str]:
+        """An API key (WANDB_API_KEY, `wandb login`) unless offline (WANDB_MODE=offline, `mode="offline"`)."""
+        return wandb_setup_missing(init_kwargs)
 
     def __init__(self, run_name: str, logging_dir: Optional[Union[str, os.PathLike]] = None, **kwargs: Any) -> None:
         wandb = require("wandb", "log_with='wandb'", "wandb")

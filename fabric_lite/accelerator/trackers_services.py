@@ -24,6 +24,9 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 from fabric_lite.accelerator.tracker_base import (
     GeneralTracker, config_for_file, flatten, is_number, on_main_process, require, scalar, warn_once,
 )
+from fabric_lite.accelerator.tracker_setup import (
+    clearml_setup_missing, comet_setup_missing, swanlab_setup_missing, trackio_setup_missing,
+)
 
 __all__ = ["CometMLTracker", "ClearMLTracker", "SwanLabTracker", "TrackioTracker"]
 
@@ -55,6 +58,11 @@ class CometMLTracker(GeneralTracker):
     name = "comet_ml"
     requires_logging_directory = False
     package = "comet_ml"
+
+    @classmethod
+    def setup_missing(cls, init_kwargs: Dict[str, Any]) -> Optional[str]:
+        """An API key (COMET_API_KEY, ~/.comet.config) unless offline (COMET_START_ONLINE=false)."""
+        return comet_setup_missing(init_kwargs)
 
     def __init__(self, run_name: str, *, logging_dir: Optional[PathLike] = None, **kwargs: Any) -> None:
         self.run_name = run_name
@@ -117,6 +125,11 @@ class ClearMLTracker(GeneralTracker):
     name = "clearml"
     requires_logging_directory = False
     package = "clearml"
+
+    @classmethod
+    def setup_missing(cls, init_kwargs: Dict[str, Any]) -> Optional[str]:
+        """Credentials (~/clearml.conf, CLEARML_API_*_KEY) unless offline (CLEARML_OFFLINE_MODE=1)."""
+        return clearml_setup_missing(init_kwargs)
 
     def __init__(self, run_name: Optional[str] = None, *, logging_dir: Optional[PathLike] = None,
                  **kwargs: Any) -> None:
@@ -219,6 +232,11 @@ class SwanLabTracker(GeneralTracker):
     main_process_only = False
     package = "swanlab"
 
+    @classmethod
+    def setup_missing(cls, init_kwargs: Dict[str, Any]) -> Optional[str]:
+        """An API key (SWANLAB_API_KEY, `swanlab login`) unless offline (SWANLAB_MODE=offline)."""
+        return swanlab_setup_missing(init_kwargs)
+
     def __init__(self, run_name: str, *, logging_dir: Optional[PathLike] = None, **kwargs: Any) -> None:
         self.run_name = run_name
         self.logging_dir = logging_dir
@@ -273,6 +291,11 @@ class TrackioTracker(GeneralTracker):
     requires_logging_directory = False
     main_process_only = False
     package = "trackio"
+
+    @classmethod
+    def setup_missing(cls, init_kwargs: Dict[str, Any]) -> Optional[str]:
+        """A Hugging Face token, only to log to a Space (`space_id`, TRACKIO_SPACE_ID)."""
+        return trackio_setup_missing(init_kwargs)
 
     def __init__(self, run_name: str, *, logging_dir: Optional[PathLike] = None, **kwargs: Any) -> None:
         self.run_name = run_name

@@ -1,8 +1,9 @@
-"""The trackers past the first four, for real and offline: one `Accelerator(log_with=[...])` with every one whose
-package is installed logs a configuration and three steps in a child process (tests/workers/offline_trackers.py)
-that refuses and records any connection beyond this machine; each test then reads back what its tracker wrote,
-with the tool's own reader where it has one: Comet's offline archive, ClearML's offline session, DVCLive's
-files, SwanLab's backup log, Aim's repository, Trackio's SQLite database.
+"""The trackers past the first four, for real and offline: `Accelerator(log_with="all")` with every offline switch
+on logs a configuration and three steps in a child process (tests/workers/offline_trackers.py) that refuses and
+records any connection beyond this machine; each test then reads back what its tracker wrote, with the tool's
+own reader where it has one: Comet's offline archive, ClearML's offline session, DVCLive's files, SwanLab's
+backup log, Aim's repository, Trackio's SQLite database. Then "all" on a machine where no service is set up
+(tests/workers/unconfigured_trackers.py), and what decides it (fabric_lite/accelerator/tracker_setup.py).
 
 comet_ml, clearml and dvclive are in the `dev` extra; aim, swanlab and trackio are not (docs/guides/trackers.md
 says why), so their tests skip where the package is missing.
@@ -25,7 +26,7 @@ import torch
 
 from conftest import WORKERS
 from fabric_lite.accelerator.tracking import (
-    ClearMLTracker, DVCLiveTracker, GeneralTracker, KNOWN_TRACKERS, is_installed, on_main_process,
+    ClearMLTracker, DVCLiveTracker, GeneralTracker, KNOWN_TRACKERS, available_trackers, is_installed, on_main_process,
 )
 
 NEW = ["comet_ml", "clearml", "dvclive", "swanlab", "aim", "trackio"]
@@ -40,9 +41,14 @@ def _skip_unless(name):
         pytest.skip(f"{name} is not installed (pip install -c constraints.txt 'fabric-lite[{extra}]')")
 
 
+SERVICE_PREFIXES = ("COMET_", "CLEARML_", "TRAINS_", "WANDB_", "SWANLAB_", "TRACKIO_", "DVC_", "AIM_", "MLFLOW_",
+                    "NETRC", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+
+
 @pytest.fixture(scope="module")
 def offline_run(tmp_path_factory):
-    """Run the worker once for every installed tracker; its output folder and result."""
+    """Run the worker once with `log_with="all"` and every tracker's offline switch on; its output folder and
+    result."""
     if not INSTALLED:
         pytest.skip("none of comet_ml, clearml, dvclive, swanlab, aim, trackio is installed")
     out = tmp_path_factory.mktemp("offline_trackers")
@@ -50,8 +56,7 @@ def offline_run(tmp_path_factory):
     home.mkdir()
     # ClearML reports from a child process by default, and closing waits ~10 s for it; a thread is enough here
     (out / "clearml.conf").write_text("sdk.development.report_use_subprocess: false\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMET_", "CLEARML_", "SWANLAB_", "TRACKIO_",
-                                                                      "DVC_", "AIM_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(SERVICE_PREFIXES)}
     env.update({
         "HOME": str(home), "PYTHONPATH": os.pathsep.join(sys.path),
         "COMET_START_ONLINE": "false", "COMET_ERROR_TRACKING_ENABLE": "false", "COMET_DISABLE_AUTO_LOGGING": "1",
@@ -60,14 +65,18 @@ def offline_run(tmp_path_factory):
         "SWANLAB_MODE": "offline",
         "TRACKIO_DIR": str(out / "trackio"),
         "DVC_NO_ANALYTICS": "1", "DVCLIVE_LOGLEVEL": "ERROR",
-        "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
+        "HF_HUB_OFFLINE": "1",
+        "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off", "WANDB_ERROR_REPORTING": "false",
+        "WANDB_DISABLE_GIT": "true", "WANDB_DISABLE_CODE": "true", "WANDB__DISABLE_STATS": "true",
     })
-    result = subprocess.run([sys.executable, str(WORKERS / "offline_trackers.py"), str(out), ",".join(INSTALLED)],
+    result = subprocess.run([sys.executable, str(WORKERS / "offline_trackers.py"), str(out), "all"],
                             env=env, capture_output=True, text=True, timeout=240, cwd=str(out))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     with open(out / "result.json") as f:
         outcome = json.load(f)
-    assert outcome["started"] == INSTALLED
+    # with its offline switch on, each service's tracker starts under "all", with no warning
+    assert outcome["started"] == available_trackers() and set(INSTALLED) <= set(outcome["started"])
+    assert outcome["all_warnings"] == []
     assert outcome["network"] == [], "the trackers tried the network offline"
     return out, outcome
 
@@ -134,6 +143,70 @@ def test_dvclive_files_hold_the_run(offline_run):
             rows = list(csv.DictReader(f, delimiter="\t"))
         assert [(int(r["step"]), float(r[name])) for r in rows] == expected
     assert json.loads((live / "metrics.json").read_text()) == {"loss": 0.25, "eval_acc": 0.5, "step": 2}
+
+
+def test_wandb_offline_run_holds_the_run(offline_run):
+    """WANDB_MODE=offline is wandb's switch: under "all" it starts and writes its run under the project dir."""
+    pytest.importorskip("wandb")
+    from tracker_servers import read_wandb_run, wandb_run_dir
+
+    out, outcome = offline_run
+    recorded = read_wandb_run(wandb_run_dir(out / "project", outcome["where"]["wandb"]))
+    assert recorded["project"] == "offline-proj" and recorded["name"] == "offline-run"
+    assert [(row["_step"], row["loss"]) for row in recorded["history"]] == STEPS
+    assert [(row["_step"], row["eval_acc"]) for row in recorded["history"]] == EVAL
+
+
+NEED_AN_ACCOUNT = {  # tracker: what the warning and the error name to set it up, online and offline
+    "wandb": ("WANDB_API_KEY", "wandb login", "WANDB_MODE=offline"),
+    "comet_ml": ("COMET_API_KEY", "comet login", "COMET_START_ONLINE=false"),
+    "clearml": ("clearml-init", "CLEARML_API_ACCESS_KEY", "CLEARML_OFFLINE_MODE=1"),
+    "swanlab": ("SWANLAB_API_KEY", "swanlab login", "SWANLAB_MODE=offline"),
+}
+
+
+def test_all_skips_services_nobody_set_up_and_a_named_one_fails_loudly(tmp_path):
+    """No account anywhere (an empty HOME, no tracker variables): "all" starts the trackers that need none and
+    names the others in one warning, with how to set each up or switch it offline; naming one alone fails
+    with that advice; Comet's offline switch in ~/.comet.config is read as comet_ml reads it."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(SERVICE_PREFIXES) and k != "XDG_CONFIG_HOME"}
+    env.update({"HOME": str(home), "PYTHONPATH": os.pathsep.join(sys.path), "COMET_ERROR_TRACKING_ENABLE": "false",
+                "COMET_DISABLE_AUTO_LOGGING": "1", "COMET_DISABLE_ANNOUNCEMENT": "true", "WANDB_SILENT": "true",
+                "WANDB_ERROR_REPORTING": "false", "DVC_NO_ANALYTICS": "1", "DVCLIVE_LOGLEVEL": "ERROR",
+                "CLEARML_LOG_LEVEL": "ERROR", "HF_HUB_OFFLINE": "1"})
+    named = [name for name in ("comet_ml", "clearml", "wandb") if is_installed(name)]
+    result = subprocess.run([sys.executable, str(WORKERS / "unconfigured_trackers.py"), str(tmp_path),
+                             ",".join(named)], env=env, capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    with open(tmp_path / "result.json") as f:
+        outcome = json.load(f)
+    assert outcome["network"] == []
+
+    skipped = [name for name in available_trackers() if name in NEED_AN_ACCOUNT]
+    assert outcome["all"]["started"] == [name for name in available_trackers() if name not in NEED_AN_ACCOUNT]
+    assert {"tensorboard", "csv"} <= set(outcome["all"]["started"])
+    if skipped:
+        (warning,) = outcome["all"]["warnings"]  # one warning for the run, one line
+        assert "\n" not in warning and warning.startswith("log_with='all' skips ")
+        for name in skipped:
+            assert f"{name} (" in warning
+            for advice in NEED_AN_ACCOUNT[name]:
+                assert advice in warning, (name, advice, warning)
+    else:
+        assert outcome["all"]["warnings"] == []
+
+    for name in named:  # named alone: its own error, with what to set
+        error = outcome["named"][name]
+        assert error is not None and error.startswith(f"ValueError: log_with='{name}' could not start (")
+        for advice in NEED_AN_ACCOUNT[name]:
+            assert advice in error, (name, advice, error)
+
+    if "comet_ml" in named:  # `[comet_start] online = false` in ~/.comet.config: Comet starts, and writes offline
+        comet_file = outcome["comet_file"]
+        assert "comet_ml" in comet_file["started"] and len(comet_file["archives"]) == 1
+        assert all("comet_ml" not in warning for warning in comet_file["warnings"])
 
 
 def test_swanlab_offline_log_holds_the_run(offline_run):

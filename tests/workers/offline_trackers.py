@@ -1,62 +1,28 @@
 """One Accelerator logging to the trackers named on the command line, offline, under a network guard.
 
     python offline_trackers.py OUT_DIR comet_ml,clearml,dvclive,...
+    python offline_trackers.py OUT_DIR all
 
 Logs the configuration and three steps of scalars, then ends training, and writes OUT_DIR/result.json: the
-trackers started, what each says about where it wrote, and every network connection that was tried (none may
-be: any address but loopback and local sockets is refused and recorded).
+trackers started, what each says about where it wrote, the warnings `log_with="all"` gave, and every network
+connection that was tried (none may be: any address but loopback and local sockets is refused and recorded).
 """
 
-import ipaddress
 import json
 import os
-import socket
 import sys
+import warnings
 
-OUT, NAMES = sys.argv[1], sys.argv[2].split(",")
-attempts = []
+import network_guard
 
-
-def _local(address) -> bool:
-    if isinstance(address, (str, bytes)):  # AF_UNIX
-        return True
-    host = address[0]
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
-_connect, _connect_ex, _getaddrinfo = socket.socket.connect, socket.socket.connect_ex, socket.getaddrinfo
-
-
-def connect(self, address):
-    if not _local(address):
-        attempts.append(repr(address))
-        raise OSError(f"network refused in this test: {address!r}")
-    return _connect(self, address)
-
-
-def connect_ex(self, address):
-    if not _local(address):
-        attempts.append(repr(address))
-        return 111
-    return _connect_ex(self, address)
-
-
-def getaddrinfo(host, *args, **kwargs):
-    name = host.decode() if isinstance(host, bytes) else host
-    if name not in (None, "localhost") and not _local((name, 0)):
-        attempts.append(f"resolve {name}")
-        raise socket.gaierror(f"network refused in this test: {name}")
-    return _getaddrinfo(host, *args, **kwargs)
-
-
-socket.socket.connect, socket.socket.connect_ex, socket.getaddrinfo = connect, connect_ex, getaddrinfo
+network_guard.install()
 
 import torch  # noqa: E402
 
 from fabric_lite import Accelerator  # noqa: E402
+from fabric_lite.accelerator.tracking import is_installed  # noqa: E402
+
+OUT, NAMES = sys.argv[1], sys.argv[2].split(",")
 
 init_kwargs = {
     # no repository scan or framework hooks (they take seconds to minutes under pytest and log nothing asked for)
@@ -68,8 +34,9 @@ init_kwargs = {
     "swanlab": {"experiment_name": "offline-run"},
     "trackio": {"name": "offline-run"},
     "aim": {"experiment": "offline"},
+    "wandb": {"name": "offline-run"},
 }
-if "comet_ml" in NAMES:
+if ("comet_ml" in NAMES or NAMES == ["all"]) and is_installed("comet_ml"):
     import comet_ml
 
     init_kwargs["comet_ml"]["experiment_config"] = comet_ml.ExperimentConfig(
@@ -78,9 +45,12 @@ if "comet_ml" in NAMES:
         auto_metric_logging=False, auto_param_logging=False, auto_output_logging=False, auto_log_co2=False,
         display_summary_level=0)
 
-acc = Accelerator(log_with=NAMES, project_dir=os.path.join(OUT, "project"))
-acc.init_trackers("offline-proj", config={"lr": 0.1, "nested": {"a": 1}, "name": "tiny"},
-                  init_kwargs={name: init_kwargs[name] for name in NAMES})
+log_with = "all" if NAMES == ["all"] else NAMES
+acc = Accelerator(log_with=log_with, project_dir=os.path.join(OUT, "project"))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    acc.init_trackers("offline-proj", config={"lr": 0.1, "nested": {"a": 1}, "name": "tiny"},
+                      init_kwargs=init_kwargs if log_with == "all" else {name: init_kwargs[name] for name in NAMES})
 where = {}
 for step, loss in enumerate([1.0, 0.5, 0.25]):
     acc.log({"loss": torch.tensor(loss), "eval_acc": 0.25 * step}, step=step)
@@ -91,7 +61,10 @@ if "swanlab" in tracker:
     where["swanlab"] = str(tracker["swanlab"].tracker.public.run_dir)
 if "aim" in tracker:
     where["aim"] = tracker["aim"].tracker.hash
+if "wandb" in tracker:
+    where["wandb"] = tracker["wandb"].tracker.id
 started = [t.name for t in acc.trackers]
 acc.end_training()
 with open(os.path.join(OUT, "result.json"), "w") as f:
-    json.dump({"started": started, "where": where, "network": attempts}, f)
+    json.dump({"started": started, "where": where, "network": network_guard.attempts,
+               "all_warnings": [str(w.message) for w in caught if "log_with='all'" in str(w.message)]}, f)
