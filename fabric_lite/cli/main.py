@@ -10,7 +10,7 @@ USAGE = """usage: fabric-lite <command> [options]
 
 commands:
   config    answer a few questions (or pass flags) and write the launch config file
-            (fabric-lite config --help)
+            (fabric-lite config --help); `config update` brings an existing one up to date
   launch    start a training script on one or many processes (fabric-lite launch --help)
   explain   print the plan a launch would run (processes, precision, sharding, global batch,
             checkpoints, settings given twice or ignored) from a one-process dry run;
@@ -23,6 +23,11 @@ commands:
   merge-weights CHECKPOINT OUTPUT_DIR
             Accelerate's spelling: OUTPUT_DIR/model.safetensors (--unsafe_serialization:
             pytorch_model.bin); --remove_checkpoint_dir deletes CHECKPOINT afterwards
+  estimate-memory MODEL_NAME
+            the memory a model takes per dtype (largest layer, total, training with Adam),
+            built from its config without allocating weights
+  tpu-config
+            run setup commands on every worker of a Cloud TPU VM pod (through gcloud)
 """
 
 
@@ -158,6 +163,11 @@ def _config(args: List[str]) -> int:
     import argparse
     import os
 
+    if args[:1] == ["update"]:
+        from fabric_lite.cli.config_update import update_command
+
+        return update_command(args[1:])
+
     from fabric_lite.cli.parsing import CliParser
     from fabric_lite.launch.config_file import (
         COMPUTE_ENVIRONMENTS, MIXED_PRECISIONS, STRATEGIES, ConfigError, LaunchConfigFile, default_config_path,
@@ -170,7 +180,8 @@ def _config(args: List[str]) -> int:
                     "Without options it asks a few questions; with --default or any setting below it asks nothing "
                     "(for scripts). Example: fabric-lite config --nproc-per-node 2 --mixed-precision bf16. Every flag "
                     "takes dashes or underscores (--mixed_precision). --num-processes here counts the processes on "
-                    "each machine, as the file's nproc_per_node does.")
+                    "each machine, as the file's nproc_per_node does. `fabric-lite config update` brings an "
+                    "existing file up to date (fabric-lite config update --help).")
     parser.add_argument("--config-file", "--config_file", default=None, metavar="PATH",
                         help="where to write (default: $FABRIC_LITE_CONFIG_DIR/default_config.yaml, else "
                              "$XDG_CONFIG_HOME/fabric_lite/..., else ~/.config/fabric_lite/...)")
@@ -293,7 +304,16 @@ def _explain(args: List[str]) -> int:
 COMMANDS: Dict[str, Callable[[List[str]], int]] = {
     "launch": _launch, "explain": _explain, "env": _env, "config": _config, "test": _test,
     "consolidate": _consolidate, "merge-weights": _merge_weights,
+    "estimate-memory": lambda args: _lazy("estimate", "estimate_command", args),
+    "tpu-config": lambda args: _lazy("tpu", "tpu_command", args),
 }
+
+
+def _lazy(module: str, function: str, args: List[str]) -> int:
+    """Run `function` of fabric_lite.cli.`module`, imported only when its command runs."""
+    import importlib
+
+    return getattr(importlib.import_module(f"fabric_lite.cli.{module}"), function)(args)
 
 
 def one_line(text: str) -> str:
