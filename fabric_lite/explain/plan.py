@@ -201,6 +201,8 @@ _PRECISION_WORDS = {
     "16-mixed": "float16 autocast, fp32 weights, loss scaled by a GradScaler",
     "bf16-mixed": "bfloat16 autocast, fp32 weights",
     "bf16-true": "weights and inputs in bfloat16",
+    "fp8": "float8 matrix products in the eligible nn.Linear layers (torchao, or TransformerEngine by its recipe), "
+           "bfloat16 autocast elsewhere, fp32 weights",
 }
 
 

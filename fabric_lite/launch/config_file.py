@@ -9,7 +9,7 @@ A small YAML mapping; every key is optional and an absent key keeps its default:
     master_port: null                   # port on machine 0; null: any free port (one machine)
     nproc_per_node: 2                   # processes on each machine (an integer, or auto/cpu/gpu)
     strategy: auto                      # auto | ddp | fsdp | deepspeed_stage_1/2/3[_offload]
-    mixed_precision: 'no'               # no | fp16 | bf16
+    mixed_precision: 'no'               # no | fp16 | bf16 | fp8 (fp8: a GPU of compute capability 8.9+)
     gradient_accumulation_steps: 1
     use_cpu: false
 
@@ -44,12 +44,12 @@ __all__ = [
 CONFIG_NAME = "default_config.yaml"
 COMPUTE_ENVIRONMENTS = ("this_machine", "multi_node")
 STRATEGIES = tuple(available_strategies())  # the names in strategies/registry.py: a strategy listed there can be launched
-MIXED_PRECISIONS = ("no", "fp16", "bf16")
+MIXED_PRECISIONS = ("no", "fp16", "bf16", "fp8")
 NPROC_WORDS = ("auto", "cpu", "gpu")
-# Other spellings the launcher and the Accelerator accept, mapped to the config's three names.
+# Other spellings the launcher and the Accelerator accept, mapped to the config's names.
 _PRECISION_SPELLINGS = {"no": "no", "32": "no", "32-true": "no", "fp32": "no",
                         "fp16": "fp16", "16": "fp16", "16-mixed": "fp16",
-                        "bf16": "bf16", "bf16-mixed": "bf16"}
+                        "bf16": "bf16", "bf16-mixed": "bf16", "fp8": "fp8"}
 
 
 class ConfigError(ValueError):
@@ -95,6 +95,7 @@ class AccelerateConfig(LaunchConfigFile):
     gpu_ids: Optional[str] = None
     rdzv_backend: Optional[str] = None
     ignored: Tuple[str, ...] = ()  # keys set to something this launcher does not do, for one notice line
+    fp8_backend: Optional[str] = None  # fp8_config's backend (TE, MSAMP, AO), upper case; the launch passes none on
 
 
 def default_config_path(env: Mapping[str, str], home: Optional[Union[str, os.PathLike]] = None) -> Path:
@@ -508,8 +509,9 @@ def parse_accelerate_config(data: Mapping[str, Any], source: str = "config") -> 
     deepspeed_config, whose gradient_accumulation_steps is read too; FSDP: fsdp; XLA/TPU: torch_xla's
     launcher), num_processes (the total: nproc_per_node = num_processes / num_machines), num_machines,
     machine_rank, main_process_ip/port, mixed_precision, use_cpu, gpu_ids, rdzv_backend. Other keys set to
-    anything but an empty or off value are listed in `ignored`. ConfigError (one line, naming `source`)
-    for what no launch here can run: SageMaker, Megatron-LM, fp8, a total that does not divide."""
+    anything but an empty or off value are listed in `ignored`; so is fp8_config, whose `backend` is kept as
+    `fp8_backend` (the launch names it when fp8 cannot run). ConfigError (one line, naming `source`) for what no
+    launch here can run: SageMaker, Megatron-LM, a total that does not divide."""
     try:
         return _accelerate(dict(data))
     except ConfigError as err:
@@ -548,10 +550,7 @@ def _accelerate(raw: Dict[str, Any]) -> AccelerateConfig:
     if raw.get("main_process_port") not in (None, ""):
         values["master_port"] = raw["main_process_port"]
     if raw.get("mixed_precision") is not None:
-        value = raw["mixed_precision"]
-        if str(value).strip().lower() == "fp8":
-            raise ConfigError("mixed_precision='fp8' is not supported here; choose no, fp16 or bf16.")
-        values["mixed_precision"] = value
+        values["mixed_precision"] = raw["mixed_precision"]  # (fp8: the launch checks the machine's GPUs)
     use_cpu = _flag("use_cpu", raw.get("use_cpu"))
     if kind == "MULTI_CPU":
         use_cpu = True
@@ -581,8 +580,13 @@ def _accelerate(raw: Dict[str, Any]) -> AccelerateConfig:
     config = replace(_as_accelerate(values), num_processes=total, tpu=tpu,
                      main_training_function=str(function) if tpu and function not in (None, "") else None,
                      gpu_ids=gpu_ids, rdzv_backend=str(rdzv).strip() if rdzv not in (None, "") else None,
-                     ignored=tuple(ignored))
+                     ignored=tuple(ignored), fp8_backend=_fp8_backend(raw.get("fp8_config")))
     return config
+
+
+def _fp8_backend(section: Any) -> Optional[str]:
+    backend = section.get("backend") if isinstance(section, dict) else None
+    return None if _off(backend) else str(backend).strip().upper().replace("-", "")
 
 
 def _named(key: str, value: Any) -> str:

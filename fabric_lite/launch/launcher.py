@@ -134,7 +134,9 @@ def launch_command_parser() -> CliParser:
     group.add_argument("--cpu", action=argparse.BooleanOptionalAction, default=False,
                        help="Train on CPU even where a GPU is present (--no-cpu overrides a config's use_cpu).")
     group.add_argument("--mixed-precision", "--mixed_precision", default=None,
-                       help="no | fp16 | bf16 (or 32-true, 16-mixed, bf16-mixed, bf16-true).")
+                       help="no | fp16 | bf16 | fp8 (or 32-true, 16-mixed, bf16-mixed, bf16-true). fp8 needs an NVIDIA "
+                            "GPU of compute capability 8.9+ (H100, L4, ...): refused before the workers start where "
+                            "this machine has none.")
     group.add_argument("--gradient-accumulation-steps", "--gradient_accumulation_steps", type=int, default=None)
     group.add_argument("--oversubscribe", action="store_true", default=False,
                        help="Start more processes per node than the machine has GPUs (or CPU cores, on CPUs).")
@@ -376,6 +378,28 @@ def _resolve_paradigm(args: argparse.Namespace, given: frozenset) -> None:
     args.strategy = wanted
 
 
+def check_mixed_precision(args: argparse.Namespace, config: Optional[LaunchConfigFile] = None) -> None:
+    """--mixed-precision (or the config's mixed_precision) fp8: the Accelerator's own check of this machine's GPUs
+    (`--cpu`: of a run on the CPU), before any worker starts; LaunchError with its words where none computes in fp8.
+    An Accelerate config's fp8_config backend other than torchao is named with what it would need."""
+    if args.mixed_precision is None or resolve_precision(args.mixed_precision) != "fp8":
+        return
+    from fabric_lite.strategies.fp8 import INSTALL, hardware_problem, machine_problem, package_problem
+
+    problem = hardware_problem("cpu") if args.cpu else machine_problem()
+    if problem is None:
+        return
+    backend = getattr(config, "fp8_backend", None)
+    if backend == "TE":
+        te = "not installed here: " + INSTALL["te"] if package_problem("te") else "installed"
+        problem += (" The config's fp8_config asks for TransformerEngine (backend: TE), which the launch does not pass "
+                    "on: the workers train fp8 with torchao unless the script passes kwargs_handlers=[TERecipeKwargs("
+                    f"...)], which needs an fp8 GPU too, and transformer_engine ({te}).")
+    elif backend not in (None, "AO"):
+        problem += f" (The config's fp8_config backend {backend} is not used here: fp8 trains with torchao.)"
+    raise LaunchError(f"--mixed-precision fp8: {problem}")
+
+
 def check_launch(args: argparse.Namespace) -> None:
     """Refuse what torchrun would only report with a traceback (or a hang)."""
     nproc = str(args.nproc_per_node).strip()
@@ -521,6 +545,7 @@ def launch_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None)
     suffix = f" (defaults from config file {config_path})" if config_path is not None else ""
     try:
         worker_env, ignored = resolve_accelerate_flags(args, config)
+        check_mixed_precision(args, config)
         xla = args.tpu or args.strategy in ("xla", "xla_spmd")  # torch_xla's launcher, with checks of its own
         if xla:
             check_xla_launch(args)

@@ -1,6 +1,7 @@
 """Accelerate's config file (`accelerate config`'s default_config.yaml) read by `fabric-lite launch`, and
 both spellings of every flag of `fabric-lite config` / `test` / `env`."""
 
+import importlib.util
 import json
 import sys
 
@@ -146,7 +147,6 @@ def test_an_accelerate_file_maps_to_launch_settings():
                                                                          "num_machines=2"),
     ("compute_environment: AMAZON_SAGEMAKER\n", "SageMaker"),
     ("distributed_type: MEGATRON_LM\n", "no Megatron-LM"),
-    ("distributed_type: MULTI_GPU\nmixed_precision: fp8\n", "mixed_precision='fp8' is not supported"),
     ("distributed_type: MULTI_GPU\nmachine_rank: 1\n", "machine_rank=1 must be < num_machines=1"),
     ("distributed_type: WARP_DRIVE\n", "distributed_type='WARP_DRIVE'"),
     # a fabric_lite file stays fabric_lite's: a misspelt or Accelerate-named key is refused, with a hint
@@ -157,6 +157,63 @@ def test_config_files_that_cannot_work_are_refused_in_one_line(text, fragment):
     with pytest.raises(ConfigError) as info:
         parse_config(text, "my.yaml")
     assert fragment in str(info.value) and str(info.value).startswith("my.yaml: ") and "\n" not in str(info.value)
+
+
+# The keys and values of Accelerate's examples/config_yaml_templates/fp8.yaml (TransformerEngine, one GPU).
+ACCELERATE_FP8_TEMPLATE = """\
+distributed_type: "NO"
+mixed_precision: "fp8"
+fp8_config:
+  backend: TE
+  amax_history_len: 1024
+  fp8_format: E4M3
+  interval: 1
+  margin: 0
+  override_linear_precision: [false, false, false]
+  use_autocast_during_eval: false
+"""
+
+
+def test_accelerates_fp8_template_is_read_and_the_launch_stops_at_the_accelerators_hardware_check(
+        homes, tmp_path, capsys):
+    from fabric_lite.launch.launcher import launch_command
+    from fabric_lite.strategies.fp8 import machine_problem
+
+    config = parse_config(ACCELERATE_FP8_TEMPLATE)
+    assert isinstance(config, AccelerateConfig)
+    assert (config.mixed_precision, config.fp8_backend, config.nproc_per_node) == ("fp8", "TE", 1)
+    assert config.ignored == ("fp8_config (backend, amax_history_len, fp8_format, interval, margin)",)
+    assert parse_config("mixed_precision: FP8\nfp8_config:\n  backend: msamp\n").fp8_backend == "MSAMP"
+    path = tmp_path / "fp8.yaml"
+    path.write_text(ACCELERATE_FP8_TEMPLATE)
+    worker = tmp_path / "worker.py"
+    marker = tmp_path / "started"
+    worker.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    problem = machine_problem()
+    if problem is None:
+        pytest.skip("this machine has a GPU that computes in fp8: the launch goes on (see test_fp8.py's GPU test)")
+    for argv, extra in (
+            (["--config_file", str(path)], ["The config's fp8_config asks for TransformerEngine (backend: TE)",
+                                             "kwargs_handlers=[TERecipeKwargs(...)]",
+                                             f"(defaults from config file {path})"]),
+            (["--mixed_precision", "fp8"], []),
+            (["--mixed-precision=FP8", "--nproc-per-node", "2"], [])):
+        assert launch_command([*argv, str(worker)], env=dict(FABRIC_LITE_CONFIG_DIR=str(homes[0]),
+                                                              HF_HOME=str(homes[1]))) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err, err
+        # the Accelerator's own words: Accelerator(mixed_precision='fp8') says `problem` after its prefix
+        assert err.startswith(f"fabric-lite launch: error: --mixed-precision fp8: {problem}"), err
+        for fragment in extra:
+            assert fragment in err, err
+        if "backend: TE" in " ".join(extra):
+            assert ("transformer_engine (not installed here: pip install 'transformer_engine[pytorch]'" in err) != \
+                (importlib.util.find_spec("transformer_engine") is not None), err
+    assert not marker.exists()  # refused before any worker started
+    # --cpu: the check of a run on the CPU (what the worker's strategy would say), still before starting
+    assert launch_command(["--mixed_precision", "fp8", "--cpu", str(worker)], env=dict(
+        FABRIC_LITE_CONFIG_DIR=str(homes[0]), HF_HOME=str(homes[1]))) == 2
+    assert "the run would train on 'cpu'" in capsys.readouterr().err and not marker.exists()
 
 
 @pytest.mark.parametrize("text, fragment", [

@@ -64,6 +64,10 @@ def test_config_round_trips_and_reads_yaml_no_as_no():
     # a hand-written file with a bare `no` (YAML false) and torchrun's spellings
     assert parse_config("mixed_precision: no\nnproc_per_node: auto\n").mixed_precision == "no"
     assert parse_config("mixed_precision: bf16-mixed").mixed_precision == "bf16"
+    # fp8 is a setting like the others (the launch checks the machine's GPUs, not the file)
+    assert parse_config("mixed_precision: FP8").mixed_precision == "fp8"
+    fp8 = LaunchConfigFile(nproc_per_node=8, mixed_precision="fp8")
+    assert parse_config(dump_config(fp8)) == fp8
     assert parse_config("") == LaunchConfigFile()
 
 
@@ -74,7 +78,7 @@ def test_config_round_trips_and_reads_yaml_no_as_no():
     ("nproc_per_node: -1", "nproc_per_node=-1"),
     ("nnodes: 2\nnode_rank: 2\ncompute_environment: multi_node", "node_rank=2 must be < nnodes=2"),
     ("nnodes: 2", "compute_environment=this_machine runs on one machine"),
-    ("mixed_precision: fp8", "mixed_precision='fp8'"),
+    ("mixed_precision: fp4", "mixed_precision='fp4' is not allowed; choose one of: no, fp16, bf16, fp8"),
     ("master_port: 70000", "master_port=70000"),
     ("use_cpu: maybe", "use_cpu='maybe'"),
     ("gradient_accumulation_steps: 1.5", "gradient_accumulation_steps=1.5"),

@@ -66,7 +66,7 @@ def test_none_means_full_precision():
     assert Accelerator().mixed_precision == "no"
 
 
-@pytest.mark.parametrize("bad", ["fp8", "bf32", "mixed", "16-true"])
+@pytest.mark.parametrize("bad", ["fp4", "bf32", "mixed", "16-true"])
 def test_unknown_precision_lists_allowed_values(bad):
     with pytest.raises(ValueError) as err:
         resolve_precision(bad)
@@ -79,7 +79,8 @@ def test_unknown_precision_lists_allowed_values(bad):
 
 
 def test_every_alias_maps_to_a_canonical_name():
-    assert set(PRECISION_ALIASES.values()) == {"32-true", "16-mixed", "bf16-mixed", "bf16-true"}
+    assert set(PRECISION_ALIASES.values()) == {"32-true", "16-mixed", "bf16-mixed", "bf16-true", "fp8"}
+    assert resolve_precision("FP8") == "fp8"
 
 
 # -- autocast --------------------------------------------------------------------------------------
