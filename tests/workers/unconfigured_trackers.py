@@ -1,11 +1,11 @@
 """`log_with="all"` on a machine where no tracker service is set up (run it with an empty HOME and no tracker
-variables), under a network guard; then each name given on the command line, alone; then "all" again with
-the offline switch of Comet in its config file (~/.comet.config), as `comet` users keep it.
+variables), under a network guard; then each name given on the command line, alone; then Comet with its
+offline switch in its config file (~/.comet.config): what "all" decides from it, and what comet_ml does.
 
     python unconfigured_trackers.py OUT_DIR comet_ml,clearml,wandb
 
 Writes OUT_DIR/result.json: {"all": {"started", "warnings"}, "named": {name: error or None},
-"comet_file": {"started", "warnings", "archives"}, "network": [...]}.
+"comet_file": {"missing", "archives"}, "network": [...]}.
 """
 
 import glob
@@ -19,6 +19,7 @@ import network_guard
 network_guard.install()
 
 from fabric_lite import Accelerator  # noqa: E402
+from fabric_lite.accelerator.tracking import KNOWN_TRACKERS  # noqa: E402
 
 OUT, NAMES = sys.argv[1], [name for name in sys.argv[2].split(",") if name]
 result = {"named": {}}
@@ -53,8 +54,12 @@ if "comet_ml" in NAMES:
                                        log_env_details=False, auto_metric_logging=False, auto_param_logging=False,
                                        auto_output_logging=False, display_summary_level=0)
     project = os.path.join(OUT, "comet_file")
-    result["comet_file"] = run_all(project, {"comet_ml": {"experiment_config": config}})
-    result["comet_file"]["archives"] = glob.glob(os.path.join(project, "comet_ml", "*.zip"))
+    missing = KNOWN_TRACKERS["comet_ml"].setup_missing({})  # what "all" decides from the file
+    acc = Accelerator(log_with="comet_ml", project_dir=project)  # and what comet_ml makes of it
+    acc.init_trackers("proj", init_kwargs={"comet_ml": {"experiment_config": config}})
+    acc.log({"loss": 1.0}, step=0)
+    acc.end_training()
+    result["comet_file"] = {"missing": missing, "archives": glob.glob(os.path.join(project, "comet_ml", "*.zip"))}
 
 result["network"] = network_guard.attempts
 with open(os.path.join(OUT, "result.json"), "w") as f:
