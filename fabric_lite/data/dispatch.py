@@ -86,15 +86,18 @@ def slice_rows(batch: Any, lo: int, hi: int, rows: int) -> Any:
 class Dispatch:
     """How a prepared loader shares its global batches: this process's `rank` among `num_replicas`, each with
     `per_rank` samples of a full step; `even_chunks`: a short last step is cut in ceil(n/W) pieces (a map-style
-    loader's `split_batches`), else in pieces of `per_rank`. `broadcast` hands rank 0's object to every rank."""
+    loader's `split_batches`), else in pieces of `per_rank`. `broadcast` hands rank 0's object to every rank.
+    `slice_fn`: cuts this rank's part instead of `slice_rows`, called as Accelerate's `slice_fn_for_dispatch`
+    is: ``slice_fn(batch, slice(lo, hi), process_index=rank, num_processes=num_replicas)``."""
 
     def __init__(self, rank: int, num_replicas: int, per_rank: int, even_chunks: bool,
-                 broadcast: Callable[[Any], Any]) -> None:
+                 broadcast: Callable[[Any], Any], slice_fn: Optional[Callable[..., Any]] = None) -> None:
         self.rank = rank
         self.num_replicas = num_replicas
         self.per_rank = per_rank
         self.even_chunks = even_chunks
         self.broadcast = broadcast
+        self.slice_fn = slice_fn
 
     def bounds(self, rows: int) -> Tuple[int, int]:
         """This rank's samples of a global batch of `rows` samples."""
@@ -111,7 +114,11 @@ class Dispatch:
                 f"but this loader's batches ({type(batch).__name__}) hold no tensor or list of samples. Collate "
                 f"batches into tensors (or lists), or use DataLoaderConfiguration(dispatch_batches=False).")
         lo, hi = self.bounds(rows)
-        return slice_rows(batch, lo, hi, rows) if hi > lo else None
+        if hi <= lo:
+            return None
+        if self.slice_fn is not None:
+            return self.slice_fn(batch, slice(lo, hi), process_index=self.rank, num_processes=self.num_replicas)
+        return slice_rows(batch, lo, hi, rows)
 
     def iterate(self, loader: Any) -> Iterator[Any]:
         """`loader`'s epoch: read on rank 0 (its own batches, unplaced, not reported), handed out every step

@@ -18,12 +18,16 @@ class ShardedBatchSampler:
     """This rank's share of the user's batch sampler (see the module docstring for the layout).
 
     `rank=None`: every rank's share of each global step, one after the other in one batch of indices (the
-    main process reads them all and hands each process its part: `dispatch_batches`).
+    main process reads them all and hands each process its part: `dispatch_batches`). `split_piece`: with
+    `split_batches` and not `even_batches`, how many samples of a short last batch each rank takes, in rank
+    order, until none are left (None: ``ceil(len / num_replicas)``, as a dispatched batch is cut; Accelerate's
+    `BatchSamplerShard` takes ``batch_size // num_replicas``).
     """
 
     def __init__(
         self, batch_sampler: Any, num_replicas: int, rank: Optional[int], batch_size: Optional[int],
-        split_batches: bool = False, even_batches: bool = True, drop_last: bool = False,
+        split_batches: bool = False, even_batches: bool = True, drop_last: bool = False, *,
+        split_piece: Optional[int] = None,
     ) -> None:
         if rank is None and num_replicas > 1 and batch_size is None:
             raise ValueError(
@@ -48,6 +52,7 @@ class ShardedBatchSampler:
         self.split_batches = split_batches
         self.even_batches = even_batches
         self.drop_last = drop_last
+        self.split_piece = split_piece
         self.skip = 0  # batches of this rank to pass over at the start of the next iteration
         #: Samples at the start of this epoch's order already seen by a run with another global batch (a
         #: checkpoint resumed on another number of processes): the epoch goes on from the next one.
@@ -58,6 +63,20 @@ class ShardedBatchSampler:
         #: Called once an iteration, when the batches to skip have been pulled from the user's sampler and
         #: before the next one is (a resumed epoch replays the skipped draws under older RNG states).
         self.after_skip: Optional[Callable[[], None]] = None
+
+    @property
+    def num_processes(self) -> int:
+        """The number of processes the batches are shared by (Accelerate's name for `num_replicas`)."""
+        return self.num_replicas
+
+    @property
+    def process_index(self) -> Optional[int]:
+        """The process whose share this is (Accelerate's name for `rank`; None: every rank's, see above)."""
+        return self.rank
+
+    def _short_piece(self, rows: int) -> int:
+        """Each rank's piece of a short last batch of `rows` samples under split_batches, not even_batches."""
+        return self.split_piece or math.ceil(rows / self.num_replicas)
 
     def can_skip_samples(self) -> bool:
         """Whether the epoch's order can be cut at any sample (torch's BatchSampler over a plain
@@ -160,7 +179,7 @@ class ShardedBatchSampler:
             return None
         if not self.even_batches:
             if self.split_batches:
-                per = math.ceil(len(flat) / W)
+                per = self._short_piece(len(flat))
                 part = flat[r * per:(r + 1) * per]
                 return part or None
             return group[r] if r < len(group) else None
@@ -249,11 +268,11 @@ class ShardedBatchSampler:
         W = self.num_replicas
         if self.split_batches and W > 1 and not self.even_batches and not self.drop_last and n \
                 and self.rank is not None:
-            # the short last batch is cut in ceil(L/W) pieces: the last ranks may get none
+            # the short last batch is cut in pieces of `_short_piece`: the last ranks may get none
             sampler = getattr(self.batch_sampler, "sampler", None)
             last = (len(sampler) - self.skip_samples) % self.batch_size if self.batch_size and hasattr(sampler, "__len__") else 0
             if last:
-                return n - 1 + (1 if self.rank * math.ceil(last / W) < last else 0)
+                return n - 1 + (1 if self.rank * self._short_piece(last) < last else 0)
         if self.split_batches or W == 1:
             return n
         if self.drop_last:
@@ -278,6 +297,16 @@ class IterableDatasetShard(IterableDataset):
         self.split_batches = split_batches
         self.even_batches = even_batches
         self.drop_last = drop_last
+
+    @property
+    def num_processes(self) -> int:
+        """The number of processes the samples are shared by (Accelerate's name for `num_replicas`)."""
+        return self.num_replicas
+
+    @property
+    def process_index(self) -> Optional[int]:
+        """The process whose share this is (Accelerate's name for `rank`; None: every rank's)."""
+        return self.rank
 
     def set_epoch(self, epoch: int) -> None:
         if hasattr(self.dataset, "set_epoch"):
