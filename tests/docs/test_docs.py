@@ -16,7 +16,8 @@ import pytest
 from conftest import ROOT, run_command
 
 DOCS = ROOT / "docs"
-EXECUTED_PAGES = ["quickstart.md", "migration/raw-pytorch.md", "migration/accelerate.md", "migration/lightning.md"]
+EXECUTED_PAGES = ["quickstart.md", "migration/raw-pytorch.md", "migration/accelerate.md", "migration/lightning.md",
+                  "guides/accelerate-features.md"]
 PYTHON_BLOCK = re.compile(r"^(?P<indent>[ \t]*)```python[^\n]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.M | re.S)
 
 
