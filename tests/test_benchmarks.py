@@ -1,8 +1,8 @@
 """The benchmark scripts keep working: each runs in its quick mode, exits 0 and prints its table.
 
 Timings are not checked here (they depend on the machine and its load); benchmarks/README.md records
-them. The file takes ~60 s on 2 quiet cores (fsdp_memory.py --quick ~17 s of it). Left out or cut short:
-import_time.py (no quick mode: a run starts 45 fresh interpreters), checkpoint.py runs --quick without its
+them. The file takes ~75 s on 2 quiet cores (fsdp_memory.py --quick ~17 s of it, fp8_vs_bf16.py --quick
+~13 s). Left out or cut short: import_time.py (no quick mode: a run starts 45 fresh interpreters), checkpoint.py runs --quick without its
 peak-memory children (--no-memory, 6 s instead of 13 s), and of the two DDP benchmarks only
 trainer_overhead.py --ddp runs (it uses the same launch path as overhead.py --ddp).
 peers.py runs with whatever is installed: in the project's environment it names the missing peers
@@ -39,6 +39,21 @@ def test_quick_run_prints_its_table(script, extra, rows):
     out = run_quick([sys.executable, str(BENCH / script), "--quick", *extra])
     for row in rows:
         assert row in out, f"{row!r} missing from the output of {script}:\n{out}"
+
+
+def test_fp8_vs_bf16_quick_trains_both_from_the_same_start():
+    """--quick: a 2-layer GPT in bf16 and in fp8 (torchao's emulation on CPU, where no GPU computes in fp8; ~13 s)."""
+    pytest.importorskip("torchao")
+    out = run_quick([sys.executable, str(BENCH / "fp8_vs_bf16.py"), "--quick"])
+    assert "floor ln(4) = 1.3863" in out and "each seen once" in out and "fp8 layers (7)" in out, out
+    rows = {line.split()[0]: [float(v) for v in line.split()[1:5]] for line in out.splitlines()
+            if line.startswith(("bf16 ", "fp8 ")) and not line.startswith("fp8 layers")}
+    assert set(rows) == {"bf16", "fp8"}, out
+    (bf16_first, bf16_tail, _, _), (fp8_first, fp8_tail, _, _) = rows["bf16"], rows["fp8"]
+    assert fp8_first == pytest.approx(bf16_first, rel=0.01)  # the same weights and batch: rounding apart
+    assert bf16_tail < bf16_first - 0.1 and fp8_tail < fp8_first - 0.1  # both learn in 30 steps
+    assert fp8_tail == pytest.approx(bf16_tail, rel=0.01), out  # measured: 0.01% apart
+    assert "BELOW THE FLOOR" not in out and "loss difference fp8 - bf16" in out and "time ratio" in out
 
 
 def test_peers_quick_names_what_is_missing():
