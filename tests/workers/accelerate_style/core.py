@@ -1,6 +1,6 @@
 """Accelerate's example scripts, their calls in their order, on data and a model of our own.
 
-`--phase full`: the complete_nlp_example / checkpointing / tracking run (Accelerator(log_with=...,
+`run_core`: the complete_nlp_example / checkpointing / tracking run (Accelerator(log_with=...,
 project_dir=...), main_process_first, set_seed, model.to(device), prepare of five objects, a linear warmup
 schedule, `batch.to(device)`, manual accumulation, save_state every N steps and every epoch,
 gather_for_metrics, accelerator.log, accelerator.print), then on the same Accelerator: multi_process_metrics
@@ -8,9 +8,8 @@ gather_for_metrics, accelerator.log, accelerator.print), then on the same Accele
 set on the Accelerator, against the doubled batch), early_stopping (set_trigger on one process,
 check_trigger), cross_validation (prepare per fold, free_memory), the autoregressive example (gather of a
 count, no_sync on all but the last micro-batch, loss scaled by steps and processes, clip_grad_norm_),
-and end_training.
-`--phase resume`: the same script resumed with --resume_from_checkpoint from an epoch and from a step
-checkpoint (load_state, skip_first_batches), finishing the run. Each process writes rank<r>.json."""
+and end_training. Then the same script resumed with --resume_from_checkpoint from an epoch and from a step
+checkpoint (a new Accelerator, load_state, skip_first_batches), finishing the run."""
 
 import argparse
 import contextlib
@@ -25,7 +24,8 @@ from fabric_lite import Accelerator, DistributedType
 from fabric_lite.utils import set_seed
 
 from shared import (EVAL_BATCH_SIZE, TRAIN_SIZE, VALIDATION_SIZE, CountingMetric, PairClassifier, PairDataset,
-                    TinyCausalLM, collate_fn, flat_params, linear_warmup, lm_collate_fn, write_result)
+                    TinyCausalLM, collate_fn, flat_params, end_training, linear_warmup,
+                    lm_collate_fn)
 
 CONFIG = {"lr": 1e-2, "num_epochs": 3, "seed": 42, "batch_size": 16}
 
@@ -289,52 +289,48 @@ def autoregressive(accelerator, gradient_accumulation_steps=2, max_grad_norm=1.0
             "eval_loss_finite": bool(torch.isfinite(torch.cat(losses).mean()))}
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--cpu", action="store_true")
-    parser.add_argument("--mixed_precision", default="no")
-    parser.add_argument("--phase", choices=["full", "resume"], required=True)
-    parser.add_argument("--checkpointing_steps", default=None)
-    parser.add_argument("--output_dir", default=".")
-    parser.add_argument("--project_dir", default="logs")
-    parser.add_argument("--log_with", default="all")
-    parser.add_argument("--resume_from_checkpoint", nargs="*", default=())
-    args = parser.parse_args()
-
-    if args.phase == "full":
-        accelerator = Accelerator(cpu=args.cpu, mixed_precision=args.mixed_precision, log_with=args.log_with,
-                                  project_dir=args.project_dir)
-        accelerator.init_trackers("core", CONFIG)
-    else:
-        accelerator = Accelerator(cpu=args.cpu, mixed_precision=args.mixed_precision)
+def run_core(args):
+    """The complete_nlp_example / checkpointing / tracking run and the examples that share its Accelerator,
+    then that script started again with --resume_from_checkpoint: a new Accelerator (no trackers), one run
+    per checkpoint named in `args.resume_from_checkpoint` (relative to `args.output_dir`), each saving into
+    `args.resumed_output_dir` so that the checkpoints it resumes from stay as the full run wrote them."""
+    accelerator = Accelerator(cpu=args.cpu, mixed_precision=args.mixed_precision, log_with=args.log_with,
+                              project_dir=args.project_dir)
+    accelerator.init_trackers("core", CONFIG)
     result = {"rank": accelerator.process_index, "world": accelerator.num_processes,
               "type": str(accelerator.distributed_type),
               "distributed": accelerator.distributed_type != DistributedType.NO}
-    if args.phase == "full":
-        result["nlp"] = train_nlp(accelerator, args)
-        model, _, _, eval_dataloader, _ = build(accelerator, 16, 1)
-        result["multi_process_metrics"] = multi_process_metrics(accelerator, model, eval_dataloader)
-        big, big_eval = accumulation_run(accelerator, 16, 1)
-        small, small_eval = accumulation_run(accelerator, 8, 2)
-        set_seed(CONFIG["seed"])
-        initial = flat_params(PairClassifier())
-        result["accumulation"] = {"diff": float((big - small).abs().max()), "moved": float((big - initial).abs().max()),
-                                  "seen": [big_eval["seen"], small_eval["seen"]]}
-        accelerator.gradient_accumulation_steps = 1
-        result["early_stopping"] = early_stopping(accelerator)
-        result["cross_validation"] = cross_validation(accelerator)
-        result["autoregressive"] = autoregressive(accelerator)
-        result["trackers"] = [type(t).__name__ for t in accelerator.trackers]
-    else:
-        result["resumed"] = {}
-        for path in args.resume_from_checkpoint:
-            accelerator.free_memory()
-            result["resumed"][os.path.basename(path)] = train_nlp(accelerator, args, resume_from=path)
-    accelerator.wait_for_everyone()
-    write_result(args.out, accelerator.process_index, result)
-    accelerator.end_training()
+    result["nlp"] = train_nlp(accelerator, args)
+    model, _, _, eval_dataloader, _ = build(accelerator, 16, 1)
+    result["multi_process_metrics"] = multi_process_metrics(accelerator, model, eval_dataloader)
+    big, big_eval = accumulation_run(accelerator, 16, 1)
+    small, small_eval = accumulation_run(accelerator, 8, 2)
+    set_seed(CONFIG["seed"])
+    initial = flat_params(PairClassifier())
+    result["accumulation"] = {"diff": float((big - small).abs().max()), "moved": float((big - initial).abs().max()),
+                              "seen": [big_eval["seen"], small_eval["seen"]]}
+    accelerator.gradient_accumulation_steps = 1
+    result["early_stopping"] = early_stopping(accelerator)
+    result["cross_validation"] = cross_validation(accelerator)
+    result["autoregressive"] = autoregressive(accelerator)
+    result["trackers"] = [type(t).__name__ for t in accelerator.trackers]
+    end_training(accelerator)
+
+    accelerator = Accelerator(cpu=args.cpu, mixed_precision=args.mixed_precision)
+    resume_args = argparse.Namespace(**{**vars(args), "output_dir": args.resumed_output_dir})
+    result["resumed"] = {}
+    for name in args.resume_from_checkpoint:
+        accelerator.free_memory()
+        result["resumed"][name] = train_nlp(accelerator, resume_args,
+                                            resume_from=os.path.join(args.output_dir, name))
+    end_training(accelerator)
+    return result
 
 
-if __name__ == "__main__":
-    main()
+def add_arguments(parser):
+    parser.add_argument("--checkpointing_steps", default=None)
+    parser.add_argument("--output_dir", default=".")
+    parser.add_argument("--resumed_output_dir", default="resumed")
+    parser.add_argument("--project_dir", default="logs")
+    parser.add_argument("--log_with", default="all")
+    parser.add_argument("--resume_from_checkpoint", nargs="*", default=())

@@ -2,7 +2,8 @@
 (variable-length token ids, a label and the sample's index), a collate function returning a batch mapping
 with `.to(device)` (the shape of a tokenizer's padded batch), a tiny classifier whose output has `.loss` and
 `.logits`, a tiny causal language model, a linear-warmup schedule, a metric that counts what it was given,
-and the JSON result file."""
+the JSON result file, and `end_training`, which puts a script's accelerator.end_training() off to the end of
+the process."""
 
 import json
 import math
@@ -145,3 +146,21 @@ def flat_params(model):
 def write_result(out, rank, result):
     Path(out).mkdir(parents=True, exist_ok=True)
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+OPEN_ACCELERATORS = []
+
+
+def end_training(accelerator):
+    """A script's `accelerator.end_training()` where several scripts run one after the other in one process:
+    kept for the end of the process (`end_all`). Ending it at once would shut the process group down, and the
+    next script's Accelerator would start one again over the launcher's store, which still holds the first
+    group's keys under the same group name (torch restarts its group count): that hangs now and then."""
+    OPEN_ACCELERATORS.append(accelerator)
+
+
+def end_all():
+    """end_training for every script's Accelerator, the latest first: the first one, which started the
+    process group, shuts it down last."""
+    while OPEN_ACCELERATORS:
+        OPEN_ACCELERATORS.pop().end_training()

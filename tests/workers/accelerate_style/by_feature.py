@@ -1,12 +1,14 @@
-"""Accelerate's by_feature examples whose fabric_lite features are being built, one `--feature` a run:
-memory / automatic_gradient_accumulation (utils.find_executable_batch_size, with a simulated out-of-memory
-error above batch size 8), profiler (ProfileKwargs, accelerator.profile), ddp_comm_hook
-(DDPCommunicationHookType, DistributedDataParallelKwargs(comm_hook=..., comm_wrapper=...)), local_sgd
-(fabric_lite.local_sgd.LocalSGD), schedule_free (utils.is_schedulefree_available and a prepared optimizer's
-train()/eval()). Each process writes rank<r>.json."""
+"""Accelerate's by_feature examples that make an Accelerator of their own, one function a script, each
+ending with end_training as a script does (shared.end_training: at the end of the process): memory / automatic_gradient_accumulation
+(utils.find_executable_batch_size, with a simulated out-of-memory error above batch size 8), profiler
+(ProfileKwargs(record_shapes, profile_memory, with_flops, output_trace_dir), `with accelerator.profile() as
+prof` around each epoch's training, prof.key_averages().table(...)), ddp_comm_hook (DDPCommunicationHookType,
+DistributedDataParallelKwargs(comm_hook=..., comm_wrapper=...)), local_sgd (fabric_lite.local_sgd.LocalSGD),
+schedule_free (utils.is_schedulefree_available and a prepared optimizer's train()/eval())."""
 
-import argparse
+import collections
 import importlib.util
+import json
 import os
 
 import torch
@@ -15,7 +17,7 @@ from fabric_lite import Accelerator, DistributedType
 from fabric_lite.utils import set_seed
 
 from core import CONFIG, build, evaluate, get_dataloaders
-from shared import PairClassifier, flat_params, linear_warmup, write_result
+from shared import PairClassifier, end_training, flat_params
 
 
 def train_epochs(accelerator, model, optimizer, train_dataloader, lr_scheduler, epochs=1, each_step=None):
@@ -33,9 +35,10 @@ def train_epochs(accelerator, model, optimizer, train_dataloader, lr_scheduler, 
                     each_step()
 
 
-def memory(accelerator, automatic):
+def memory(args, automatic=False):
     from fabric_lite.utils import find_executable_batch_size
 
+    accelerator = Accelerator(cpu=args.cpu)
     tried = []
     observed_batch_size = 16
 
@@ -61,24 +64,68 @@ def memory(accelerator, automatic):
         model, optimizer, train_dataloader, _, lr_scheduler = build(accelerator, 16, 1)
         train_epochs(accelerator, model, optimizer, train_dataloader, lr_scheduler)
         result["diff_to_batch_16"] = float((flat_params(model) - weights).abs().max())
+    end_training(accelerator)
     return result
 
 
-def profiler(args):
+def automatic_gradient_accumulation(args):
+    return memory(args, automatic=True)
+
+
+def trace_summary(path):
+    """What one process's Chrome trace holds: how many optimizer steps and all-reduces it recorded, and
+    whether the matrix products carry their input shapes (record_shapes)."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    names = collections.Counter(e.get("name") for e in events)
+    addmm = [e for e in events if e.get("name") == "aten::addmm"]
+    return {"optimizer_steps": names["Optimizer.step#AdamW.step"],
+            "all_reduces": sum(n for name, n in names.items() if "all_reduce" in str(name)),
+            "addmm_shapes": bool(addmm) and all(e.get("args", {}).get("Input Dims") for e in addmm)}
+
+
+def profiler(args, num_epochs=2):
+    """by_feature/profiler.py: the profile block around each epoch's training; its table printed once."""
     from fabric_lite.utils import ProfileKwargs
 
     trace_dir = os.path.join(args.out, "trace")
-    handler = ProfileKwargs(record_shapes=True, profile_memory=False, with_flops=False, json_trace_path=trace_dir)
-    accelerator = Accelerator(cpu=args.cpu, kwargs_handlers=[handler])
-    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = build(accelerator, 16, 1)
-    with accelerator.profile() as prof:
-        train_epochs(accelerator, model, optimizer, train_dataloader, lr_scheduler)
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=-1)
-    accelerator.print(table)
-    accelerator.wait_for_everyone()
-    return accelerator, {"has_linear": "aten::linear" in table or "aten::addmm" in table,
-                         "trace_files": sorted(os.listdir(trace_dir)) if os.path.isdir(trace_dir) else [],
-                         "seen": evaluate(accelerator, model, eval_dataloader)["seen"]}
+    profile_kwargs = ProfileKwargs(record_shapes=True, profile_memory=True, with_flops=True,
+                                   output_trace_dir=trace_dir)
+    accelerator = Accelerator(cpu=args.cpu, kwargs_handlers=[profile_kwargs])
+    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = build(accelerator, 16, num_epochs)
+    epochs = []
+    for epoch in range(num_epochs):
+        model.train()
+        with accelerator.profile() as prof:
+            for step, batch in enumerate(train_dataloader):
+                batch.to(accelerator.device)
+                with accelerator.accumulate(model):
+                    output = model(**batch)
+                    loss = output.loss
+                    accelerator.backward(loss)
+                    optimizer.step()
+                    lr_scheduler.step()
+                    optimizer.zero_grad()
+        averages = prof.key_averages()
+        table = averages.table(sort_by="self_cpu_time_total" if args.cpu else "self_cuda_time_total",
+                               row_limit=-1)
+        accelerator.print(table)
+        by_name = {e.key: e for e in averages}
+        epochs.append({
+            "table_columns": [c for c in ("CPU Mem", "FLOPs", "# of Calls") if c in table],
+            "table_has_addmm": "aten::addmm" in table,
+            "averaged_steps": by_name["Optimizer.step#AdamW.step"].count if "Optimizer.step#AdamW.step" in by_name
+            else 0,
+            "addmm_flops": by_name["aten::addmm"].flops if "aten::addmm" in by_name else 0,
+            "memory_recorded": any(e.cpu_memory_usage != 0 for e in averages),
+            # every process has written its trace when the block ends (it waits for the others)
+            "trace_files": sorted(os.listdir(trace_dir)),
+            "trace": trace_summary(os.path.join(trace_dir, f"profile_{accelerator.process_index}.json")),
+            "seen": evaluate(accelerator, model, eval_dataloader)["seen"],
+        })
+    result = {"epochs": epochs, "steps_per_epoch": len(train_dataloader)}
+    end_training(accelerator)
+    return result
 
 
 def ddp_comm_hook(args):
@@ -90,7 +137,12 @@ def ddp_comm_hook(args):
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = build(accelerator, 16, 2)
     train_epochs(accelerator, model, optimizer, train_dataloader, lr_scheduler, epochs=2)
     weights = flat_params(model)
-    return accelerator, {"weights": weights.tolist(), "seen": evaluate(accelerator, model, eval_dataloader)["seen"]}
+    set_seed(CONFIG["seed"])
+    initial = flat_params(PairClassifier())
+    result = {"weights": weights.tolist(), "moved": float((weights - initial).abs().max()),
+              "seen": evaluate(accelerator, model, eval_dataloader)["seen"]}
+    end_training(accelerator)
+    return result
 
 
 def local_sgd(args):
@@ -108,8 +160,10 @@ def local_sgd(args):
             differed.append(float((gathered - gathered[0]).abs().max()))
         train_epochs(accelerator, model, optimizer, train_dataloader, lr_scheduler, each_step=each_step)
     gathered = accelerator.gather(flat_params(model).float().unsqueeze(0))
-    return accelerator, {"differed": differed, "final_spread": float((gathered - gathered[0]).abs().max()),
-                         "seen": evaluate(accelerator, model, eval_dataloader)["seen"]}
+    result = {"differed": differed, "final_spread": float((gathered - gathered[0]).abs().max()),
+              "seen": evaluate(accelerator, model, eval_dataloader)["seen"]}
+    end_training(accelerator)
+    return result
 
 
 class ModalSGD(torch.optim.SGD):
@@ -156,27 +210,11 @@ def schedule_free(args):
         optimizer.eval()
         modes.append(optimizer.optimizer.mode if hasattr(optimizer, "optimizer") else optimizer.mode)
         seen = evaluate(accelerator, model, eval_dataloader)["seen"]
-    return accelerator, {"available": available, "expected": importlib.util.find_spec("schedulefree") is not None,
-                         "modes": modes, "seen": seen}
+    result = {"available": available, "expected": importlib.util.find_spec("schedulefree") is not None,
+              "modes": modes, "seen": seen}
+    end_training(accelerator)
+    return result
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--cpu", action="store_true")
-    parser.add_argument("--feature", required=True,
-                        choices=["memory", "automatic_gradient_accumulation", "profiler", "ddp_comm_hook",
-                                 "local_sgd", "schedule_free"])
-    args = parser.parse_args()
-    if args.feature in ("memory", "automatic_gradient_accumulation"):
-        accelerator = Accelerator(cpu=args.cpu)
-        result = memory(accelerator, automatic=args.feature == "automatic_gradient_accumulation")
-    else:
-        accelerator, result = globals()[args.feature](args)
-    result.update(rank=accelerator.process_index, world=accelerator.num_processes)
-    write_result(args.out, accelerator.process_index, result)
-    accelerator.end_training()
-
-
-if __name__ == "__main__":
-    main()
+FEATURES = {f.__name__: f for f in (memory, automatic_gradient_accumulation, profiler, ddp_comm_hook, local_sgd,
+                                    schedule_free)}
