@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import gc
+import itertools
 import weakref
 import contextlib
 import os
@@ -25,6 +26,10 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 # still referenced by the script's globals keeps its reducer, and through it the gloo process group,
 # alive into interpreter finalization, where tearing the group down can abort the process.
 _WRAPPERS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+#: How many process groups this process has started: a script that ends one (`end_training`) and starts another
+#: names the new one's keys apart from the old one's, which stay in the launcher's store (every process starts
+#: its groups in the same order, so the numbers agree).
+_GROUPS_STARTED = itertools.count()
 #: Seconds a rank whose interpreter exits waits for the others to reach their end before leaving alone.
 ENV_EXIT_GRACE = "FABRIC_LITE_EXIT_GRACE_S"
 
@@ -121,13 +126,14 @@ class DDPStrategy(Strategy):
                 f"with `fabric-lite launch` or `torchrun`, which set them."
             )
         # Workers of an elastic agent share its TCPStore, which outlives a restart; keys written by a
-        # dead attempt would be read by the new one. A prefix per restart keeps attempts apart.
+        # dead attempt (or by this process's previous group) would be read by the new one. A prefix per
+        # restart and per group keeps them apart.
         base_store = dist.TCPStore(
             p.master_addr, p.master_port, p.world_size,
             is_master=(p.global_rank == 0 and not p.uses_agent_store),
             timeout=self.timeout, multi_tenant=True,
         )
-        store = dist.PrefixStore(f"fabric_lite/attempt_{p.restart_count}", base_store)
+        store = dist.PrefixStore(f"fabric_lite/attempt_{p.restart_count}/group_{next(_GROUPS_STARTED)}", base_store)
         kwargs: dict = {}
         if self.root_device.type == "cuda":
             kwargs["device_id"] = self.root_device

@@ -75,6 +75,15 @@ def test_save_state_load_state_resumes_bit_for_bit(launch, tmp_path, nproc, prec
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("rng_*.pt")) == [f"rng_{i}.pt" for i in range(nproc)]
 
 
+def test_a_process_ends_its_run_and_starts_another(launch):
+    """Accelerator, end_training, a new Accelerator, four times in each process under `fabric-lite launch`: each
+    new process group comes up (its keys are named apart from the ended one's in the launcher's store, which
+    would otherwise stall the new group's start on some rank) and its collectives answer."""
+    res = launch("new_group", 2, launcher="fabric-lite", timeout=120)
+    for r in res:
+        assert r["sums"] == [3.0, 5.0, 7.0, 9.0]
+
+
 def test_failures_are_errors_on_every_rank_not_hangs(launch, tmp_path):
     results = launch("robustness", 2, "--ckpt", tmp_path / "ckpt")
     for r in results:
