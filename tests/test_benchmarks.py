@@ -2,9 +2,9 @@
 
 Timings are not checked here (they depend on the machine and its load); benchmarks/README.md records
 them. The file takes ~75 s on 2 quiet cores (fsdp_memory.py --quick ~17 s of it, fp8_vs_bf16.py --quick
-~13 s). Left out or cut short: import_time.py (no quick mode: a run starts 45 fresh interpreters), checkpoint.py runs --quick without its
-peak-memory children (--no-memory, 6 s instead of 13 s), and of the two DDP benchmarks only
-trainer_overhead.py --ddp runs (it uses the same launch path as overhead.py --ddp).
+~13 s). Left out or cut short: import_time.py (no quick mode: a run starts 45 fresh interpreters),
+checkpoint.py runs --quick without its peak-memory children (--no-memory, 6 s instead of 13 s), and of
+the two DDP benchmarks only trainer_overhead.py --ddp runs (it uses the same launch path as overhead.py --ddp).
 peers.py runs with whatever is installed: in the project's environment it names the missing peers
 and still compares fabric_lite with the raw loop.
 """
