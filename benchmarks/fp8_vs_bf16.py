@@ -203,7 +203,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             torch.cuda.empty_cache()
 
     first = next(iter(results.values()))
-    name = torch.cuda.get_device_name() if not cpu and torch.cuda.is_available() else "CPU (fp8 emulated)"
+    name = torch.cuda.get_device_name() if not cpu and torch.cuda.is_available() else \
+        "CPU (fp8 emulated)" if emulate else "CPU"
     epochs = args.steps * args.batch / samples
     print(f"device: {name}; torch {torch.__version__}; model: width {args.width}, {args.layers} layers, "
           f"{first['params'] / 1e6:.1f}M parameters, context {args.context}, batch {args.batch}; {args.steps} steps"
