@@ -20,13 +20,8 @@ from __future__ import annotations
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Union
 
-from fabric_lite.accelerator.tracker_base import (  # noqa: F401  (names importers take from here)
-    GeneralTracker, config_for_file, flatten, is_installed, is_number, on_main_process, require, scalar, warn_once,
-)
-from fabric_lite.accelerator.tracker_mlflow import (  # noqa: F401
-    MLFLOW_MAX_METRICS_PER_BATCH, MLFLOW_MAX_PARAM_LENGTH, MLFLOW_MAX_PARAMS_PER_BATCH, MLflowTracker,
-    mlflow_experiment_id, mlflow_key, mlflow_local_uri, mlflow_log_metrics, mlflow_log_params,
-)
+from fabric_lite.accelerator.tracker_base import GeneralTracker, is_installed, on_main_process
+from fabric_lite.accelerator.tracker_mlflow import MLflowTracker
 from fabric_lite.accelerator.trackers_core import CSVTracker, TensorBoardTracker, WandBTracker
 from fabric_lite.accelerator.trackers_local import AimTracker, DVCLiveTracker
 from fabric_lite.accelerator.trackers_services import ClearMLTracker, CometMLTracker, SwanLabTracker, TrackioTracker

@@ -299,7 +299,8 @@ class MLFlowLogger(_RunLogger):
         return self._client
 
     def _start(self) -> None:
-        from fabric_lite.accelerator.tracking import mlflow_experiment_id, mlflow_local_uri, require
+        from fabric_lite.accelerator.tracker_base import require
+        from fabric_lite.accelerator.tracker_mlflow import mlflow_experiment_id, mlflow_local_uri
 
         mlflow = require("mlflow", "MLFlowLogger", "mlflow")
         uri, artifact_location = self._tracking_uri, self._artifact_location
@@ -357,13 +358,13 @@ class MLFlowLogger(_RunLogger):
         return self._save_dir if self._tracking_uri is None else None
 
     def log_hyperparams(self, params: Any) -> None:
-        from fabric_lite.accelerator.tracking import mlflow_log_params
+        from fabric_lite.accelerator.tracker_mlflow import mlflow_log_params
 
         if self._main_process:
             mlflow_log_params(self.experiment, self._run_id, params, self._warned)
 
     def log_metrics(self, metrics: Mapping[str, float], step: Optional[int] = None) -> None:
-        from fabric_lite.accelerator.tracking import mlflow_log_metrics
+        from fabric_lite.accelerator.tracker_mlflow import mlflow_log_metrics
 
         if self._main_process:
             mlflow_log_metrics(self.experiment, self._run_id, _with_prefix(metrics, self._prefix, "-"), step,
@@ -410,7 +411,7 @@ class WandbLogger(_RunLogger):
         if not self._main_process:
             return _NoOpExperiment()
         if self._experiment is None:
-            from fabric_lite.accelerator.tracking import require
+            from fabric_lite.accelerator.tracker_base import require
 
             wandb = require("wandb", "WandbLogger", "wandb")
             kwargs = dict(self._init_kwargs)
@@ -439,13 +440,13 @@ class WandbLogger(_RunLogger):
         return self._save_dir
 
     def log_hyperparams(self, params: Any) -> None:
-        from fabric_lite.accelerator.tracking import config_for_file
+        from fabric_lite.accelerator.tracker_base import config_for_file
 
         if self._main_process:
             self.experiment.config.update(config_for_file(params), allow_val_change=True)
 
     def log_metrics(self, metrics: Mapping[str, float], step: Optional[int] = None) -> None:
-        from fabric_lite.accelerator.tracking import scalar
+        from fabric_lite.accelerator.tracker_base import scalar
 
         if not self._main_process:
             return
