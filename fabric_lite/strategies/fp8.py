@@ -272,10 +272,11 @@ def _convert_te(model: nn.Module, recipe: FP8Recipe) -> int:
         weight = linear.weight
         replacement = te.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None,
                                 params_dtype=weight.dtype, device=weight.device)
-        with torch.no_grad():
-            replacement.weight.copy_(weight)
-            if linear.bias is not None:
-                replacement.bias.copy_(linear.bias)
+        # The new layer takes over the user's Parameter objects (not copies of them): an optimizer built before
+        # prepare(), as scripts do, holds those, and must go on training these layers.
+        replacement.weight = weight
+        if linear.bias is not None:
+            replacement.bias = linear.bias
         replacement.train(linear.training)
         setattr(parent, name.rpartition(".")[2], replacement)
     return sum(isinstance(m, te.Linear) for m in model.modules())

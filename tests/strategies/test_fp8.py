@@ -324,3 +324,46 @@ def test_gpu_fp8_ends_at_the_loss_of_bf16():
         assert end < FLOOR + 0.25, f"{name} did not learn the chain: {end:.4f} (floor {FLOOR:.4f})"
     assert abs(ends["fp8"] - ends["bf16"]) <= 0.02, ends
     assert abs(curves["fp8"] - curves["bf16"]) <= 0.04, curves
+
+
+def test_transformer_engine_layers_keep_the_parameters_an_optimizer_built_before_prepare_holds(monkeypatch):
+    """TransformerEngine's conversion replaces each chosen nn.Linear by a te.Linear: the new layer must take over the
+    user's Parameter objects, since scripts build the optimizer before prepare(); else the converted layers would
+    never train. TransformerEngine is not installable here: a stand-in module with te.Linear's constructor runs
+    the conversion."""
+    import contextlib
+    import types
+
+    import fabric_lite.strategies.fp8 as fp8
+
+    class StandInLinear(nn.Linear):
+        def __init__(self, in_features, out_features, bias=True, params_dtype=None, device=None):
+            super().__init__(in_features, out_features, bias=bias, dtype=params_dtype, device=device)
+
+    te = types.ModuleType("transformer_engine")
+    te_pytorch = types.ModuleType("transformer_engine.pytorch")
+    te_pytorch.Linear = StandInLinear
+    te_pytorch.fp8_autocast = lambda enabled=True, fp8_recipe=None: contextlib.nullcontext()
+    te.pytorch = te_pytorch
+    te_common = types.ModuleType("transformer_engine.common")
+    te_recipe = types.ModuleType("transformer_engine.common.recipe")
+    te_recipe.Format = types.SimpleNamespace(HYBRID="HYBRID", E4M3="E4M3", E5M2="E5M2")
+    te_recipe.DelayedScaling = lambda **kwargs: ("DelayedScaling", kwargs)
+    te_recipe.MXFP8BlockScaling = lambda **kwargs: ("MXFP8BlockScaling", kwargs)
+    te.common, te_common.recipe = te_common, te_recipe
+    for name, module in (("transformer_engine", te), ("transformer_engine.pytorch", te_pytorch),
+                         ("transformer_engine.common", te_common), ("transformer_engine.common.recipe", te_recipe)):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(fp8, "_installed", lambda module: True)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 16))
+    weight, bias = model[1].weight, model[1].bias
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    model = convert_model_to_fp8(model, FP8Recipe("te"))
+    assert type(model[1]) is StandInLinear and type(model[0]) is nn.Linear and type(model[2]) is nn.Linear
+    assert model[1].weight is weight and model[1].bias is bias
+    before = weight.detach().clone()
+    model(torch.randn(4, 16)).sum().backward()
+    optimizer.step()
+    assert not torch.equal(before, model[1].weight.detach())
