@@ -16,7 +16,9 @@ from typing import Any, Callable, List, Optional, Tuple, Union
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from fabric_lite.data.accelerate_shards import AcceptingType, BatchSamplerShard, IterableDatasetShard
+from fabric_lite.data.accelerate_shards import (
+    AcceptingType, BatchSamplerShard, IterableDatasetShard, check_processes,
+)
 from fabric_lite.data.loader import DataLoaderShard as PreparedLoader
 from fabric_lite.data.loader import shard_dataloader, skip_first_batches
 from fabric_lite.module_alias import forward_names
@@ -75,12 +77,7 @@ def _processes(caller: str, num_processes: Optional[int],
         state = PartialState()
         num_processes = state.num_processes if num_processes is None else num_processes
         process_index = state.process_index if process_index is None else process_index
-    if not isinstance(num_processes, int) or num_processes < 1:
-        raise ValueError(f"{caller}(num_processes={num_processes!r}): give the number of processes, an int >= 1 "
-                         f"(None: this run's).")
-    if not isinstance(process_index, int) or not 0 <= process_index < num_processes:
-        raise ValueError(f"{caller}(process_index={process_index!r}): give an int from 0 to num_processes - 1 = "
-                         f"{num_processes - 1} (None: this process's).")
+    check_processes(caller, num_processes, process_index, default="None: this run's")
     strategy = current_strategy()
     live = strategy is not None and strategy.world_size == num_processes and strategy.global_rank == process_index
     broadcast = strategy.broadcast_object if live and num_processes > 1 else _identity

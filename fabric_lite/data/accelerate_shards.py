@@ -17,7 +17,18 @@ from torch.utils.data import BatchSampler
 
 from fabric_lite.data import sharding
 
-__all__ = ["AcceptingType", "BatchSamplerShard", "IterableDatasetShard"]
+__all__ = ["AcceptingType", "BatchSamplerShard", "IterableDatasetShard", "check_processes"]
+
+
+def check_processes(caller: str, num_processes: Any, process_index: Any, default: str = "") -> None:
+    """Refuse, naming `caller`'s argument, a process count that is not an int >= 1 or an index outside it.
+    `default` says what None would have meant, where the caller takes None."""
+    if not isinstance(num_processes, int) or num_processes < 1:
+        raise ValueError(f"{caller}(num_processes={num_processes!r}): give the number of processes, an int >= 1"
+                         f"{f' ({default})' if default else ''}.")
+    if not isinstance(process_index, int) or not 0 <= process_index < num_processes:
+        raise ValueError(f"{caller}(process_index={process_index!r}): give this process's index, an int from 0 to "
+                         f"num_processes - 1 = {num_processes - 1}{f' ({default})' if default else ''}.")
 
 
 class AcceptingType(ABCMeta):
@@ -50,12 +61,7 @@ class BatchSamplerShard(sharding.ShardedBatchSampler, BatchSampler, metaclass=Ac
 
     def __init__(self, batch_sampler: Any, num_processes: int = 1, process_index: int = 0,
                  split_batches: bool = False, even_batches: bool = True) -> None:
-        if not isinstance(num_processes, int) or num_processes < 1:
-            raise ValueError(f"BatchSamplerShard(num_processes={num_processes!r}): give the number of processes, "
-                             f"an int >= 1.")
-        if not isinstance(process_index, int) or not 0 <= process_index < num_processes:
-            raise ValueError(f"BatchSamplerShard(process_index={process_index!r}): give this process's index, an "
-                             f"int from 0 to num_processes - 1 = {num_processes - 1}.")
+        check_processes("BatchSamplerShard", num_processes, process_index)
         batch_size = getattr(batch_sampler, "batch_size", None)
         if split_batches and batch_size is None:
             raise ValueError(f"BatchSamplerShard(split_batches=True) cuts each batch by the batch sampler's "
@@ -112,12 +118,7 @@ class IterableDatasetShard(sharding.IterableDatasetShard, metaclass=AcceptingTyp
                  process_index: int = 0, split_batches: bool = False) -> None:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"IterableDatasetShard(batch_size={batch_size!r}): give the batch size, an int >= 1.")
-        if not isinstance(num_processes, int) or num_processes < 1:
-            raise ValueError(f"IterableDatasetShard(num_processes={num_processes!r}): give the number of "
-                             f"processes, an int >= 1.")
-        if not isinstance(process_index, int) or not 0 <= process_index < num_processes:
-            raise ValueError(f"IterableDatasetShard(process_index={process_index!r}): give this process's index, "
-                             f"an int from 0 to num_processes - 1 = {num_processes - 1}.")
+        check_processes("IterableDatasetShard", num_processes, process_index)
         if split_batches and batch_size % num_processes != 0:
             raise ValueError(f"IterableDatasetShard(split_batches=True) cuts each batch of {batch_size} in "
                              f"{num_processes} equal pieces: use a batch_size that is a multiple of {num_processes}, "

@@ -19,19 +19,10 @@ __all__ = ["patch_environment", "clear_environment", "purge_accelerate_environme
 def patch_environment(**kwargs: Any) -> Iterator[None]:
     """Set each keyword as an environment variable (name upper-cased, value as a string) inside the block; on exit
     each is put back as it was (removed if it was not set)."""
-    saved: Dict[str, Optional[str]] = {}
-    for key, value in kwargs.items():
-        key = key.upper()
-        saved.setdefault(key, os.environ.get(key))
-        os.environ[key] = str(value)
-    try:
+    from fabric_lite.launch.launcher import patched_environ
+
+    with patched_environ({key.upper(): str(value) for key, value in kwargs.items()}):
         yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 @contextlib.contextmanager
