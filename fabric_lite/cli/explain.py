@@ -30,9 +30,10 @@ def explain_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None
     from torch.distributed.run import determine_local_world_size
 
     from fabric_lite.strategies.environments import ENV_EXPLAIN, ENV_STRATEGY, detect_node_layout
+    from fabric_lite.launch.launch_checks import check_launch, check_script, nodes_said
     from fabric_lite.launch.launcher import (
-        check_launch, check_script, config_notice, patched_environ, settings_env, free_port, launch_command_parser,
-        nodes_said, parse_with_config, resolve_accelerate_flags,
+        config_notice, patched_environ, settings_env, free_port, launch_command_parser, parse_with_config,
+        resolve_accelerate_flags,
     )
 
     env = os.environ if env is None else env
