@@ -44,6 +44,10 @@ class _StepRunner(nn.Module):
     def __init__(self, module: TrainModule) -> None:
         super().__init__()
         self.module = module
+        # Lightning calls a step method that names no batch index (`def training_step(self, batch)`, as its GAN
+        # and PPO templates write it) with the batch alone; decided here once, not at every step.
+        self.without_batch_idx = {stage for stage, name in _STEP_METHODS.items()
+                                  if not _takes_batch_idx(getattr(module, name))}
 
     # Checkpoints hold the TrainModule's own keys ("net.0.weight", not "module.net.0.weight"), so
     # the exported weights load straight into the user's module.
@@ -54,7 +58,19 @@ class _StepRunner(nn.Module):
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def forward(self, batch: Any, batch_idx: int, stage: str = "train") -> Any:
+        if stage in self.without_batch_idx:
+            return getattr(self.module, _STEP_METHODS[stage])(batch)
         return getattr(self.module, _STEP_METHODS[stage])(batch, batch_idx)
+
+
+def _takes_batch_idx(step: Callable[..., Any]) -> bool:
+    """Whether a step method accepts a batch index: a `batch_idx` parameter, `*args`, or a second positional."""
+    try:
+        params = inspect.signature(step).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable: pass the index, as before
+        return True
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return (any(p.name == "batch_idx" or p.kind is p.VAR_POSITIONAL for p in params) or len(positional) >= 2)
 
 
 class _TrainerState:
@@ -422,6 +438,8 @@ class Trainer:
         """Train `module`; `ckpt_path="last"` resumes from the newest checkpoint if there is one."""
         from fabric_lite.trainer import loops
 
+        if datamodule is None and isinstance(train_dataloaders, DataModule):  # Lightning's `fit(model, dm)`
+            train_dataloaders, datamodule = None, train_dataloaders
         train, val = self._loaders(module, datamodule, "fit", train_dataloaders, val_dataloaders)
         if train is None:
             raise ValueError("fit() needs train_dataloaders, or a datamodule with train_dataloader().")
@@ -502,6 +520,8 @@ class Trainer:
         module = module or self.module
         if module is None:
             raise ValueError("predict() needs a module (or a Trainer that has already fit one).")
+        if datamodule is None and isinstance(dataloaders, DataModule):  # `predict(model, dm)`
+            dataloaders, datamodule = None, dataloaders
         loaders = self._eval_loaders(module, datamodule, "predict", dataloaders)
         profiling = self.profiler.enabled
         if profiling:
@@ -521,6 +541,8 @@ class Trainer:
         module = module or self.module
         if module is None:
             raise ValueError(f"{stage}() needs a module (or a Trainer that has already fit one).")
+        if datamodule is None and isinstance(dataloaders, DataModule):  # `test(model, dm)`, as Lightning takes it
+            dataloaders, datamodule = None, dataloaders
         loaders = self._eval_loaders(module, datamodule, stage, dataloaders)
         profiling = self.profiler.enabled
         if profiling:

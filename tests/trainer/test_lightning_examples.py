@@ -279,6 +279,66 @@ def test_bug_report_model_one_batch_each(tmp_path, monkeypatch):
     assert results == [{"test_loss": pytest.approx(by_hand, rel=1e-5)}]
 
 
+def test_a_datamodule_given_where_the_loaders_go(tmp_path):
+    """`trainer.fit(model, dm)` as the GAN template calls it; validate/test/predict take it the same way."""
+
+    class Vectors(parts.DataModule):
+        def __init__(self):
+            super().__init__()
+            self.stages = []
+
+        def setup(self, stage):
+            self.stages.append(("setup", stage))
+
+        def teardown(self, stage):
+            self.stages.append(("teardown", stage))
+
+        def _loader(self):
+            return DataLoader(parts.RandomVectors(32, 8, seed=3), batch_size=4)
+
+        train_dataloader = val_dataloader = test_dataloader = predict_dataloader = _loader
+
+    class Boring(parts.BoringModel):
+        def predict_step(self, batch, batch_idx):
+            return self(batch)
+
+    dm, model = Vectors(), Boring()
+    trainer = Trainer(max_epochs=1, default_root_dir=str(tmp_path), enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(model, dm)
+    assert trainer.global_step == 2
+    with torch.no_grad():
+        by_hand = mean([model(x).sum().item() for x in dm._loader()])
+    assert trainer.validate(model, dm) == [{"valid_loss": pytest.approx(by_hand, rel=1e-5)}]
+    assert trainer.test(model, dm) == [{"test_loss": pytest.approx(by_hand, rel=1e-5)}]
+    assert [tuple(p.shape) for p in trainer.predict(model, dm)] == [(4, 2), (4, 2)]
+    assert dm.stages == [(k, s) for s in ("fit", "validate", "test", "predict") for k in ("setup", "teardown")]
+
+
+def test_step_methods_that_take_the_batch_alone(tmp_path):
+    """`def training_step(self, batch)` (the GAN and PPO templates) gets the batch alone; the others the index too."""
+    seen = []
+
+    class Mixed(parts.BoringModel):
+        def training_step(self, batch):
+            seen.append(("train", batch.shape[0]))
+            return self(batch).sum()
+
+        def validation_step(self, batch, *args):
+            seen.append(("val", args))
+
+        def test_step(self, batch, idx):                   # any name: the second positional is the index
+            seen.append(("test", idx))
+
+    loader = DataLoader(parts.RandomVectors(32, 4, seed=0), batch_size=2)
+    trainer = Trainer(max_epochs=1, default_root_dir=str(tmp_path), enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0, enable_checkpointing=False)
+    model = Mixed()
+    trainer.fit(model, loader, loader)
+    trainer.test(model, loader)
+    assert seen == [("train", 2), ("train", 2), ("val", (0,)), ("val", (1,)), ("test", 0), ("test", 1)]
+
+
 # -- the same projects on 2 processes (one launch) -----------------------------------------------------------------
 
 SCENARIOS = ["bug_report", "autoencoder_cli", "gan", "imagenet", "fine_tuning"]
