@@ -168,7 +168,7 @@ def test_a_negative_gradient_clip_val_never_gets_to_training(monkeypatch):
         raise AssertionError("reached past the argument checks")
 
     monkeypatch.setattr(trainer_module, "Accelerator", must_not_run)
-    monkeypatch.setattr(trainer_module, "_relaunch_if_needed", must_not_run)
+    monkeypatch.setattr(trainer_module, "relaunch_if_needed", must_not_run)
     monkeypatch.setattr(torch, "use_deterministic_algorithms", must_not_run)
     with pytest.raises(ValueError, match=r"Trainer\(gradient_clip_val=-1.0\)"):
         Trainer(gradient_clip_val=-1.0, deterministic=True, max_epochs=3)

@@ -8,7 +8,6 @@ logging, checkpoints, callbacks) and nothing else.
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import os
 import sys
@@ -19,13 +18,15 @@ import torch
 from torch import nn
 
 from fabric_lite.accelerator.accelerator import Accelerator
-from fabric_lite.arguments import ArgumentCheck, is_int
+from fabric_lite.arguments import ArgumentCheck
 from fabric_lite.callbacks.base import Callback, is_logger
 from fabric_lite.strategies.environments import detect_process, read_launch_settings, records_explain_arguments
 from fabric_lite.trainer.logged_metrics import MetricStore
 from fabric_lite.trainer.module import DataModule, TrainModule
 from fabric_lite.trainer.configure_optimizers import SchedulerConfig, parse_optimizers
 from fabric_lite.trainer.profiler import PassThroughProfiler, Profiler, SimpleProfiler
+from fabric_lite.trainer.relaunch import relaunch_if_needed, xla_replicas
+from fabric_lite.trainer.settings import apply_torch_settings, check_unknown, default_logger, resolve_settings
 from fabric_lite.launch.preemption import PreemptionWatch
 
 __all__ = ["Trainer", "convert_sync_batchnorm", "SYNC_BATCHNORM_DEVICES"]
@@ -125,72 +126,25 @@ class Trainer:
         explain: bool = False,
         **unknown: Any,
     ) -> None:
-        if unknown:
-            known = list(inspect.signature(Trainer.__init__).parameters)[1:-1]
-            hints = {k: difflib.get_close_matches(k, known, n=1) for k in unknown}
-            detail = ", ".join(f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in hints.items())
-            raise TypeError(f"Unknown Trainer argument(s): {detail}. Known arguments: {', '.join(known)}.")
+        given = {name: value for name, value in locals().items() if name not in ("self", "unknown", "__class__")}
+        check_unknown(list(inspect.signature(Trainer.__init__).parameters)[1:-1], unknown)
         # Every argument is checked here, before anything starts (a relaunch, the strategy, torch's settings).
         check = ArgumentCheck("Trainer")
-        max_epochs = check.int("max_epochs", max_epochs, minimum=-1, allow_none=True, hint="-1: no epoch limit")
-        max_steps = check.int("max_steps", max_steps, minimum=-1, hint="-1: no step limit")
-        max_time = check.number("max_time", max_time, minimum=0, above=True, allow_none=True,
-                                hint="seconds of training; None: no time limit")
-        accelerator = check.accelerator("accelerator", accelerator)
-        devices = check.devices("devices", devices)
-        num_nodes = check.int("num_nodes", num_nodes, minimum=1)
-        strategy = check.strategy("strategy", strategy)
-        precision = check.precision("precision", precision)
-        callbacks = check.instances("callbacks", callbacks, Callback, what="fabric_lite Callback instances",
-                                    single=True)
-        logger = _check_logger(check, logger)
-        # (0 turns clipping off, as in Lightning; clipping to a norm of 0 would zero every gradient)
-        gradient_clip_val = check.number("gradient_clip_val", gradient_clip_val, minimum=0, allow_none=True,
-                                         hint="0 or None turns clipping off") or None
-        gradient_clip_algorithm = check.choice("gradient_clip_algorithm", gradient_clip_algorithm, ("norm", "value"))
-        accumulate_grad_batches = check.int("accumulate_grad_batches", accumulate_grad_batches, minimum=1)
-        val_check_interval = _check_val_check_interval(check, val_check_interval)
-        check_val_every_n_epoch = check.int("check_val_every_n_epoch", check_val_every_n_epoch, minimum=1,
-                                            hint="validate at the end of every N-th epoch")
-        limit_train_batches, limit_val_batches, limit_test_batches, limit_predict_batches = (
-            _check_batch_limit(check, name, value) for name, value in (
-                ("limit_train_batches", limit_train_batches), ("limit_val_batches", limit_val_batches),
-                ("limit_test_batches", limit_test_batches), ("limit_predict_batches", limit_predict_batches)))
-        if not isinstance(fast_dev_run, bool):
-            fast_dev_run = check.int("fast_dev_run", fast_dev_run, minimum=0,
-                                     hint="or True/False: True runs 1 batch, N runs N batches of each stage")
-        num_sanity_val_steps = check.int("num_sanity_val_steps", num_sanity_val_steps, minimum=0,
-                                         hint="0 skips the sanity check")
-        log_every_n_steps = check.int("log_every_n_steps", log_every_n_steps, minimum=1,
-                                      hint="step metrics are written every N optimizer steps and at epoch ends")
-        default_root_dir = check.path("default_root_dir", default_root_dir)
-        enable_progress_bar = check.bool("enable_progress_bar", enable_progress_bar)
-        enable_checkpointing = check.bool("enable_checkpointing", enable_checkpointing)
-        enable_model_summary = check.bool("enable_model_summary", enable_model_summary,
-                                          hint="the layer and parameter table printed when fit starts")
-        if deterministic is not None and deterministic != "warn":
-            check.bool("deterministic", deterministic, allow_none=True,
-                       hint="or 'warn': deterministic kernels, warning where torch has none")
+        settings = resolve_settings(check, given)
         profiler = _check_profiler(check, profiler)
-        sync_batchnorm = check.bool("sync_batchnorm", sync_batchnorm,
-                                    hint="BatchNorm statistics over every process's batch under DDP")
-        explain = check.bool("explain", explain)
-        if fast_dev_run:
-            n = 1 if fast_dev_run is True else int(fast_dev_run)
-            max_epochs, max_steps, num_sanity_val_steps = 1, n, 0
-            limit_train_batches = limit_val_batches = limit_test_batches = limit_predict_batches = n
-            enable_checkpointing = False
-        if deterministic:
-            torch.use_deterministic_algorithms(True, warn_only=deterministic == "warn")
+        apply_torch_settings(settings)
+        devices, num_nodes = settings.devices, settings.num_nodes
         if read_launch_settings().explain_dry_run:  # one process stands in for the planned launch
             num_nodes = 1  # the plan compares the requested nodes with the launch
         else:
-            _relaunch_if_needed(devices, num_nodes, _xla_replicas(accelerator, strategy))
+            relaunch_if_needed(devices, num_nodes, xla_replicas(settings.accelerator, settings.strategy))
         # The Trainer's micro-steps run through the Accelerator's step engine; a short last window of an
         # epoch averages over its real length (divide_loss_by="window", see engine.py).
+        self.settings = settings
         self.accelerator = Accelerator(
-            strategy=strategy, devices=None if devices == "auto" else devices, mixed_precision=str(precision),
-            accelerator=accelerator, gradient_accumulation_steps=accumulate_grad_batches, divide_loss_by="window",
+            strategy=settings.strategy, devices=None if devices == "auto" else devices,
+            mixed_precision=str(settings.precision), accelerator=settings.accelerator,
+            gradient_accumulation_steps=settings.accumulate_grad_batches, divide_loss_by="window",
         )
         self.strategy = self.accelerator.strategy
         if num_nodes != self.strategy.process.num_nodes:
@@ -198,6 +152,7 @@ class Trainer:
                 f"num_nodes={num_nodes} disagrees with the launch environment, which has "
                 f"{self.strategy.process.num_nodes} node(s). Launch with `fabric-lite launch --nnodes {num_nodes}`."
             )
+        sync_batchnorm = settings.sync_batchnorm
         if sync_batchnorm and self.strategy.world_size > 1 and self.device.type not in SYNC_BATCHNORM_DEVICES:
             check.fail("sync_batchnorm", sync_batchnorm,
                        f"torch's SyncBatchNorm synchronizes {'/'.join(SYNC_BATCHNORM_DEVICES)} tensors only, and "
@@ -207,24 +162,24 @@ class Trainer:
         self.sync_batchnorm = sync_batchnorm
         #: Times the hooks and steps when given one (`profiler="simple"`); a PassThroughProfiler otherwise.
         self.profiler: Profiler = profiler
-        self.max_epochs = max_epochs if max_epochs is not None else (1000 if max_steps == -1 else -1)
-        self.max_steps = max_steps
-        self.max_time = max_time
-        self.gradient_clip_val = gradient_clip_val
-        self.gradient_clip_algorithm = gradient_clip_algorithm
-        self.accumulate_grad_batches = accumulate_grad_batches
-        self.val_check_interval = val_check_interval
-        self.check_val_every_n_epoch = check_val_every_n_epoch
-        self.limits = {"train": limit_train_batches, "validate": limit_val_batches, "test": limit_test_batches,
-                       "predict": limit_predict_batches}
-        self.num_sanity_val_steps = num_sanity_val_steps
-        self.log_every_n_steps = log_every_n_steps
-        self.default_root_dir = os.fspath(default_root_dir) if default_root_dir is not None else os.getcwd()
-        self.fast_dev_run = fast_dev_run
-        self.explain = explain  # fit() prints the plan (explain.py) and returns without training
-        self.callbacks: List[Callback] = callbacks  # (a new list: the checks above copied it)
-        self.enable_model_summary = enable_model_summary
-        self._add_default_callbacks(enable_progress_bar, enable_checkpointing, enable_model_summary, logger)
+        self.max_epochs = settings.max_epochs
+        self.max_steps = settings.max_steps
+        self.max_time = settings.max_time
+        self.gradient_clip_val = settings.gradient_clip_val
+        self.gradient_clip_algorithm = settings.gradient_clip_algorithm
+        self.accumulate_grad_batches = settings.accumulate_grad_batches
+        self.val_check_interval = settings.val_check_interval
+        self.check_val_every_n_epoch = settings.check_val_every_n_epoch
+        self.limits = dict(settings.limits)
+        self.num_sanity_val_steps = settings.num_sanity_val_steps
+        self.log_every_n_steps = settings.log_every_n_steps
+        self.default_root_dir = settings.default_root_dir
+        self.fast_dev_run = settings.fast_dev_run
+        self.explain = settings.explain  # fit() prints the plan (explain.py) and returns without training
+        self.callbacks: List[Callback] = settings.callbacks  # (a new list: the checks copied it)
+        self.enable_model_summary = settings.enable_model_summary
+        self._add_default_callbacks(settings.enable_progress_bar, settings.enable_checkpointing,
+                                    settings.enable_model_summary, settings.logger)
         self.current_epoch = 0
         self.global_step = 0
         self.should_stop = False
@@ -256,7 +211,7 @@ class Trainer:
                 raise ValueError(f"logger=False, but a {type(given).__name__} is in callbacks; drop one of them.")
         elif logger is True:
             if not any(is_logger(c) for c in self.callbacks):
-                self.callbacks.insert(0, _default_logger(self.default_root_dir))
+                self.callbacks.insert(0, default_logger(self.default_root_dir))
         elif logger is not None:  # (in the order given, ahead of the other callbacks; each once)
             given = {id(c) for c in logger}
             self.callbacks[:] = [*logger, *(c for c in self.callbacks if id(c) not in given)]
@@ -679,28 +634,6 @@ def convert_sync_batchnorm(module: nn.Module) -> int:
     return replaced
 
 
-def _check_logger(check: ArgumentCheck, value: Any) -> Union[List[Callback], bool, None]:
-    """None (only the loggers in callbacks), True (a default logger, unless callbacks hold one), False (no
-    logger), or a logger callback or a list of them (returned as a new list)."""
-    if value is None or isinstance(value, bool):
-        return value
-    rule = ("must be a logger callback (TensorBoardLogger, CSVLogger, or another Callback that implements "
-            "on_log), a list of them, True (a default logger) or False/None")
-    if isinstance(value, Callback):
-        items = [value]
-    elif isinstance(value, (list, tuple)):
-        items = list(value)
-    else:
-        check.fail("logger", value, f"{rule}; got {type(value).__name__}.", TypeError)
-    for i, item in enumerate(items):
-        if not is_logger(item):
-            where = "" if item is value else f"item {i} "
-            why = ("a Callback that logs nothing (no on_log): pass it in callbacks=[...]"
-                   if isinstance(item, Callback) else "not a Callback")
-            check.fail("logger", value, f"{rule}; {where}{type(item).__name__} is {why}.", TypeError)
-    return items
-
-
 def _check_profiler(check: ArgumentCheck, value: Any) -> Profiler:
     """None (no profiling: a PassThroughProfiler), "simple" (a SimpleProfiler) or a Profiler instance."""
     if value is None:
@@ -715,96 +648,6 @@ def _check_profiler(check: ArgumentCheck, value: Any) -> Profiler:
         check.fail("profiler", value, rule + (" (Lightning's cProfile and torch.profiler profilers are not "
                                               "available here)." if other else "."))
     return SimpleProfiler()
-
-
-def _default_logger(root: str) -> Callback:
-    """`logger=True`: a TensorBoardLogger under default_root_dir/lightning_logs where tensorboard is installed,
-    else a CSVLogger there (as Lightning chooses)."""
-    import importlib.util
-
-    from fabric_lite.callbacks.loggers import CSVLogger, TensorBoardLogger
-
-    if importlib.util.find_spec("tensorboard") is not None:
-        return TensorBoardLogger(root, name="lightning_logs")
-    return CSVLogger(root, name="lightning_logs")
-
-
-def _check_val_check_interval(check: ArgumentCheck, value: Any) -> Union[int, float]:
-    """An int >= 1 (validate every N training batches) or a float in (0, 1] (a fraction of the epoch)."""
-    if is_int(value):
-        return check.int("val_check_interval", value, minimum=1,
-                         hint="validate every N training batches; or a float in (0.0, 1.0]: a fraction of the epoch")
-    return check.number("val_check_interval", value, minimum=0.0, maximum=1.0, above=True,
-                        hint="a fraction of the epoch, 1.0: at its end; or an integer >= 1: every N training batches")
-
-
-def _check_batch_limit(check: ArgumentCheck, name: str, value: Any) -> Union[int, float, None]:
-    """None (every batch), an int >= 0 (that many batches) or a float in [0, 1] (that fraction of the loader)."""
-    if value is None or is_int(value):
-        return check.int(name, value, minimum=0, allow_none=True,
-                         hint="that many batches; or a float in [0.0, 1.0]: that fraction of the loader")
-    return check.number(name, value, minimum=0.0, maximum=1.0, allow_none=True,
-                        hint="a fraction of the loader; or an integer >= 0: that many batches; None: all of them")
-
-
-def _xla_replicas(accelerator: str, strategy: Any) -> Optional[bool]:
-    """Whether this Trainer trains XLA replicas (True), one process over every device (None: SPMD), or neither
-    (False), from what it was given: the launcher to start differs."""
-    from fabric_lite.strategies import Strategy, strategy_class
-    from fabric_lite.strategies.environments import read_xla_settings
-
-    if isinstance(strategy, Strategy):
-        cls: Any = type(strategy)
-    else:
-        cls = None if str(strategy).lower() == "auto" else strategy_class(str(strategy))
-    if cls is not None and cls.drives_all_devices:
-        return None
-    name = str(accelerator).lower()
-    return bool((cls is not None and cls.runtime_device_type == "xla") or name in ("tpu", "xla")
-                or (name == "auto" and read_xla_settings().wants_xla))
-
-
-def _relaunch_if_needed(devices: Union[int, str], num_nodes: int, xla: Optional[bool] = False) -> None:
-    """`Trainer(devices=N)` in a script started with plain `python train.py`: start the script again
-    under torch's elastic launcher on N processes, or as N XLA replicas under torch_xla's launcher (`xla`)
-    (this process waits for them and exits with their code)."""
-    import sys
-
-    from fabric_lite.strategies.environments import detect_process, read_launch_settings
-
-    process = detect_process()
-    if not isinstance(devices, int) or devices <= 1 or process.is_distributed or xla is None:
-        return
-    if process.started_by_ray:  # Ray starts, places and restarts the processes: never a second launcher under it
-        raise RuntimeError(
-            f"Trainer(devices={devices}) in a single Ray process ({process.source}): under Ray, Ray starts the "
-            f"processes. Run the training function in Ray Train's TorchTrainer(train_fn, scaling_config="
-            f"ScalingConfig(num_workers={devices})) and leave `devices` out (or 'auto'), or pass devices=1.")
-    if xla and read_launch_settings().accelerator == "xla":
-        return  # a replica that torch_xla's launcher started (replicas that are threads share one environment)
-    main = sys.modules.get("__main__")
-    script = getattr(main, "__file__", None)
-    if script is None or not script.endswith(".py") or os.path.basename(sys.argv[0]) != os.path.basename(script):
-        raise RuntimeError(
-            f"Trainer(devices={devices}) needs {devices} processes, and this process was not started from a script "
-            f"it can start again (a notebook or an interactive session). Use notebook_launcher(fn, "
-            f"num_processes={devices}), or run `fabric-lite launch{' --tpu' if xla else ''} --nproc-per-node {devices} "
-            f"train.py`."
-        )
-    if not os.path.isfile(script):  # moved or deleted since it started: every worker would fail to open it
-        raise RuntimeError(
-            f"Trainer(devices={devices}) starts this script again on {devices} processes, but {script} no longer "
-            f"exists (moved or deleted while it ran). Put it back, or start it with `fabric-lite launch"
-            f"{' --tpu' if xla else ''} --nproc-per-node {devices} PATH/TO/SCRIPT.py`.")
-    import subprocess
-
-    from fabric_lite.launch.launcher import torchrun_command
-
-    if xla:  # (torch_xla's launcher, without `fabric-lite launch`'s config file: as torchrun below)
-        cmd = [sys.executable, "-m", "fabric_lite.launch.xla_launch", str(devices), script, *sys.argv[1:]]
-    else:  # (the script's own arguments pass through untouched)
-        cmd = torchrun_command(devices, num_nodes, script, sys.argv[1:])
-    raise SystemExit(subprocess.call(cmd))
 
 
 def _as_list(loaders: Any) -> List[Any]:
