@@ -110,8 +110,9 @@ def run_fit(trainer: "Trainer") -> None:
     trainer.call_hook("on_fit_start")
     if trainer.val_dataloaders and trainer.num_sanity_val_steps > 0 and trainer.global_step == 0:
         trainer.sanity_checking = True
-        for loader in trainer.val_dataloaders:
-            run_evaluation(trainer, "validate", loader, limit=trainer.num_sanity_val_steps, log=False)
+        with trainer.evaluation_context():
+            for loader in trainer.val_dataloaders:
+                run_evaluation(trainer, "validate", loader, limit=trainer.num_sanity_val_steps, log=False)
         trainer.sanity_checking = False
         trainer.metric_store.callback_metrics.clear()
         trainer.metric_store.progress_bar_metrics.clear()
@@ -121,9 +122,14 @@ def run_fit(trainer: "Trainer") -> None:
     trainer.call_hook("on_train_start")
     train_epoch = _train_epoch if profiler is None else profiler.wrap("run_training_epoch", _train_epoch)
     warned = False
-    while not trainer.should_stop and (trainer.max_epochs == -1 or trainer.current_epoch < trainer.max_epochs):
+    reload_every = trainer.reload_dataloaders_every_n_epochs
+    # (a stop asked for before min_epochs/min_steps are reached waits for them: Trainer.may_stop)
+    while not (trainer.should_stop and trainer.may_stop()) and (trainer.max_epochs == -1
+                                                                or trainer.current_epoch < trainer.max_epochs):
         if 0 <= trainer.max_steps <= trainer.global_step:
             break
+        if reload_every and trainer.current_epoch - trainer.loaded_epoch >= reload_every:
+            trainer.reload_dataloaders()
         if not train_epoch(trainer) and not warned:
             warnings.warn(empty_loader_warning(trainer), UserWarning, stacklevel=3)
             warned = True
@@ -254,7 +260,9 @@ def _train_epoch(trainer: "Trainer") -> bool:
             _validate(trainer)
         if 0 <= trainer.max_steps <= trainer.global_step or trainer.time_is_up():
             trainer.should_stop = True
-        if trainer.should_stop:
+            cut_short = limit is None or batch_idx + 1 < limit
+            break
+        if trainer.should_stop and trainer.may_stop():  # (a callback asked; min_epochs/min_steps may hold it)
             cut_short = limit is None or batch_idx + 1 < limit
             break
     else:
@@ -329,8 +337,9 @@ def _step_scheduler(trainer: "Trainer", sched: Any) -> None:
 
 
 def _validate(trainer: "Trainer") -> None:
-    for loader in trainer.val_dataloaders:
-        run_evaluation(trainer, "validate", loader)
+    with trainer.evaluation_context():
+        for loader in trainer.val_dataloaders:
+            run_evaluation(trainer, "validate", loader)
     trainer.module.train()
 
 
@@ -353,7 +362,7 @@ def run_evaluation(trainer: "Trainer", stage: str, loader: Any, limit: Optional[
         for cb in callbacks:
             cb.on_validation_start(trainer, module)
     trainer.call_hook(f"on_{hook}_epoch_start")
-    with torch.no_grad():
+    with trainer.evaluation_context():
         for batch_idx, batch in enumerate(batches):
             if limit is not None and batch_idx >= limit:
                 break
@@ -386,7 +395,7 @@ def run_predict(trainer: "Trainer", loaders: List[Any]) -> List[Any]:
     if profiler is not None:
         forward = profiler.wrap(f"[Strategy]{type(trainer.strategy).__name__}.predict_step", model)
         callbacks = trainer.timed_callbacks()
-    with torch.no_grad():
+    with trainer.evaluation_context():
         for loader in loaders:
             limit = batch_limit(trainer.limits["predict"], loader_length(loader))
             outputs = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Union
 
@@ -51,6 +52,16 @@ class TrainerSettings:
     deterministic: Union[bool, str, None] = False
     sync_batchnorm: bool = False
     explain: bool = False
+    min_epochs: Optional[int] = None
+    min_steps: Optional[int] = None
+    #: 0: off; a count or a fraction of the batches, read in order, in every epoch (training and validation)
+    overfit_batches: Union[int, float] = 0
+    detect_anomaly: bool = False
+    inference_mode: bool = True
+    reload_dataloaders_every_n_epochs: int = 0
+    use_distributed_sampler: bool = True
+    benchmark: Optional[bool] = None
+    barebones: bool = False
 
 
 def check_unknown(known: Sequence[str], unknown: Dict[str, Any]) -> None:
@@ -64,7 +75,20 @@ def check_unknown(known: Sequence[str], unknown: Dict[str, Any]) -> None:
 
 def resolve_settings(check: ArgumentCheck, given: Dict[str, Any]) -> TrainerSettings:
     """Check every argument in `given` (by the Trainer's names) and resolve them into one TrainerSettings."""
-    g = given
+    g = dict(given)
+    barebones = check.bool("barebones", g["barebones"],
+                           hint="True turns off logging, the progress bar, checkpoints, the model summary and the "
+                                "sanity check, to measure the Trainer's own cost")
+    if barebones:
+        _refuse_in_barebones(check, g)
+    for name, usual in (("enable_progress_bar", True), ("enable_checkpointing", True), ("enable_model_summary", True),
+                        ("log_every_n_steps", 50), ("num_sanity_val_steps", 2)):
+        if g[name] is None:  # Lightning's defaults: on, unless barebones
+            g[name] = usual if not barebones else (_BAREBONES_LOG_EVERY if name == "log_every_n_steps" else
+                                                   0 if name == "num_sanity_val_steps" else False)
+    if barebones:
+        g["logger"] = False
+    g["precision"] = _precision_from_plugins(check, g["plugins"], g["precision"])
     max_epochs = check.int("max_epochs", g["max_epochs"], minimum=-1, allow_none=True, hint="-1: no epoch limit")
     max_steps = check.int("max_steps", g["max_steps"], minimum=-1, hint="-1: no step limit")
     max_time = check.number("max_time", g["max_time"], minimum=0, above=True, allow_none=True,
@@ -108,10 +132,34 @@ def resolve_settings(check: ArgumentCheck, given: Dict[str, Any]) -> TrainerSett
     sync_batchnorm = check.bool("sync_batchnorm", g["sync_batchnorm"],
                                 hint="BatchNorm statistics over every process's batch under DDP")
     explain = check.bool("explain", g["explain"])
+    min_epochs = check.int("min_epochs", g["min_epochs"], minimum=0, allow_none=True,
+                           hint="train at least this many epochs, even when a callback asks to stop")
+    min_steps = check.int("min_steps", g["min_steps"], minimum=0, allow_none=True,
+                          hint="train at least this many optimizer steps, even when a callback asks to stop")
+    overfit_batches = _check_batch_limit(check, "overfit_batches", g["overfit_batches"]) or 0
+    detect_anomaly = check.bool("detect_anomaly", g["detect_anomaly"],
+                                hint="torch.autograd anomaly detection during fit: slow, names the op that made a NaN")
+    inference_mode = check.bool("inference_mode", g["inference_mode"],
+                                hint="True: evaluate under torch.inference_mode; False: under torch.no_grad")
+    reload_every = check.int("reload_dataloaders_every_n_epochs", g["reload_dataloaders_every_n_epochs"], minimum=0,
+                             hint="call the *_dataloader() methods again every N epochs; 0: never")
+    use_distributed_sampler = check.bool("use_distributed_sampler", g["use_distributed_sampler"],
+                                         hint="False: each process reads its loader as given (shard it yourself)")
+    benchmark = check.bool("benchmark", g["benchmark"], allow_none=True,
+                           hint="torch.backends.cudnn.benchmark; None: as set, or False with deterministic=True")
+    if deterministic:
+        if benchmark is None:
+            benchmark = False
+        elif benchmark:
+            warnings.warn("Trainer(deterministic=True, benchmark=True): with cudnn.benchmark on, cuDNN picks its "
+                          "kernels by timing them, so results may differ between runs despite deterministic=True.",
+                          UserWarning, stacklevel=4)
+    if overfit_batches:
+        limits["train"] = limits["validate"] = overfit_batches
     if fast_dev_run:
         n = 1 if fast_dev_run is True else int(fast_dev_run)
         max_epochs, max_steps, num_sanity_val_steps = 1, n, 0
-        limits = dict.fromkeys(limits, n)
+        limits = {k: (v if overfit_batches and k in ("train", "validate") else n) for k, v in limits.items()}
         enable_checkpointing = False
     return TrainerSettings(
         max_epochs=max_epochs if max_epochs is not None else (1000 if max_steps == -1 else -1),
@@ -124,7 +172,9 @@ def resolve_settings(check: ArgumentCheck, given: Dict[str, Any]) -> TrainerSett
         default_root_dir=os.fspath(default_root_dir) if default_root_dir is not None else os.getcwd(),
         enable_progress_bar=enable_progress_bar, enable_checkpointing=enable_checkpointing,
         enable_model_summary=enable_model_summary, deterministic=deterministic, sync_batchnorm=sync_batchnorm,
-        explain=explain,
+        explain=explain, min_epochs=min_epochs, min_steps=min_steps, overfit_batches=overfit_batches,
+        detect_anomaly=detect_anomaly, inference_mode=inference_mode, reload_dataloaders_every_n_epochs=reload_every,
+        use_distributed_sampler=use_distributed_sampler, benchmark=benchmark, barebones=barebones,
     )
 
 
@@ -132,6 +182,60 @@ def apply_torch_settings(settings: TrainerSettings) -> None:
     """Set torch's process-wide switches the settings ask for (after every check has passed)."""
     if settings.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=settings.deterministic == "warn")
+    if settings.benchmark is not None:  # (None leaves the session's setting as it is)
+        torch.backends.cudnn.benchmark = settings.benchmark
+
+
+#: barebones: step metrics are never written on their own (only at epoch ends)
+_BAREBONES_LOG_EVERY = 10 ** 9
+
+#: what barebones turns off: the argument, and the values that leave it off
+_BAREBONES_OFF = {
+    "enable_checkpointing": (None, False), "logger": (None, False), "enable_progress_bar": (None, False),
+    "log_every_n_steps": (None, 0), "enable_model_summary": (None, False), "num_sanity_val_steps": (None, 0),
+    "fast_dev_run": (False, 0), "detect_anomaly": (False,), "profiler": (None,),
+}
+
+
+def _refuse_in_barebones(check: ArgumentCheck, given: Dict[str, Any]) -> None:
+    """barebones=True with a feature it turns off asked for: refuse, naming the feature (as Lightning does)."""
+    for name, off in _BAREBONES_OFF.items():
+        value = given[name]
+        if not any(value is v or (type(value) is type(v) and value == v) for v in off):
+            check.fail(name, value, f"is not available with barebones=True, which turns off logging, the progress "
+                                    f"bar, checkpoints, the model summary, the sanity check, fast_dev_run, "
+                                    f"detect_anomaly and the profiler. Drop {name}, or barebones=True.")
+    # (log_every_n_steps=0 means "never" under barebones only; elsewhere it is refused by its own check)
+    given["log_every_n_steps"] = None if given["log_every_n_steps"] == 0 else given["log_every_n_steps"]
+
+
+def _precision_from_plugins(check: ArgumentCheck, plugins: Any, precision: Any) -> Any:
+    """`plugins=`: a precision plugin (fabric_lite's `Precision`) sets the precision; Lightning's other plugin kinds
+    (cluster environments, checkpoint IO, layer sync) have no counterpart here and are refused by name."""
+    if plugins is None:
+        return precision
+    from fabric_lite.strategies.precision import Precision
+    from fabric_lite.utils.refusals import NotSupportedError
+
+    items = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+    chosen = None
+    for item in items:
+        if isinstance(item, Precision):
+            if chosen is not None:
+                check.fail("plugins", plugins, "holds two precision plugins; keep one.")
+            chosen = item.name
+            continue
+        name = item if isinstance(item, str) else type(item).__name__
+        raise NotSupportedError(
+            f"Trainer(plugins=[{name}]): the {name!r} plugin has no counterpart in fabric_lite. A precision plugin "
+            f"(fabric_lite.strategies.precision.Precision) is accepted; the launch environment (torchrun, SLURM, "
+            f"...) is read by itself, checkpoints are written by the strategy's own format, and sync_batchnorm=True "
+            f"replaces a layer-sync plugin. Drop the plugin, or use the Trainer argument that does its work.")
+    if chosen is None:
+        return precision
+    if precision not in ("32-true", chosen):  # (the default, or the same value, agree with the plugin)
+        check.fail("precision", precision, f"and plugins=[Precision({chosen!r})] both set the precision; pass one.")
+    return chosen
 
 
 def _check_logger(check: ArgumentCheck, value: Any) -> Union[List[Callback], bool, None]:

@@ -12,6 +12,7 @@ import inspect
 import os
 import sys
 import time
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
@@ -23,6 +24,9 @@ from fabric_lite.callbacks.base import Callback, is_logger
 from fabric_lite.strategies.environments import detect_process, read_launch_settings, records_explain_arguments
 from fabric_lite.trainer.logged_metrics import MetricStore
 from fabric_lite.trainer.module import DataModule, TrainModule
+from fabric_lite.trainer.data_connector import (
+    STAGE_LOADERS, as_list, connect_data, prepare_unsharded, sequential_loader, teardown_data,
+)
 from fabric_lite.trainer.configure_optimizers import SchedulerConfig, parse_optimizers
 from fabric_lite.trainer.profiler import PassThroughProfiler, Profiler, SimpleProfiler
 from fabric_lite.trainer.relaunch import relaunch_if_needed, xla_replicas
@@ -120,10 +124,14 @@ class Trainer:
         check_val_every_n_epoch: int = 1, limit_train_batches: Union[int, float, None] = None,
         limit_val_batches: Union[int, float, None] = None, limit_test_batches: Union[int, float, None] = None,
         limit_predict_batches: Union[int, float, None] = None, fast_dev_run: Union[bool, int] = False,
-        num_sanity_val_steps: int = 2, log_every_n_steps: int = 50, default_root_dir: Optional[str] = None,
-        enable_progress_bar: bool = True, enable_checkpointing: bool = True, enable_model_summary: bool = True,
+        num_sanity_val_steps: Optional[int] = None, log_every_n_steps: Optional[int] = None,
+        default_root_dir: Optional[str] = None, enable_progress_bar: Optional[bool] = None,
+        enable_checkpointing: Optional[bool] = None, enable_model_summary: Optional[bool] = None,
         deterministic: Union[bool, str, None] = False, profiler: Any = None, sync_batchnorm: bool = False,
-        explain: bool = False,
+        min_epochs: Optional[int] = None, min_steps: Optional[int] = None, overfit_batches: Union[int, float] = 0.0,
+        detect_anomaly: bool = False, inference_mode: bool = True, reload_dataloaders_every_n_epochs: int = 0,
+        use_distributed_sampler: bool = True, benchmark: Optional[bool] = None, barebones: bool = False,
+        plugins: Any = None, explain: bool = False,
         **unknown: Any,
     ) -> None:
         given = {name: value for name, value in locals().items() if name not in ("self", "unknown", "__class__")}
@@ -178,6 +186,13 @@ class Trainer:
         self.explain = settings.explain  # fit() prints the plan (explain.py) and returns without training
         self.callbacks: List[Callback] = settings.callbacks  # (a new list: the checks copied it)
         self.enable_model_summary = settings.enable_model_summary
+        self.min_epochs, self.min_steps = settings.min_epochs, settings.min_steps
+        self.overfit_batches = settings.overfit_batches
+        self.reload_dataloaders_every_n_epochs = settings.reload_dataloaders_every_n_epochs
+        self.barebones = settings.barebones
+        #: the DataModule given to the latest fit/validate/test/predict that had one (None before any)
+        self.datamodule: Optional[DataModule] = None
+        self.min_limits_noted = False  # (the note that a stop waits for min_epochs/min_steps is printed once)
         self._add_default_callbacks(settings.enable_progress_bar, settings.enable_checkpointing,
                                     settings.enable_model_summary, settings.logger)
         self.current_epoch = 0
@@ -374,21 +389,25 @@ class Trainer:
     # -- entry points ------------------------------------------------------------------------------
     def fit(self, module: TrainModule, train_dataloaders: Any = None, val_dataloaders: Any = None,
             datamodule: Optional[DataModule] = None, ckpt_path: Optional[str] = None) -> None:
-        """Train `module`; `ckpt_path="last"` resumes from the newest checkpoint if there is one."""
+        """Train `module`; `ckpt_path="last"` resumes from the newest checkpoint if there is one. Without loaders or
+        a datamodule, the module's own train_dataloader()/val_dataloader() give them."""
         from fabric_lite.trainer import loops
 
-        train, val = self._loaders(module, datamodule, "fit", train_dataloaders, val_dataloaders)
+        if not isinstance(module, TrainModule):
+            raise TypeError(f"Trainer runs TrainModule subclasses, got {type(module).__name__}.")
+        self.train_source, self.val_source = connect_data(self, module, datamodule, "fit",
+                                                          (train_dataloaders, val_dataloaders))
+        train = self.train_source.request()
         if train is None:
-            raise ValueError("fit() needs train_dataloaders, or a datamodule with train_dataloader().")
+            raise ValueError("fit() needs train_dataloaders, a datamodule with train_dataloader(), or a module that "
+                             "defines train_dataloader().")
         # A second fit() on this Trainer starts from clean registrations (no duplicate checkpoint entries).
         self.accelerator.free_memory()
         self.accelerator.registered_objects.clear()
         self.accelerator.per_process_objects.clear()
-        self.train_dataloader = self.accelerator.prepare_data_loader(train)
-        # the user's loader and where it came from, named if it yields no batches (loops.empty_loader_warning)
-        self.train_dataloader_source = (train, "given to fit()" if datamodule is None
-                                        else f"from {type(datamodule).__name__}.train_dataloader()")
-        self.val_dataloaders = [self._prepare_eval_loader(v) for v in _as_list(val)]
+        self.train_dataloader = self._prepare_train_loader(train)
+        self.val_dataloaders = [self._prepare_eval_loader(v, "validate") for v in as_list(self.val_source.request())]
+        self.loaded_epoch = self.current_epoch
         self._attach(module, with_optimizers=True)
         for sched in self.lr_scheduler_configs:
             self.accelerator.register_for_checkpointing(sched.scheduler)
@@ -426,7 +445,8 @@ class Trainer:
         self.preemption = PreemptionWatch()
         self.preemption.install()
         try:
-            loops.run_fit(self)
+            with torch.autograd.set_detect_anomaly(self.settings.detect_anomaly):
+                loops.run_fit(self)
             self.accelerator.wait_for_checkpoint()  # the last save is published (or its failure raised) on return
         except BaseException as err:
             for cb in callbacks:
@@ -437,90 +457,159 @@ class Trainer:
             self.preemption.uninstall()
             for cb in callbacks:
                 cb.teardown(self, module, "fit")
-            if datamodule is not None:  # after a failure too, as its setup ran
-                datamodule.teardown("fit")
+            teardown_data(module, datamodule, "fit")  # after a failure too, as their setup ran
             if profiling:
                 self._end_profile("fit")
 
     def validate(self, module: Optional[TrainModule] = None, dataloaders: Any = None,
-                 datamodule: Optional[DataModule] = None) -> List[Dict[str, float]]:
-        return self._evaluate("validate", module, dataloaders, datamodule)
+                 datamodule: Optional[DataModule] = None, ckpt_path: Optional[str] = None) -> List[Dict[str, float]]:
+        """Run validation; `ckpt_path` ("best", "last" or a path) loads those weights first."""
+        return self._evaluate("validate", module, dataloaders, datamodule, ckpt_path)
 
     def test(self, module: Optional[TrainModule] = None, dataloaders: Any = None,
-             datamodule: Optional[DataModule] = None) -> List[Dict[str, float]]:
-        return self._evaluate("test", module, dataloaders, datamodule)
+             datamodule: Optional[DataModule] = None, ckpt_path: Optional[str] = None) -> List[Dict[str, float]]:
+        """Run the test loop; `ckpt_path` ("best", "last" or a path) loads those weights first."""
+        return self._evaluate("test", module, dataloaders, datamodule, ckpt_path)
 
     def predict(self, module: Optional[TrainModule] = None, dataloaders: Any = None,
-                datamodule: Optional[DataModule] = None) -> List[Any]:
+                datamodule: Optional[DataModule] = None, ckpt_path: Optional[str] = None) -> List[Any]:
         from fabric_lite.trainer import loops
 
         module = module or self.module
         if module is None:
             raise ValueError("predict() needs a module (or a Trainer that has already fit one).")
-        loaders = self._eval_loaders(module, datamodule, "predict", dataloaders)
+        loaders = self._eval_loaders(module, datamodule, "predict", dataloaders, ckpt_path)
         profiling = self.profiler.enabled
         if profiling:
             self._start_profile("predict")
         try:
             return loops.run_predict(self, loaders)
         finally:
-            if datamodule is not None:
-                datamodule.teardown("predict")
+            teardown_data(module, datamodule, "predict")
             if profiling:
                 self._end_profile("predict")
 
     def _evaluate(self, stage: str, module: Optional[TrainModule], dataloaders: Any,
-                  datamodule: Optional[DataModule]) -> List[Dict[str, float]]:
+                  datamodule: Optional[DataModule], ckpt_path: Optional[str] = None) -> List[Dict[str, float]]:
         from fabric_lite.trainer import loops
 
         module = module or self.module
         if module is None:
             raise ValueError(f"{stage}() needs a module (or a Trainer that has already fit one).")
-        loaders = self._eval_loaders(module, datamodule, stage, dataloaders)
+        loaders = self._eval_loaders(module, datamodule, stage, dataloaders, ckpt_path)
         profiling = self.profiler.enabled
         if profiling:
             self._start_profile(stage)
         try:
-            return [loops.run_evaluation(self, stage, loader) for loader in loaders]
+            with self.evaluation_context():
+                return [loops.run_evaluation(self, stage, loader) for loader in loaders]
         finally:
-            if datamodule is not None:
-                datamodule.teardown(stage)
+            teardown_data(module, datamodule, stage)
             if profiling:
                 self._end_profile(stage)
 
     def _eval_loaders(self, module: TrainModule, datamodule: Optional[DataModule], stage: str,
-                      dataloaders: Any) -> List[Any]:
-        loaders, _ = self._loaders(module, datamodule, stage, dataloaders, None)
+                      dataloaders: Any, ckpt_path: Optional[str] = None) -> List[Any]:
+        if not isinstance(module, TrainModule):
+            raise TypeError(f"Trainer runs TrainModule subclasses, got {type(module).__name__}.")
+        source, = connect_data(self, module, datamodule, stage, (dataloaders,))
+        loaders = source.request()
         if loaders is None:
-            raise ValueError(f"{stage}() needs dataloaders, or a datamodule with {stage}_dataloader().")
+            name = STAGE_LOADERS[stage][0]
+            raise ValueError(f"{stage}() needs dataloaders, a datamodule with {name}(), or a module that defines "
+                             f"{name}().")
         if self.module is not module:
             self._attach(module)
-        return [self._prepare_eval_loader(d) for d in _as_list(loaders)]
+        if ckpt_path is not None:
+            self._load_weights(stage, ckpt_path)
+        return [self._prepare_eval_loader(d, stage) for d in as_list(loaders)]
 
-    def _prepare_eval_loader(self, loader: Any) -> Any:
+    def _load_weights(self, stage: str, ckpt_path: str) -> None:
+        """validate/test/predict(ckpt_path=...): the weights of "best" (the checkpoint callback's best model),
+        "last" (its newest checkpoint) or a path, into the module (Lightning's rules, its errors)."""
+        path: Optional[str] = ckpt_path
+        callback: Any = self.checkpoint_callback
+        if ckpt_path == "best":
+            if callback is None:
+                raise ValueError(f'{stage}(ckpt_path="best") needs a ModelCheckpoint, and this Trainer has none '
+                                 f'(enable_checkpointing=False). Pass a checkpoint path instead.')
+            path = callback.best_model_path
+            if not path:
+                why = ("fast_dev_run saves no checkpoints" if self.fast_dev_run else
+                       "no checkpoint has been saved yet (fit() first, or the monitored metric was never logged)")
+                raise ValueError(f'{stage}(ckpt_path="best"): the ModelCheckpoint has no best model: {why}. Pass a '
+                                 f'checkpoint path to {stage}(ckpt_path=...).')
+        elif ckpt_path == "last":
+            from fabric_lite.checkpoint import files as checkpoint_io
+
+            path = callback.last_model_path if callback is not None else ""
+            if not path:
+                found = checkpoint_io.newest_whole_checkpoint(self.checkpoint_dir()) if self.is_global_zero else None
+                path = self.strategy.broadcast_object(found)
+            if not path:
+                warnings.warn(f'{stage}(ckpt_path="last"): there is no checkpoint yet; the module runs with the '
+                              f'weights it has.', UserWarning, stacklevel=4)
+                return
+        self.accelerator.load_model_weights(self.model, path)
+
+    def _prepare_train_loader(self, loader: Any) -> Any:
+        if self.overfit_batches:
+            loader = sequential_loader(loader, "training", self.overfit_batches)
+        # the user's loader and where it came from, named if it yields no batches (loops.empty_loader_warning)
+        self.train_dataloader_source = (loader, self.train_source.origin)
+        if not self.settings.use_distributed_sampler:
+            return prepare_unsharded(self, loader)
+        return self.accelerator.prepare_data_loader(loader)
+
+    def _prepare_eval_loader(self, loader: Any, stage: str = "validate") -> Any:
+        if self.overfit_batches and stage == "validate":
+            loader = sequential_loader(loader, "validation", self.overfit_batches)
         # Every sample exactly once (no even-batch padding), so metrics over the whole set are exact;
         # unless each forward is a collective (ZeRO-3), where a process that ran out would hang the rest:
         # then the last step is padded as in training, and its repeated samples count in epoch means.
-        return self.accelerator.prepare_data_loader(loader, even_batches=self.strategy.forward_is_collective)
+        even = self.strategy.forward_is_collective
+        if not self.settings.use_distributed_sampler:
+            return prepare_unsharded(self, loader, even_batches=even)
+        return self.accelerator.prepare_data_loader(loader, even_batches=even)
+
+    def reload_dataloaders(self) -> None:
+        """`reload_dataloaders_every_n_epochs`: ask the loader methods again (at an epoch start, every N epochs)."""
+        acc = self.accelerator
+        if self.train_source.reloadable:
+            old, new = self.train_dataloader, self._prepare_train_loader(self.train_source.request())
+            acc.dataloaders.remove(new)  # the new loader takes the old one's place (its checkpoint slot)
+            acc.dataloaders[acc.dataloaders.index(old)] = new
+            new.set_epoch(self.current_epoch)
+            self.train_dataloader = new
+        if self.val_source.reloadable:
+            for old in self.val_dataloaders:
+                acc.dataloaders.remove(old)
+            self.val_dataloaders = [self._prepare_eval_loader(v) for v in as_list(self.val_source.request())]
+        self.loaded_epoch = self.current_epoch
+
+    def evaluation_context(self) -> Any:
+        """What evaluation and prediction run under: torch.inference_mode (`inference_mode=True`, the default) or
+        torch.no_grad; no_grad on XLA and over a gloo process group, where inference tensors are not supported."""
+        import torch.distributed as dist
+
+        if not self.settings.inference_mode or self.device.type == "xla" or (
+                dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo"):
+            return torch.no_grad()
+        return torch.inference_mode()
+
+    def may_stop(self) -> bool:
+        """Whether `min_epochs`/`min_steps` let training stop now: a stop asked for before waits for them."""
+        if (self.min_epochs is None or self.current_epoch >= self.min_epochs) and \
+                (self.min_steps is None or self.global_step >= self.min_steps):
+            return True
+        if not self.min_limits_noted and self.is_global_zero:
+            self.min_limits_noted = True
+            print(f"fabric_lite: a stop was asked for at epoch {self.current_epoch}, step {self.global_step}, before "
+                  f"min_epochs={self.min_epochs} / min_steps={self.min_steps}; training goes on until they are "
+                  f"reached.", file=sys.stderr, flush=True)
+        return False
 
     # -- plumbing ----------------------------------------------------------------------------------
-    def _loaders(self, module: TrainModule, datamodule: Optional[DataModule], stage: str, first: Any,
-                 second: Any) -> tuple:
-        if datamodule is None:
-            return first, second
-        if first is not None or second is not None:
-            raise ValueError(f"Pass dataloaders or a datamodule to {stage}(), not both.")
-        with self.accelerator.main_process_first():
-            if self.is_global_zero:
-                datamodule.prepare_data()
-        datamodule.setup(stage)
-        if datamodule.hparams:
-            module.hparams.setdefault("datamodule", dict(datamodule.hparams))
-        if stage == "fit":
-            return datamodule.train_dataloader(), datamodule.val_dataloader()
-        name = {"validate": "val_dataloader", "test": "test_dataloader", "predict": "predict_dataloader"}[stage]
-        return getattr(datamodule, name)(), None
-
     def _attach(self, module: TrainModule, with_optimizers: bool = False) -> None:
         if not isinstance(module, TrainModule):
             raise TypeError(f"Trainer runs TrainModule subclasses, got {type(module).__name__}.")
@@ -648,11 +737,3 @@ def _check_profiler(check: ArgumentCheck, value: Any) -> Profiler:
         check.fail("profiler", value, rule + (" (Lightning's cProfile and torch.profiler profilers are not "
                                               "available here)." if other else "."))
     return SimpleProfiler()
-
-
-def _as_list(loaders: Any) -> List[Any]:
-    if loaders is None:
-        return []
-    if isinstance(loaders, (list, tuple)):
-        return list(loaders)
-    return [loaders]
