@@ -530,14 +530,16 @@ class Trainer:
         path: Optional[str] = ckpt_path
         callback: Any = self.checkpoint_callback
         if ckpt_path == "best":
+            path = callback.best_model_path if callback is not None else ""
+            if not path and self.fast_dev_run:
+                raise ValueError(f'{stage}(ckpt_path="best") with fast_dev_run: fast_dev_run saves no checkpoints. '
+                                 f'Pass a checkpoint path to {stage}(ckpt_path=...).')
             if callback is None:
                 raise ValueError(f'{stage}(ckpt_path="best") needs a ModelCheckpoint, and this Trainer has none '
                                  f'(enable_checkpointing=False). Pass a checkpoint path instead.')
-            path = callback.best_model_path
             if not path:
-                why = ("fast_dev_run saves no checkpoints" if self.fast_dev_run else
-                       "no checkpoint has been saved yet (fit() first, or the monitored metric was never logged)")
-                raise ValueError(f'{stage}(ckpt_path="best"): the ModelCheckpoint has no best model: {why}. Pass a '
+                raise ValueError(f'{stage}(ckpt_path="best"): the ModelCheckpoint has no best model: no checkpoint '
+                                 f'has been saved yet (fit() first, or the monitored metric was never logged). Pass a '
                                  f'checkpoint path to {stage}(ckpt_path=...).')
         elif ckpt_path == "last":
             from fabric_lite.checkpoint import files as checkpoint_io
