@@ -16,7 +16,8 @@ if TYPE_CHECKING:
     from fabric_lite.trainer.module import DataModule, TrainModule
     from fabric_lite.trainer.trainer import Trainer
 
-__all__ = ["STAGE_LOADERS", "LoaderSource", "connect_data", "teardown_data", "as_list", "sequential_loader", "prepare_unsharded"]
+__all__ = ["STAGE_LOADERS", "LoaderSource", "connect_data", "teardown_data", "as_list", "sequential_loader",
+           "prepare_unsharded", "prepare_train_loader", "prepare_eval_loader", "reload_loaders"]
 
 #: the loader methods each stage asks for, in order
 STAGE_LOADERS = {"fit": ("train_dataloader", "val_dataloader"), "validate": ("val_dataloader",),
@@ -143,3 +144,44 @@ def prepare_unsharded(trainer: "Trainer", loader: Any, even_batches: Optional[bo
     )
     acc.dataloaders.append(prepared)
     return prepared
+
+
+def prepare_train_loader(trainer: "Trainer", loader: Any) -> Any:
+    """The training loader as the Trainer reads it: in order under overfit_batches, sharded unless
+    use_distributed_sampler=False."""
+    if trainer.overfit_batches:
+        loader = sequential_loader(loader, "training", trainer.overfit_batches)
+    # the user's loader and where it came from, named if it yields no batches (loops.empty_loader_warning)
+    trainer.train_dataloader_source = (loader, trainer.train_source.origin)
+    if not trainer.settings.use_distributed_sampler:
+        return prepare_unsharded(trainer, loader)
+    return trainer.accelerator.prepare_data_loader(loader)
+
+
+def prepare_eval_loader(trainer: "Trainer", loader: Any, stage: str = "validate") -> Any:
+    """An evaluation loader as the Trainer reads it: every sample once (see below), in order under overfit_batches."""
+    if trainer.overfit_batches and stage == "validate":
+        loader = sequential_loader(loader, "validation", trainer.overfit_batches)
+    # Every sample exactly once (no even-batch padding), so metrics over the whole set are exact;
+    # unless each forward is a collective (ZeRO-3), where a process that ran out would hang the rest:
+    # then the last step is padded as in training, and its repeated samples count in epoch means.
+    even = trainer.strategy.forward_is_collective
+    if not trainer.settings.use_distributed_sampler:
+        return prepare_unsharded(trainer, loader, even_batches=even)
+    return trainer.accelerator.prepare_data_loader(loader, even_batches=even)
+
+
+def reload_loaders(trainer: "Trainer") -> None:
+    """`reload_dataloaders_every_n_epochs`: ask the loader methods again (at an epoch start, every N epochs)."""
+    acc = trainer.accelerator
+    if trainer.train_source.reloadable:
+        old, new = trainer.train_dataloader, prepare_train_loader(trainer, trainer.train_source.request())
+        acc.dataloaders.remove(new)  # the new loader takes the old one's place (its checkpoint slot)
+        acc.dataloaders[acc.dataloaders.index(old)] = new
+        new.set_epoch(trainer.current_epoch)
+        trainer.train_dataloader = new
+    if trainer.val_source.reloadable:
+        for old in trainer.val_dataloaders:
+            acc.dataloaders.remove(old)
+        trainer.val_dataloaders = [prepare_eval_loader(trainer, v) for v in as_list(trainer.val_source.request())]
+    trainer.loaded_epoch = trainer.current_epoch

@@ -9,10 +9,8 @@ logging, checkpoints, callbacks) and nothing else.
 from __future__ import annotations
 
 import inspect
-import os
 import sys
 import time
-import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
@@ -24,19 +22,21 @@ from fabric_lite.callbacks.base import Callback, is_logger
 from fabric_lite.strategies.environments import detect_process, read_launch_settings, records_explain_arguments
 from fabric_lite.trainer.logged_metrics import MetricStore
 from fabric_lite.trainer.module import DataModule, TrainModule
+from fabric_lite.trainer.checkpointing import (
+    LoggedAggregates, TrainerCheckpointState, load_eval_weights, ray_checkpoint, restore,
+)
+from fabric_lite.trainer.facts import TrainerFacts
 from fabric_lite.trainer.data_connector import (
-    STAGE_LOADERS, as_list, connect_data, prepare_unsharded, sequential_loader, teardown_data,
+    STAGE_LOADERS, as_list, connect_data, prepare_eval_loader, prepare_train_loader, teardown_data,
 )
 from fabric_lite.trainer.configure_optimizers import SchedulerConfig, parse_optimizers
 from fabric_lite.trainer.profiler import PassThroughProfiler, Profiler, SimpleProfiler
 from fabric_lite.trainer.relaunch import relaunch_if_needed, xla_replicas
+from fabric_lite.trainer.sync_batchnorm import SYNC_BATCHNORM_DEVICES, convert_sync_batchnorm
 from fabric_lite.trainer.settings import apply_torch_settings, check_unknown, default_logger, resolve_settings
 from fabric_lite.launch.preemption import PreemptionWatch
 
 __all__ = ["Trainer", "convert_sync_batchnorm", "SYNC_BATCHNORM_DEVICES"]
-
-#: The device types torch's SyncBatchNorm synchronizes across processes (it refuses CPU tensors).
-SYNC_BATCHNORM_DEVICES = ("cuda", "xpu", "hpu")
 
 
 _STEP_METHODS = {"train": "training_step", "validate": "validation_step", "test": "test_step",
@@ -62,51 +62,7 @@ class _StepRunner(nn.Module):
         return getattr(self.module, _STEP_METHODS[stage])(batch, batch_idx)
 
 
-class _TrainerState:
-    """The Trainer's part of a checkpoint: counters, callback states, hyperparameters."""
-
-    def __init__(self, trainer: "Trainer") -> None:
-        self.trainer = trainer
-
-    def state_dict(self) -> Dict[str, Any]:
-        t = self.trainer
-        extra: Dict[str, Any] = {}
-        t.module.on_save_checkpoint(extra)
-        for cb in t.callbacks:
-            cb.on_save_checkpoint(t, t.module, extra)
-        return {
-            "epoch": t.current_epoch, "global_step": t.global_step, "epoch_finished": t.epoch_finished,
-            "callbacks": {cb.state_key: cb.state_dict() for cb in t.callbacks},
-            "hyper_parameters": dict(t.module.hparams), "extra": extra,
-        }
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        t = self.trainer
-        t.current_epoch = int(state["epoch"]) + (1 if state.get("epoch_finished") else 0)
-        t.global_step = int(state["global_step"])
-        for cb in t.callbacks:
-            if cb.state_key in state["callbacks"]:
-                cb.load_state_dict(state["callbacks"][cb.state_key])
-        extra = state.get("extra", {})
-        t.module.on_load_checkpoint(extra)
-        for cb in t.callbacks:
-            cb.on_load_checkpoint(t, t.module, extra)
-
-
-class _LoggedAggregates:
-    """Each process's unfinished epoch aggregates of `self.log` (saved per rank: they differ between ranks)."""
-
-    def __init__(self, trainer: "Trainer") -> None:
-        self.trainer = trainer
-
-    def state_dict(self) -> Dict[str, Any]:
-        return self.trainer.metric_store.state_dict(self.trainer.module)
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.trainer.metric_store.load_state_dict(state, self.trainer.module)
-
-
-class Trainer:
+class Trainer(TrainerFacts):
     """Fit a TrainModule: `Trainer(max_epochs=3, precision="bf16-mixed").fit(module, train_loader, val_loader)`."""
 
     #: Under `fabric-lite explain`, the arguments this Trainer was given; None otherwise.
@@ -279,65 +235,6 @@ class Trainer:
 
     # -- what callbacks and modules read -----------------------------------------------------------
     @property
-    def device(self) -> torch.device:
-        return self.accelerator.device
-
-    @property
-    def is_global_zero(self) -> bool:
-        return self.strategy.is_global_zero
-
-    @property
-    def world_size(self) -> int:
-        """Processes in the job (Lightning's `world_size`)."""
-        return self.strategy.world_size
-
-    @property
-    def global_rank(self) -> int:
-        """This process's rank in the job (0 on the main process)."""
-        return self.strategy.global_rank
-
-    @property
-    def local_rank(self) -> int:
-        """This process's rank on its node."""
-        return self.strategy.local_rank
-
-    @property
-    def node_rank(self) -> int:
-        """The rank of this process's node."""
-        return self.strategy.node_rank
-
-    @property
-    def num_nodes(self) -> int:
-        return self.strategy.process.num_nodes
-
-    @property
-    def num_devices(self) -> int:
-        """Devices this node trains on: one per process, or under SPMD (one process driving every device) the
-        devices of its mesh."""
-        if self.strategy.drives_all_devices:
-            devices = getattr(getattr(self.strategy, "mesh", None), "device_ids", None)
-            if devices is not None:
-                return max(1, len(devices) // self.num_nodes)
-        return self.strategy.process.local_world_size
-
-    @property
-    def loggers(self) -> List[Callback]:
-        """The logger callbacks (from `logger=` and `callbacks=`), in the order they run."""
-        return [c for c in self.callbacks if is_logger(c)]
-
-    @property
-    def logger(self) -> Optional[Callback]:
-        """The first logger callback, or None."""
-        return next((c for c in self.callbacks if is_logger(c)), None)
-
-    @property
-    def log_dir(self) -> str:
-        """The first logger's directory (its save_dir until it has chosen its version), else default_root_dir."""
-        logger = self.logger
-        found = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
-        return os.fspath(found) if found is not None else self.default_root_dir
-
-    @property
     def callback_metrics(self) -> Dict[str, torch.Tensor]:
         """Latest step values and epoch results, as device tensors (brought up to date when read)."""
         self.metric_store.step_values()
@@ -347,12 +244,6 @@ class Trainer:
     def progress_bar_metrics(self) -> Dict[str, torch.Tensor]:
         self.metric_store.step_values()
         return self.metric_store.progress_bar_metrics
-
-    @property
-    def checkpoint_callback(self) -> Optional[Callback]:
-        from fabric_lite.callbacks.checkpoint import ModelCheckpoint
-
-        return next((c for c in self.callbacks if isinstance(c, ModelCheckpoint)), None)
 
     def log_metrics(self, metrics: Dict[str, Any], step: Optional[int] = None) -> None:
         """Send values to every logger callback (floats; tensors are read here, once)."""
@@ -405,7 +296,7 @@ class Trainer:
         self.accelerator.free_memory()
         self.accelerator.registered_objects.clear()
         self.accelerator.per_process_objects.clear()
-        self.train_dataloader = self._prepare_train_loader(train)
+        self.train_dataloader = prepare_train_loader(self, train)
         self.val_dataloaders = [self._prepare_eval_loader(v, "validate") for v in as_list(self.val_source.request())]
         self.loaded_epoch = self.current_epoch
         self._attach(module, with_optimizers=True)
@@ -422,8 +313,8 @@ class Trainer:
 
             explain_trainer(self, module, ckpt_path)  # exits 0 under `fabric-lite explain`
             return
-        self.accelerator.register_for_checkpointing(_TrainerState(self))
-        self.accelerator.register_for_checkpointing(_LoggedAggregates(self), per_process=True)
+        self.accelerator.register_for_checkpointing(TrainerCheckpointState(self))
+        self.accelerator.register_for_checkpointing(LoggedAggregates(self), per_process=True)
         if self.enable_model_summary:
             self._add_model_summary()
         profiling = self.profiler.enabled
@@ -434,14 +325,14 @@ class Trainer:
             cb.setup(self, module, "fit")
         process = detect_process()
         if ckpt_path in (None, "last") and process.started_by_ray:
-            ckpt_path = self._ray_checkpoint(ckpt_path)
+            ckpt_path = ray_checkpoint(self, ckpt_path)
         if ckpt_path is None and process.restart_count > 0:
             ckpt_path = "last"  # restarted by torch elastic: go on from the newest whole checkpoint
             if self.is_global_zero:
                 print(f"fabric_lite: restart {process.restart_count}: resuming from the newest checkpoint "
                       f"under {self.checkpoint_dir()}", file=sys.stderr, flush=True)
         if ckpt_path is not None:
-            self._restore(ckpt_path)
+            restore(self, ckpt_path)
         self.preemption = PreemptionWatch()
         self.preemption.install()
         try:
@@ -521,73 +412,11 @@ class Trainer:
         if self.module is not module:
             self._attach(module)
         if ckpt_path is not None:
-            self._load_weights(stage, ckpt_path)
+            load_eval_weights(self, stage, ckpt_path)
         return [self._prepare_eval_loader(d, stage) for d in as_list(loaders)]
 
-    def _load_weights(self, stage: str, ckpt_path: str) -> None:
-        """validate/test/predict(ckpt_path=...): the weights of "best" (the checkpoint callback's best model),
-        "last" (its newest checkpoint) or a path, into the module (Lightning's rules, its errors)."""
-        path: Optional[str] = ckpt_path
-        callback: Any = self.checkpoint_callback
-        if ckpt_path == "best":
-            path = callback.best_model_path if callback is not None else ""
-            if not path and self.fast_dev_run:
-                raise ValueError(f'{stage}(ckpt_path="best") with fast_dev_run: fast_dev_run saves no checkpoints. '
-                                 f'Pass a checkpoint path to {stage}(ckpt_path=...).')
-            if callback is None:
-                raise ValueError(f'{stage}(ckpt_path="best") needs a ModelCheckpoint, and this Trainer has none '
-                                 f'(enable_checkpointing=False). Pass a checkpoint path instead.')
-            if not path:
-                raise ValueError(f'{stage}(ckpt_path="best"): the ModelCheckpoint has no best model: no checkpoint '
-                                 f'has been saved yet (fit() first, or the monitored metric was never logged). Pass a '
-                                 f'checkpoint path to {stage}(ckpt_path=...).')
-        elif ckpt_path == "last":
-            from fabric_lite.checkpoint import files as checkpoint_io
-
-            path = callback.last_model_path if callback is not None else ""
-            if not path:
-                found = checkpoint_io.newest_whole_checkpoint(self.checkpoint_dir()) if self.is_global_zero else None
-                path = self.strategy.broadcast_object(found)
-            if not path:
-                warnings.warn(f'{stage}(ckpt_path="last"): there is no checkpoint yet; the module runs with the '
-                              f'weights it has.', UserWarning, stacklevel=4)
-                return
-        self.accelerator.load_model_weights(self.model, path)
-
-    def _prepare_train_loader(self, loader: Any) -> Any:
-        if self.overfit_batches:
-            loader = sequential_loader(loader, "training", self.overfit_batches)
-        # the user's loader and where it came from, named if it yields no batches (loops.empty_loader_warning)
-        self.train_dataloader_source = (loader, self.train_source.origin)
-        if not self.settings.use_distributed_sampler:
-            return prepare_unsharded(self, loader)
-        return self.accelerator.prepare_data_loader(loader)
-
     def _prepare_eval_loader(self, loader: Any, stage: str = "validate") -> Any:
-        if self.overfit_batches and stage == "validate":
-            loader = sequential_loader(loader, "validation", self.overfit_batches)
-        # Every sample exactly once (no even-batch padding), so metrics over the whole set are exact;
-        # unless each forward is a collective (ZeRO-3), where a process that ran out would hang the rest:
-        # then the last step is padded as in training, and its repeated samples count in epoch means.
-        even = self.strategy.forward_is_collective
-        if not self.settings.use_distributed_sampler:
-            return prepare_unsharded(self, loader, even_batches=even)
-        return self.accelerator.prepare_data_loader(loader, even_batches=even)
-
-    def reload_dataloaders(self) -> None:
-        """`reload_dataloaders_every_n_epochs`: ask the loader methods again (at an epoch start, every N epochs)."""
-        acc = self.accelerator
-        if self.train_source.reloadable:
-            old, new = self.train_dataloader, self._prepare_train_loader(self.train_source.request())
-            acc.dataloaders.remove(new)  # the new loader takes the old one's place (its checkpoint slot)
-            acc.dataloaders[acc.dataloaders.index(old)] = new
-            new.set_epoch(self.current_epoch)
-            self.train_dataloader = new
-        if self.val_source.reloadable:
-            for old in self.val_dataloaders:
-                acc.dataloaders.remove(old)
-            self.val_dataloaders = [self._prepare_eval_loader(v) for v in as_list(self.val_source.request())]
-        self.loaded_epoch = self.current_epoch
+        return prepare_eval_loader(self, loader, stage)
 
     def evaluation_context(self) -> Any:
         """What evaluation and prediction run under: torch.inference_mode (`inference_mode=True`, the default) or
@@ -598,18 +427,6 @@ class Trainer:
                 dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo"):
             return torch.no_grad()
         return torch.inference_mode()
-
-    def may_stop(self) -> bool:
-        """Whether `min_epochs`/`min_steps` let training stop now: a stop asked for before waits for them."""
-        if (self.min_epochs is None or self.current_epoch >= self.min_epochs) and \
-                (self.min_steps is None or self.global_step >= self.min_steps):
-            return True
-        if not self.min_limits_noted and self.is_global_zero:
-            self.min_limits_noted = True
-            print(f"fabric_lite: a stop was asked for at epoch {self.current_epoch}, step {self.global_step}, before "
-                  f"min_epochs={self.min_epochs} / min_steps={self.min_steps}; training goes on until they are "
-                  f"reached.", file=sys.stderr, flush=True)
-        return False
 
     # -- plumbing ----------------------------------------------------------------------------------
     def _attach(self, module: TrainModule, with_optimizers: bool = False) -> None:
@@ -674,55 +491,6 @@ class Trainer:
             return callback.dirpath  # type: ignore[attr-defined]
         return f"{self.default_root_dir.rstrip('/')}/checkpoints"
 
-    def _ray_checkpoint(self, ckpt_path: Optional[str]) -> Optional[str]:
-        """Under Ray: the checkpoint Ray hands this run (a restarted worker group, a new driver on the same storage
-        and run name) for "last"; for None too when it is a fabric_lite checkpoint (one RayReportCallback reported),
-        so a run Ray restarts resumes by itself, as under torch elastic."""
-        from fabric_lite.ray import get_checkpoint
-
-        found = get_checkpoint()
-        if found is None:
-            return ckpt_path
-        if ckpt_path is None:
-            from fabric_lite.checkpoint import files as checkpoint_io
-
-            try:
-                checkpoint_io.read_manifest(found)
-            except checkpoint_io.CheckpointError:
-                return None  # the script's own kind of checkpoint: its business
-        if self.is_global_zero:
-            print(f"fabric_lite: resuming from the checkpoint Ray handed this run: {found}", file=sys.stderr, flush=True)
-        return found
-
-    def _restore(self, ckpt_path: str) -> None:
-        if ckpt_path == "last":
-            from fabric_lite.checkpoint import files as checkpoint_io
-
-            root = self.checkpoint_dir()
-            found = checkpoint_io.newest_whole_checkpoint(root) if self.is_global_zero else None
-            found = self.strategy.broadcast_object(found)
-            if found is None:
-                return  # nothing saved yet: a fresh start, as Lightning does
-            ckpt_path = found
-        self.accelerator.load_state(ckpt_path)
-
-
-def convert_sync_batchnorm(module: nn.Module) -> int:
-    """Replace the BatchNorm layers inside `module` by SyncBatchNorm layers, in place, and return how many.
-
-    The new layers hold the same parameters and running statistics (optimizers built before still step them);
-    SyncBatchNorm layers already there are left as they are (with their process group). What `Trainer(
-    sync_batchnorm=True)` does to the module before it is prepared, when several processes train."""
-    from torch.nn.modules.batchnorm import _BatchNorm
-
-    replaced = 0
-    for name, child in list(module.named_children()):
-        if isinstance(child, _BatchNorm) and not isinstance(child, nn.SyncBatchNorm):
-            module.add_module(name, nn.SyncBatchNorm.convert_sync_batchnorm(child))
-            replaced += 1
-        else:
-            replaced += convert_sync_batchnorm(child)
-    return replaced
 
 
 def _check_profiler(check: ArgumentCheck, value: Any) -> Profiler:
