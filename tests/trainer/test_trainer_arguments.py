@@ -303,3 +303,24 @@ def test_a_plugin_without_a_counterpart_is_refused_by_name(tmp_path):
 def test_an_unknown_argument_is_still_refused(tmp_path):
     with pytest.raises(TypeError, match="'min_epoch' \\(did you mean 'min_epochs'\\?\\)"):
         Trainer(min_epoch=3)
+
+
+# -- on 2 processes ------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_trainer_arguments_on_two_processes(tmp_path, launch):
+    r0, r1 = launch("trainer_arguments_ddp", 2, "--root", tmp_path / "root", timeout=240)
+    # default: the Trainer shards the 8 samples (4 batches of 2) over the 2 processes, each sample once
+    assert r0["sharded"]["world"] == 2
+    assert sorted(r0["sharded"]["seen"] + r1["sharded"]["seen"]) == list(range(8))
+    assert len(r0["sharded"]["seen"]) == 4
+    # evaluation over a gloo process group runs under no_grad (inference tensors cannot go through gloo)
+    assert r0["sharded"]["modes"] == [[False, False]]
+    # use_distributed_sampler=False: each process reads the loader whole, in its order ...
+    assert r0["whole"]["seen"] == r1["whole"]["seen"] == list(range(8))
+    # ... or the shard of the user's own DistributedSampler
+    assert r0["own"]["seen"] == [0, 2, 4, 6] and r1["own"]["seen"] == [1, 3, 5, 7]
+    # a stop asked for on one rank stops every rank at the same epoch; min_epochs holds it on every rank
+    assert r0["stop"] == r1["stop"] == {"epochs": 1, "steps": 2}
+    assert r0["held"] == r1["held"] == {"epochs": 3, "steps": 6}
