@@ -20,6 +20,7 @@ from fabric_lite.accelerator.accelerator import Accelerator
 from fabric_lite.arguments import ArgumentCheck
 from fabric_lite.callbacks.base import Callback, is_logger
 from fabric_lite.strategies.environments import detect_process, read_launch_settings, records_explain_arguments
+from fabric_lite.trainer.barebones import BarebonesMetricStore
 from fabric_lite.trainer.logged_metrics import MetricStore
 from fabric_lite.trainer.module import DataModule, TrainModule
 from fabric_lite.trainer.checkpointing import (
@@ -156,7 +157,7 @@ class Trainer(TrainerFacts):
         self.should_stop = False
         self.sanity_checking = False
         self.epoch_finished = False
-        self.metric_store = MetricStore(self.strategy)
+        self.metric_store = (BarebonesMetricStore if self.barebones else MetricStore)(self.strategy)
         self.logged_metrics: Dict[str, float] = {}
         self.optimizers: List[Any] = []
         self.lr_scheduler_configs: List[SchedulerConfig] = []

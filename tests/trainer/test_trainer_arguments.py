@@ -255,9 +255,12 @@ def test_barebones_turns_off_the_extras_and_still_trains(tmp_path):
     assert trainer.callbacks == [] and trainer.loggers == [] and trainer.checkpoint_callback is None
     assert trainer.num_sanity_val_steps == 0 and trainer.enable_model_summary is False
     module = Line()
-    trainer.fit(module, loader(), loader())
+    with pytest.warns(UserWarning, match=r"self.log\('val_loss', ...\) under Trainer\(barebones=True\)") as seen:
+        trainer.fit(module, loader(), loader())
+    assert len([w for w in seen if "barebones" in str(w.message)]) == 1  # said once
     assert trainer.global_step == 8 and trainer.callbacks == []
     assert len(module.val_batches) == 8  # validation still runs (no sanity batches)
+    assert dict(trainer.callback_metrics) == {}  # what self.log was given is dropped
     assert not (tmp_path / "lightning_logs").exists() and not (tmp_path / "checkpoints").exists()
 
 
