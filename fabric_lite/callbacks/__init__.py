@@ -3,6 +3,7 @@
 from fabric_lite.callbacks.base import Callback
 from fabric_lite.callbacks.checkpoint import ModelCheckpoint
 from fabric_lite.callbacks.early_stopping import EarlyStopping
+from fabric_lite.callbacks.gradient_accumulation import GradientAccumulationScheduler
 from fabric_lite.callbacks.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from fabric_lite.callbacks.lr_monitor import LearningRateMonitor
 from fabric_lite.callbacks.progress import ProgressBar, ProgressBarBase, RichProgressBar
@@ -11,4 +12,4 @@ from fabric_lite.callbacks.throughput import ThroughputMonitor
 
 __all__ = ["Callback", "ModelCheckpoint", "EarlyStopping", "Logger", "TensorBoardLogger", "CSVLogger", "MLFlowLogger",
            "WandbLogger", "LearningRateMonitor", "ProgressBar", "ProgressBarBase", "RichProgressBar",
-           "ThroughputMonitor", "ModelSummary"]
+           "ThroughputMonitor", "ModelSummary", "GradientAccumulationScheduler"]

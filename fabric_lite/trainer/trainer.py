@@ -212,7 +212,6 @@ class Trainer:
         self.max_time = max_time
         self.gradient_clip_val = gradient_clip_val
         self.gradient_clip_algorithm = gradient_clip_algorithm
-        self.accumulate_grad_batches = accumulate_grad_batches
         self.val_check_interval = val_check_interval
         self.check_val_every_n_epoch = check_val_every_n_epoch
         self.limits = {"train": limit_train_batches, "validate": limit_val_batches, "test": limit_test_batches,
@@ -383,6 +382,23 @@ class Trainer:
         from fabric_lite.callbacks.checkpoint import ModelCheckpoint
 
         return next((c for c in self.callbacks if isinstance(c, ModelCheckpoint)), None)
+
+    @property
+    def progress_bar_callback(self) -> Optional[Callback]:
+        """The progress bar among the callbacks (TQDMProgressBar, RichProgressBar, ...), or None."""
+        from fabric_lite.callbacks.progress import ProgressBarBase
+
+        return next((c for c in self.callbacks if isinstance(c, ProgressBarBase)), None)
+
+    @property
+    def accumulate_grad_batches(self) -> int:
+        """Batches per optimizer step: the step engine's window, so a change between epochs (as
+        GradientAccumulationScheduler makes) applies from the next batch on."""
+        return self.accelerator.gradient_accumulation_steps
+
+    @accumulate_grad_batches.setter
+    def accumulate_grad_batches(self, value: int) -> None:
+        self.accelerator.gradient_accumulation_steps = value
 
     def log_metrics(self, metrics: Dict[str, Any], step: Optional[int] = None) -> None:
         """Send values to every logger callback (floats; tensors are read here, once)."""
