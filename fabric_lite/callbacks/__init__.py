@@ -5,11 +5,14 @@ from fabric_lite.callbacks.checkpoint import ModelCheckpoint
 from fabric_lite.callbacks.early_stopping import EarlyStopping
 from fabric_lite.callbacks.gradient_accumulation import GradientAccumulationScheduler
 from fabric_lite.callbacks.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
+from fabric_lite.callbacks.on_exception import OnExceptionCheckpoint
 from fabric_lite.callbacks.lr_monitor import LearningRateMonitor
 from fabric_lite.callbacks.progress import ProgressBar, ProgressBarBase, RichProgressBar
 from fabric_lite.callbacks.summary import ModelSummary
 from fabric_lite.callbacks.throughput import ThroughputMonitor
+from fabric_lite.callbacks.timer import Timer
 
 __all__ = ["Callback", "ModelCheckpoint", "EarlyStopping", "Logger", "TensorBoardLogger", "CSVLogger", "MLFlowLogger",
            "WandbLogger", "LearningRateMonitor", "ProgressBar", "ProgressBarBase", "RichProgressBar",
-           "ThroughputMonitor", "ModelSummary", "GradientAccumulationScheduler"]
+           "ThroughputMonitor", "ModelSummary", "GradientAccumulationScheduler",
+           "Timer", "OnExceptionCheckpoint"]
