@@ -3,6 +3,7 @@
 from fabric_lite.callbacks.base import Callback
 from fabric_lite.callbacks.checkpoint import ModelCheckpoint
 from fabric_lite.callbacks.early_stopping import EarlyStopping
+from fabric_lite.callbacks.finetuning import BackboneFinetuning, BaseFinetuning
 from fabric_lite.callbacks.gradient_accumulation import GradientAccumulationScheduler
 from fabric_lite.callbacks.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from fabric_lite.callbacks.on_exception import OnExceptionCheckpoint
@@ -15,4 +16,4 @@ from fabric_lite.callbacks.timer import Timer
 __all__ = ["Callback", "ModelCheckpoint", "EarlyStopping", "Logger", "TensorBoardLogger", "CSVLogger", "MLFlowLogger",
            "WandbLogger", "LearningRateMonitor", "ProgressBar", "ProgressBarBase", "RichProgressBar",
            "ThroughputMonitor", "ModelSummary", "GradientAccumulationScheduler",
-           "Timer", "OnExceptionCheckpoint"]
+           "Timer", "OnExceptionCheckpoint", "BaseFinetuning", "BackboneFinetuning"]
