@@ -2,6 +2,7 @@
 
 from fabric_lite.callbacks.base import Callback
 from fabric_lite.callbacks.checkpoint import ModelCheckpoint
+from fabric_lite.callbacks.device_stats import DeviceStatsMonitor
 from fabric_lite.callbacks.early_stopping import EarlyStopping
 from fabric_lite.callbacks.finetuning import BackboneFinetuning, BaseFinetuning
 from fabric_lite.callbacks.gradient_accumulation import GradientAccumulationScheduler
@@ -16,4 +17,5 @@ from fabric_lite.callbacks.timer import Timer
 __all__ = ["Callback", "ModelCheckpoint", "EarlyStopping", "Logger", "TensorBoardLogger", "CSVLogger", "MLFlowLogger",
            "WandbLogger", "LearningRateMonitor", "ProgressBar", "ProgressBarBase", "RichProgressBar",
            "ThroughputMonitor", "ModelSummary", "GradientAccumulationScheduler",
-           "Timer", "OnExceptionCheckpoint", "BaseFinetuning", "BackboneFinetuning"]
+           "Timer", "OnExceptionCheckpoint", "BaseFinetuning", "BackboneFinetuning",
+           "DeviceStatsMonitor"]
