@@ -9,6 +9,7 @@ from fabric_lite.callbacks.gradient_accumulation import GradientAccumulationSche
 from fabric_lite.callbacks.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from fabric_lite.callbacks.on_exception import OnExceptionCheckpoint
 from fabric_lite.callbacks.lr_monitor import LearningRateMonitor
+from fabric_lite.callbacks.pruning import ModelPruning
 from fabric_lite.callbacks.progress import ProgressBar, ProgressBarBase, RichProgressBar
 from fabric_lite.callbacks.summary import ModelSummary
 from fabric_lite.callbacks.throughput import ThroughputMonitor
@@ -18,4 +19,4 @@ __all__ = ["Callback", "ModelCheckpoint", "EarlyStopping", "Logger", "TensorBoar
            "WandbLogger", "LearningRateMonitor", "ProgressBar", "ProgressBarBase", "RichProgressBar",
            "ThroughputMonitor", "ModelSummary", "GradientAccumulationScheduler",
            "Timer", "OnExceptionCheckpoint", "BaseFinetuning", "BackboneFinetuning",
-           "DeviceStatsMonitor"]
+           "DeviceStatsMonitor", "ModelPruning"]
