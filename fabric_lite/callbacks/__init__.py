@@ -10,7 +10,9 @@ from fabric_lite.callbacks.loggers import CSVLogger, Logger, MLFlowLogger, Tenso
 from fabric_lite.callbacks.on_exception import OnExceptionCheckpoint
 from fabric_lite.callbacks.lr_monitor import LearningRateMonitor
 from fabric_lite.callbacks.pruning import ModelPruning
-from fabric_lite.callbacks.progress import ProgressBar, ProgressBarBase, RichProgressBar
+from fabric_lite.callbacks.progress import (
+    ProgressBar, ProgressBarBase, RichProgressBar, RichProgressBarTheme, TQDMProgressBar,
+)
 from fabric_lite.callbacks.summary import ModelSummary
 from fabric_lite.callbacks.throughput import ThroughputMonitor
 from fabric_lite.callbacks.timer import Timer
@@ -19,4 +21,4 @@ __all__ = ["Callback", "ModelCheckpoint", "EarlyStopping", "Logger", "TensorBoar
            "WandbLogger", "LearningRateMonitor", "ProgressBar", "ProgressBarBase", "RichProgressBar",
            "ThroughputMonitor", "ModelSummary", "GradientAccumulationScheduler",
            "Timer", "OnExceptionCheckpoint", "BaseFinetuning", "BackboneFinetuning",
-           "DeviceStatsMonitor", "ModelPruning"]
+           "DeviceStatsMonitor", "ModelPruning", "TQDMProgressBar", "RichProgressBarTheme"]
