@@ -398,6 +398,9 @@ class Trainer:
 
     @accumulate_grad_batches.setter
     def accumulate_grad_batches(self, value: int) -> None:
+        if not is_int(value) or value < 1:
+            raise ValueError(f"trainer.accumulate_grad_batches={value!r} must be an integer >= 1 (batches per "
+                             f"optimizer step; 1: no accumulation).")
         self.accelerator.gradient_accumulation_steps = value
 
     def log_metrics(self, metrics: Dict[str, Any], step: Optional[int] = None) -> None:

@@ -116,3 +116,12 @@ def test_refused_with_manual_optimization():
 
     with pytest.raises(RuntimeError, match="automatic_optimization=False"):
         trainer([GradientAccumulationScheduler({0: 2})], max_epochs=1).fit(Manual(), DataLoader(dataset(), batch_size=4))
+
+
+def test_trainer_accumulate_grad_batches_is_the_engines_window():
+    t = trainer([], max_epochs=1, accumulate_grad_batches=3)
+    assert t.accumulate_grad_batches == 3 == t.accelerator.gradient_accumulation_steps
+    t.accumulate_grad_batches = 5
+    assert t.accelerator.gradient_accumulation_steps == 5
+    with pytest.raises(ValueError, match=r"trainer.accumulate_grad_batches=0 must be an integer >= 1"):
+        t.accumulate_grad_batches = 0
