@@ -6,7 +6,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fabric_lite import Trainer, TrainModule
-from fabric_lite.callbacks import BackboneFinetuning, GradientAccumulationScheduler
+from fabric_lite.callbacks import BackboneFinetuning, GradientAccumulationScheduler, ModelPruning
 
 
 def data(n=32):
@@ -48,3 +48,7 @@ def finetuning():
 
 def accumulation():
     return [GradientAccumulationScheduler({0: 2, 2: 1})]
+
+
+def pruning():
+    return [ModelPruning("l1_unstructured", amount=0.3, parameter_names=["weight"])]

@@ -1,5 +1,5 @@
 """Callbacks under DDP (2 processes, gloo): BackboneFinetuning's new parameter group and a changing accumulation
-window train as one process with the global batch; BackboneFinetuning without find_unused_parameters is refused."""
+window and ModelPruning's masks train as one process with the global batch; BackboneFinetuning without find_unused_parameters is refused."""
 
 import callbacks_common as cc
 from common import parse, write_result
@@ -20,6 +20,9 @@ done("finetuning", {"weights": w, "global_step": trainer.global_step, "world": t
 
 trainer, w = cc.fit(f"{args.root}/acc", 2, cc.accumulation(), strategy="ddp")
 done("accumulation", {"weights": w, "global_step": trainer.global_step}, rank)
+
+trainer, w = cc.fit(f"{args.root}/prune", 4, cc.pruning(), strategy="ddp")
+done("pruning", {"weights": w, "global_step": trainer.global_step}, rank)
 
 try:
     cc.fit(f"{args.root}/refused", 4, cc.finetuning(), strategy="ddp")
