@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from fabric_lite.accelerator.accelerator import Accelerator
-from fabric_lite.arguments import ArgumentCheck
+from fabric_lite.arguments import ArgumentCheck, is_int
 from fabric_lite.callbacks.base import Callback, is_logger
 from fabric_lite.strategies.environments import detect_process, read_launch_settings, records_explain_arguments
 from fabric_lite.trainer.barebones import BarebonesMetricStore
@@ -132,7 +132,6 @@ class Trainer(TrainerFacts):
         self.max_time = settings.max_time
         self.gradient_clip_val = settings.gradient_clip_val
         self.gradient_clip_algorithm = settings.gradient_clip_algorithm
-        self.accumulate_grad_batches = settings.accumulate_grad_batches
         self.val_check_interval = settings.val_check_interval
         self.check_val_every_n_epoch = settings.check_val_every_n_epoch
         self.limits = dict(settings.limits)
@@ -245,6 +244,26 @@ class Trainer(TrainerFacts):
     def progress_bar_metrics(self) -> Dict[str, torch.Tensor]:
         self.metric_store.step_values()
         return self.metric_store.progress_bar_metrics
+
+    @property
+    def progress_bar_callback(self) -> Optional[Callback]:
+        """The progress bar among the callbacks (TQDMProgressBar, RichProgressBar, ...), or None."""
+        from fabric_lite.callbacks.progress import ProgressBarBase
+
+        return next((c for c in self.callbacks if isinstance(c, ProgressBarBase)), None)
+
+    @property
+    def accumulate_grad_batches(self) -> int:
+        """Batches per optimizer step: the step engine's window, so a change between epochs (as
+        GradientAccumulationScheduler makes) applies from the next batch on."""
+        return self.accelerator.gradient_accumulation_steps
+
+    @accumulate_grad_batches.setter
+    def accumulate_grad_batches(self, value: int) -> None:
+        if not is_int(value) or value < 1:
+            raise ValueError(f"trainer.accumulate_grad_batches={value!r} must be an integer >= 1 (batches per "
+                             f"optimizer step; 1: no accumulation).")
+        self.accelerator.gradient_accumulation_steps = value
 
     def log_metrics(self, metrics: Dict[str, Any], step: Optional[int] = None) -> None:
         """Send values to every logger callback (floats; tensors are read here, once)."""
