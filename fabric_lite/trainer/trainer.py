@@ -25,7 +25,7 @@ from fabric_lite.strategies.environments import detect_process, read_launch_sett
 from fabric_lite.trainer.logged_metrics import MetricStore
 from fabric_lite.trainer.module import DataModule, TrainModule
 from fabric_lite.trainer.configure_optimizers import SchedulerConfig, parse_optimizers
-from fabric_lite.trainer.profiler import PassThroughProfiler, Profiler, SimpleProfiler
+from fabric_lite.profilers import Profiler, resolve_profiler
 from fabric_lite.launch.preemption import PreemptionWatch
 
 __all__ = ["Trainer", "convert_sync_batchnorm", "SYNC_BATCHNORM_DEVICES"]
@@ -171,7 +171,7 @@ class Trainer:
         if deterministic is not None and deterministic != "warn":
             check.bool("deterministic", deterministic, allow_none=True,
                        hint="or 'warn': deterministic kernels, warning where torch has none")
-        profiler = _check_profiler(check, profiler)
+        profiler = resolve_profiler(profiler)
         sync_batchnorm = check.bool("sync_batchnorm", sync_batchnorm,
                                     hint="BatchNorm statistics over every process's batch under DDP")
         explain = check.bool("explain", explain)
@@ -205,7 +205,8 @@ class Trainer:
                        f"'SyncBatchNorm expected input tensor to be on GPU' at the first training step). Train on "
                        f"GPUs, or drop sync_batchnorm: each process then normalizes over its own batch.")
         self.sync_batchnorm = sync_batchnorm
-        #: Times the hooks and steps when given one (`profiler="simple"`); a PassThroughProfiler otherwise.
+        #: Profiles the hooks and steps when given one (`profiler="simple"`, "advanced", "pytorch"); a
+        #: PassThroughProfiler otherwise.
         self.profiler: Profiler = profiler
         self.max_epochs = max_epochs if max_epochs is not None else (1000 if max_steps == -1 else -1)
         self.max_steps = max_steps
@@ -297,7 +298,8 @@ class Trainer:
         return [self.profiler.timed(cb, "Callback", Callback) for cb in self.callbacks]
 
     def _start_profile(self, stage: str) -> None:
-        self.profiler.setup(stage, rank=self.global_rank if self.world_size > 1 else None)
+        self.profiler.module = self.module  # (for profilers that label its layers)
+        self.profiler.setup(stage, rank=self.global_rank if self.world_size > 1 else None, log_dir=self.log_dir)
 
     def _end_profile(self, stage: str) -> None:
         """Print the stage's report on the main process (each process writes its report file, if it has one)."""
@@ -699,22 +701,6 @@ def _check_logger(check: ArgumentCheck, value: Any) -> Union[List[Callback], boo
                    if isinstance(item, Callback) else "not a Callback")
             check.fail("logger", value, f"{rule}; {where}{type(item).__name__} is {why}.", TypeError)
     return items
-
-
-def _check_profiler(check: ArgumentCheck, value: Any) -> Profiler:
-    """None (no profiling: a PassThroughProfiler), "simple" (a SimpleProfiler) or a Profiler instance."""
-    if value is None:
-        return PassThroughProfiler()
-    if isinstance(value, Profiler):
-        return value
-    rule = "must be 'simple', a Profiler instance such as SimpleProfiler(filename='perf'), or None"
-    if not isinstance(value, str):
-        check.fail("profiler", value, f"{rule}; got {type(value).__name__}.", TypeError)
-    if value.lower() != "simple":
-        other = value.lower() in ("advanced", "pytorch", "xla")
-        check.fail("profiler", value, rule + (" (Lightning's cProfile and torch.profiler profilers are not "
-                                              "available here)." if other else "."))
-    return SimpleProfiler()
 
 
 def _default_logger(root: str) -> Callback:
