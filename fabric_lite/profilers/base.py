@@ -47,7 +47,8 @@ class Profiler:
         raise NotImplementedError
 
     def summary(self) -> str:
-        raise NotImplementedError
+        """The report of the stage that ran last ("" when there is nothing to report)."""
+        return ""
 
     # -- shared ------------------------------------------------------------------------------------
     def setup(self, stage: str, rank: Optional[int] = None, log_dir: Optional[str] = None) -> None:

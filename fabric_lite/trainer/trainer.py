@@ -299,7 +299,8 @@ class Trainer:
 
     def _start_profile(self, stage: str) -> None:
         self.profiler.module = self.module  # (for profilers that label its layers)
-        self.profiler.setup(stage, rank=self.global_rank if self.world_size > 1 else None, log_dir=self.log_dir)
+        # (positional: a profiler written for Lightning names the second argument local_rank)
+        self.profiler.setup(stage, self.global_rank if self.world_size > 1 else None, self.log_dir)
 
     def _end_profile(self, stage: str) -> None:
         """Print the stage's report on the main process (each process writes its report file, if it has one)."""

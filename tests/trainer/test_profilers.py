@@ -287,3 +287,37 @@ def test_two_processes_write_one_report_and_one_trace_per_rank(tmp_path):
         assert result["files"] == expected
         assert result["steps_in_trace"] == 3
         assert result["report"] == ["FIT Profiler Report", f"Profile stats for: records rank: {rank}"]
+
+
+class ActionLog(Profiler):
+    """A profiler as a Lightning user writes one: start and stop only, Lightning's setup signature."""
+
+    def __init__(self):
+        super().__init__()
+        self.events = []
+        self.stages = []
+
+    def setup(self, stage, local_rank=None, log_dir=None):
+        super().setup(stage, local_rank, log_dir)
+        self.stages.append((stage, local_rank, log_dir))
+
+    def start(self, action_name):
+        self.events.append(("start", action_name))
+
+    def stop(self, action_name):
+        self.events.append(("stop", action_name))
+
+
+def test_a_users_own_profiler_sees_every_action_in_order(tmp_path):
+    profiler = ActionLog()
+    trainer(tmp_path, profiler=profiler, max_steps=2).fit(Net(), loader(8))
+    assert profiler.stages == [("fit", None, str(tmp_path))]
+    steps = [e for e in profiler.events if e[1] == "[Strategy]SingleDeviceStrategy.training_step"]
+    assert steps == [("start", steps[0][1]), ("stop", steps[0][1])] * 2
+    opened = []
+    for kind, action in profiler.events:  # every action stops after it starts, innermost first
+        if kind == "start":
+            opened.append(action)
+        else:
+            assert opened.pop() == action
+    assert opened == []
