@@ -14,7 +14,7 @@ This package sits under the trainer: it imports the accelerator's profiling core
 """
 
 from fabric_lite.profilers.advanced import AdvancedProfiler
-from fabric_lite.profilers.base import PassThroughProfiler, Profiler, TimedHooks
+from fabric_lite.profilers.profiler import PassThroughProfiler, Profiler, TimedHooks
 from fabric_lite.profilers.pytorch import PyTorchProfiler, RegisterRecordFunction
 from fabric_lite.profilers.resolve import PROFILERS, resolve_profiler
 from fabric_lite.profilers.simple import SimpleProfiler

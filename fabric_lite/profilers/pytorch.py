@@ -11,8 +11,11 @@ On several processes each rank writes its own files, ``fit-perf-{rank}...``. The
 `fabric_lite.accelerator.profiling.make_torch_profiler`, the same function behind the raw door's
 `accelerator.profile(ProfileKwargs(...))`.
 
-The schedule counts the stage's own steps (training steps in fit, validation steps in validate, ...): by default
-it waits 1, warms up 1 and records 3, once; pass ``schedule=torch.profiler.schedule(...)`` for others, or
+The schedule counts each kind of step apart (training, validation, test, predict steps), as Lightning's does: by
+default it waits 1, warms up 1 and records 3, once per kind, so a fit writes a training trace and, when it
+validates, a validation trace. A cycle that has begun (warm-up or recording) runs to its end before another kind's
+steps count: steps of another kind inside it are recorded in its trace. In fit, the sanity-check validation steps
+before training do not count. Pass ``schedule=torch.profiler.schedule(...)`` for other cycles, or
 ``schedule=None`` to record every step. Each recorded cycle is written as one Chrome trace. Every action of the
 Trainer (hooks, steps, batch fetches) shows in the trace as ``[pl][profile]{action}`` and, with
 `record_module_names`, each layer's forward as ``[pl][module]{class path}: {name}`` (Lightning's labels).
@@ -33,13 +36,12 @@ from fabric_lite.accelerator.profiling import (
     torch_profiler_arguments,
     write_chrome_trace,
 )
-from fabric_lite.profilers.base import Profiler
+from fabric_lite.profilers.profiler import Profiler
 
 __all__ = ["PyTorchProfiler", "RegisterRecordFunction", "STEP_ACTIONS", "SORT_KEYS"]
 
-#: The step whose end advances the schedule, for each stage.
-STEP_ACTIONS = {"fit": "training_step", "validate": "validation_step", "test": "test_step",
-                "predict": "predict_step"}
+#: The actions whose end advances the schedule: the steps, each kind counted apart.
+STEP_ACTIONS = ("training_step", "validation_step", "test_step", "predict_step")
 #: What the table can be sorted by (`sort_by_key`).
 SORT_KEYS = ("cpu_time", "cuda_time", "cpu_time_total", "cuda_time_total", "self_cpu_time_total",
              "self_cuda_time_total", "device_time_total", "self_device_time_total", "cpu_memory_usage",
@@ -166,7 +168,10 @@ class PyTorchProfiler(Profiler):
         self.nvtx: List[Any] = []
         self.labels: Optional[RegisterRecordFunction] = None
         self.recording: Dict[str, List[Any]] = {}
-        self.steps = 0  # the stage's steps, which the schedule counts
+        self.user_schedule = checked["schedule"]
+        self.counts: Dict[str, int] = {}  # the stage's steps of each kind that the schedule counted
+        self.owner: Optional[str] = None  # the kind of step whose cycle is running (None: none is)
+        self.next_action: Any = None  # what the schedule answers torch at its next step
         self.cycles = 0  # recorded cycles handed to on_trace_ready
         self.last_step_action: Optional[str] = None
 
@@ -175,8 +180,9 @@ class PyTorchProfiler(Profiler):
         self.close()
         super().setup(stage, rank, log_dir)
         self.function_events = None
-        self.steps = self.cycles = 0
-        self.last_step_action = None
+        self.counts = {}
+        self.owner = self.last_step_action = None
+        self.cycles = 0
 
     def open(self) -> None:
         """Start profiling (at the stage's first action)."""
@@ -187,8 +193,11 @@ class PyTorchProfiler(Profiler):
             for context in self.nvtx:
                 context.__enter__()
         else:
-            self.profiler = make_torch_profiler("PyTorchProfiler", on_trace_ready=self.trace_ready,
-                                                **self.profiler_kwargs)
+            arguments = dict(self.profiler_kwargs, on_trace_ready=self.trace_ready, schedule=None)
+            if self.user_schedule is not None:
+                self.next_action = self.user_schedule(0)
+                arguments["schedule"] = self.scheduled_action
+            self.profiler = make_torch_profiler("PyTorchProfiler", **arguments)
             self.profiler.__enter__()
         if self.record_module_names and isinstance(self.module, torch.nn.Module):
             self.labels = RegisterRecordFunction(self.module).__enter__()
@@ -223,12 +232,24 @@ class PyTorchProfiler(Profiler):
         if not stack:
             raise ValueError(f"PyTorchProfiler.stop({action!r}): that action was not started.")
         stack.pop().__exit__(None, None, None)
-        step = STEP_ACTIONS.get(self.stage or "")
-        ends_step = action.endswith(step) if step else action.endswith(tuple(STEP_ACTIONS.values()))
-        if ends_step and self.profiler is not None:
-            self.steps += 1
-            self.last_step_action = action
-            self.profiler.step()
+        if self.profiler is None or not action.endswith(STEP_ACTIONS):
+            return
+        kind = action[action.rindex(".") + 1:] if "." in action else action
+        if self.owner not in (None, kind):
+            return  # inside another kind's cycle: recorded there, not counted
+        if kind == "validation_step" and self.stage == "fit" and not self.counts.get("training_step"):
+            return  # the sanity check
+        self.counts[kind] = count = self.counts.get(kind, 0) + 1
+        self.last_step_action = action
+        if self.user_schedule is not None:
+            self.next_action = self.user_schedule(count)
+            self.owner = None if self.next_action == torch.profiler.ProfilerAction.NONE else kind
+        self.profiler.step()
+
+    def scheduled_action(self, step: int) -> Any:
+        """The schedule torch asks at each step: the user's, at the count of the kind of step that just ended
+        (torch's own count runs over every kind)."""
+        return self.next_action
 
     def trace_ready(self, profiler: torch.profiler.profile) -> None:
         """A cycle was recorded: hand it to the user's `on_trace_ready`, or write its Chrome trace (and stacks)."""
@@ -250,9 +271,10 @@ class PyTorchProfiler(Profiler):
         title = f"{(self.stage or '').upper()} Profiler Report".strip()
         rank = "" if self.rank is None else f" rank: {self.rank}"
         if not self.function_events:
-            if not self.steps:
+            steps = sum(self.counts.values())
+            if not steps:
                 return ""
-            return (f"{title}\nNothing recorded: the stage ran {self.steps} step(s) and the schedule recorded none of "
+            return (f"{title}\nNothing recorded: the stage ran {steps} step(s) and the schedule recorded none of "
                     f"them; pass schedule=None to PyTorchProfiler to record every step, or run more steps.")
         averages = self.function_events.key_averages(group_by_input_shapes=self.group_by_input_shapes)
         table = averages.table(sort_by=self.sort_by_key, row_limit=self.row_limit, **self.table_kwargs)

@@ -16,7 +16,7 @@ import time
 from collections import defaultdict
 from typing import Dict, List, Optional
 
-from fabric_lite.profilers.base import Profiler
+from fabric_lite.profilers.profiler import Profiler
 
 __all__ = ["SimpleProfiler"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any, Dict, List, Optional
 
-from fabric_lite.profilers.base import Profiler
+from fabric_lite.profilers.profiler import Profiler
 from fabric_lite.utils.refusals import NotSupportedError
 
 __all__ = ["XLAProfiler"]

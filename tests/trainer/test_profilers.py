@@ -69,23 +69,24 @@ def names(events):
 
 @pytest.fixture(scope="module")
 def pytorch_run(tmp_path_factory):
-    """8 training steps (2 sanity-check validation steps first) then validate() over 6 batches, with the
-    default schedule (wait 1, warm up 1, record 3)."""
+    """8 training steps (2 sanity-check validation steps first, 6 validation steps after), then validate() over 6
+    batches, with the default schedule (wait 1, warm up 1, record 3, for each kind of step)."""
     root = tmp_path_factory.mktemp("pytorch_profiler")
     profiler = PyTorchProfiler(dirpath=root / "prof", filename="perf", record_shapes=True, profile_memory=True,
                                row_limit=7, sort_by_key="cpu_time_total")
     t = trainer(root, profiler=profiler)
-    t.fit(Net(), loader(8), loader(2))
+    t.fit(Net(), loader(8), loader(6))
     fit_report = profiler.describe()
     t.validate(dataloaders=loader(6))
     return t, profiler, root / "prof", fit_report
 
 
-def test_pytorch_profiler_writes_the_report_and_one_chrome_trace_per_stage(pytorch_run):
+def test_pytorch_profiler_writes_the_report_and_one_chrome_trace_per_kind_of_step(pytorch_run):
     t, profiler, prof_dir, _ = pytorch_run
     assert t.global_step == 8  # profiling changes nothing in the training
     assert sorted(p.name for p in prof_dir.iterdir()) == [
-        "fit-perf-[Strategy]SingleDeviceStrategy.training_step.1.pt.trace.json", "fit-perf.txt",
+        "fit-perf-[Strategy]SingleDeviceStrategy.training_step.1.pt.trace.json",
+        "fit-perf-[Strategy]SingleDeviceStrategy.validation_step.2.pt.trace.json", "fit-perf.txt",
         "validate-perf-[Strategy]SingleDeviceStrategy.validation_step.1.pt.trace.json", "validate-perf.txt"]
     assert t.profiler is profiler and profiler.profiler is None  # (stopped once each stage ended)
 
@@ -104,8 +105,11 @@ def test_the_default_schedule_records_three_training_steps_after_one_waited_and_
     assert "[pl][module]torch.nn.modules.activation.ReLU: body.1" in names(events)
     assert "[pl][profile][Strategy]SingleDeviceStrategy.backward" in names(events)
     assert "[pl][profile]train_dataloader_next" in names(events)
-    val = trace_events(prof_dir / "validate-perf-[Strategy]SingleDeviceStrategy.validation_step.1.pt.trace.json")
-    assert names(val).count(VAL_STEP) == 3 and STEP not in names(val)
+    for name in ("fit-perf-[Strategy]SingleDeviceStrategy.validation_step.2.pt.trace.json",
+                 "validate-perf-[Strategy]SingleDeviceStrategy.validation_step.1.pt.trace.json"):
+        val = names(trace_events(prof_dir / name))
+        assert val.count(VAL_STEP) == 3 and STEP not in val
+        assert len({n for n in val if n.startswith("ProfilerStep#")}) == 3
 
 
 def test_the_report_is_torchs_operator_table_limited_to_row_limit(pytorch_run):
@@ -153,6 +157,19 @@ def test_a_schedule_of_two_cycles_writes_two_traces_and_no_schedule_records_ever
     trainer(tmp_path, profiler=everything, max_steps=5).fit(Net(), loader(8))
     assert len(seen) == 1 and not (tmp_path / "b").exists()  # the user's on_trace_ready replaces the export
     assert [e.name for e in everything.function_events].count(STEP) == 5
+
+
+def test_validation_inside_a_training_cycle_is_recorded_in_it_without_breaking_the_cycle(tmp_path):
+    """3 training batches an epoch: the training cycle (steps 3, 4, 5) spans the first epoch's validation."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path, profiler=PyTorchProfiler(dirpath=tmp_path / "p"), max_epochs=2,
+                num_sanity_val_steps=0).fit(Net(), loader(3), loader(2))
+    assert not [w for w in caught if "Incorrect schedule" in str(w.message)]
+    events = names(trace_events(tmp_path / "p" / "fit-[Strategy]SingleDeviceStrategy.training_step.1.pt.trace.json"))
+    assert events.count(STEP) == 3 and events.count(VAL_STEP) == 2
 
 
 def test_a_stage_too_short_for_the_schedule_says_so(tmp_path, capsys):
