@@ -31,10 +31,10 @@ from fabric_lite.trainer.data_connector import (
     STAGE_LOADERS, as_list, connect_data, prepare_eval_loader, prepare_train_loader, teardown_data,
 )
 from fabric_lite.trainer.configure_optimizers import SchedulerConfig, parse_optimizers
-from fabric_lite.trainer.profiler import PassThroughProfiler, Profiler, SimpleProfiler
 from fabric_lite.trainer.relaunch import relaunch_if_needed, xla_replicas
 from fabric_lite.trainer.sync_batchnorm import SYNC_BATCHNORM_DEVICES, convert_sync_batchnorm
 from fabric_lite.trainer.settings import apply_torch_settings, check_unknown, default_logger, resolve_settings
+from fabric_lite.profilers import Profiler, resolve_profiler
 from fabric_lite.launch.preemption import PreemptionWatch
 
 __all__ = ["Trainer", "convert_sync_batchnorm", "SYNC_BATCHNORM_DEVICES"]
@@ -96,7 +96,7 @@ class Trainer(TrainerFacts):
         # Every argument is checked here, before anything starts (a relaunch, the strategy, torch's settings).
         check = ArgumentCheck("Trainer")
         settings = resolve_settings(check, given)
-        profiler = _check_profiler(check, profiler)
+        profiler = resolve_profiler(profiler)
         apply_torch_settings(settings)
         devices, num_nodes = settings.devices, settings.num_nodes
         if read_launch_settings().explain_dry_run:  # one process stands in for the planned launch
@@ -125,7 +125,8 @@ class Trainer(TrainerFacts):
                        f"'SyncBatchNorm expected input tensor to be on GPU' at the first training step). Train on "
                        f"GPUs, or drop sync_batchnorm: each process then normalizes over its own batch.")
         self.sync_batchnorm = sync_batchnorm
-        #: Times the hooks and steps when given one (`profiler="simple"`); a PassThroughProfiler otherwise.
+        #: Profiles the hooks and steps when given one (`profiler="simple"`, "advanced", "pytorch"); a
+        #: PassThroughProfiler otherwise.
         self.profiler: Profiler = profiler
         self.max_epochs = settings.max_epochs
         self.max_steps = settings.max_steps
@@ -223,7 +224,9 @@ class Trainer(TrainerFacts):
         return [self.profiler.timed(cb, "Callback", Callback) for cb in self.callbacks]
 
     def _start_profile(self, stage: str) -> None:
-        self.profiler.setup(stage, rank=self.global_rank if self.world_size > 1 else None)
+        self.profiler.module = self.module  # (for profilers that label its layers)
+        # (positional: a profiler written for Lightning names the second argument local_rank)
+        self.profiler.setup(stage, self.global_rank if self.world_size > 1 else None, self.log_dir)
 
     def _end_profile(self, stage: str) -> None:
         """Print the stage's report on the main process (each process writes its report file, if it has one)."""
@@ -510,20 +513,3 @@ class Trainer(TrainerFacts):
             callback.setup(self, self.module, "fit")  # type: ignore[arg-type]
             return callback.dirpath  # type: ignore[attr-defined]
         return f"{self.default_root_dir.rstrip('/')}/checkpoints"
-
-
-
-def _check_profiler(check: ArgumentCheck, value: Any) -> Profiler:
-    """None (no profiling: a PassThroughProfiler), "simple" (a SimpleProfiler) or a Profiler instance."""
-    if value is None:
-        return PassThroughProfiler()
-    if isinstance(value, Profiler):
-        return value
-    rule = "must be 'simple', a Profiler instance such as SimpleProfiler(filename='perf'), or None"
-    if not isinstance(value, str):
-        check.fail("profiler", value, f"{rule}; got {type(value).__name__}.", TypeError)
-    if value.lower() != "simple":
-        other = value.lower() in ("advanced", "pytorch", "xla")
-        check.fail("profiler", value, rule + (" (Lightning's cProfile and torch.profiler profilers are not "
-                                              "available here)." if other else "."))
-    return SimpleProfiler()
