@@ -97,10 +97,13 @@ class SaveConfigCallback(Callback):
                     f"TrainerCLI(save_config_kwargs={{'overwrite': True}}), or TrainerCLI(save_config_callback=None).")
             if trainer.is_global_zero:  # one writer
                 fs.makedirs(local.rsplit("/", 1)[0], exist_ok=True)
+                from fabric_lite.cli.trainer_parser import dump_keeping_none
+
+                keep_none = dump_keeping_none(self.parser)
                 if self.multifile:
-                    self.parser.save(self.config, local, skip_none=False, overwrite=True, multifile=True)
+                    self.parser.save(self.config, local, overwrite=True, multifile=True, **keep_none)
                 else:
-                    text = self.parser.dump(self.config, skip_none=False)
+                    text = self.parser.dump(self.config, **keep_none)
                     with fs.open(local, "w") as f:
                         f.write(text)
         if trainer.is_global_zero:
@@ -184,6 +187,7 @@ class TrainerCLI:
             self.add_all_arguments(self.parser)
             return
         subcommands = self.parser.add_subcommands()
+        self.parser.subcommand_names = list(self.subcommands())
         for name, skip in self.subcommands().items():
             method = getattr(self.trainer_class if isinstance(self.trainer_class, type) else Trainer, name)
             doc = (inspect.getdoc(method) or "").split("\n", 1)[0] or None

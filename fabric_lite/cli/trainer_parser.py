@@ -17,7 +17,7 @@ from fabric_lite.trainer.module import DataModule, TrainModule
 from fabric_lite.trainer.trainer import Trainer
 
 __all__ = ["TrainerArgumentParser", "LightningArgumentParser", "ActionConfigFile", "Namespace",
-           "one_line_error"]
+           "one_line_error", "dump_keeping_none"]
 
 ClassSpec = Union[type, Tuple[type, ...]]
 
@@ -37,6 +37,8 @@ class TrainerArgumentParser(ArgumentParser):
         self.optimizer_groups: Dict[str, Tuple[ClassSpec, str]] = {}
         #: key -> (scheduler class or tuple of base classes, link target or "AUTOMATIC")
         self.lr_scheduler_groups: Dict[str, Tuple[ClassSpec, str]] = {}
+        #: the subcommands under this parser (their name is left out of the option an error names)
+        self.subcommand_names: List[str] = []
 
     def add_lightning_class_args(self, lightning_class: Union[type, Callable[..., Any]], nested_key: str,
                                  subclass_mode: bool = False, required: bool = True) -> List[str]:
@@ -93,11 +95,22 @@ class TrainerArgumentParser(ArgumentParser):
         parser = getattr(ex, "subcommand_parser", None) or self
         options = re.findall(r"--[\w.]+", parser.format_usage())
         prog = parser.prog.replace(" [options]", "")
-        sys.stderr.write(f"error: {one_line_error(message, options)} (run `{prog} --help` for the options)\n")
+        line = one_line_error(message, options)
+        for name in self.subcommand_names:  # `fit.model.width` is `--model.width` to the user
+            line = re.sub(rf"(?<![\w.]){re.escape(name)}\.(?=\w)", "", line)
+        sys.stderr.write(f"error: {line} (run `{prog} --help` for the options)\n")
         self.exit(2)
 
 
 LightningArgumentParser = TrainerArgumentParser
+
+
+def dump_keeping_none(parser: ArgumentParser) -> Dict[str, Any]:
+    """The keyword that makes `dump`/`save` write options left at None (renamed in jsonargparse 4.49)."""
+    from jsonargparse import __version__
+
+    major, minor = (int(p) for p in __version__.split(".")[:2])
+    return {"skip_unset": False} if (major, minor) >= (4, 49) else {"skip_none": False}
 
 
 def _check_classes(given: ClassSpec, bases: Tuple[type, ...], where: str, what: str) -> None:
@@ -122,7 +135,8 @@ def one_line_error(message: str, options: List[str] = ()) -> str:
         hints = [h for f in flags for h in difflib.get_close_matches(f, list(options), n=1)]
         hint = f"; did you mean {', '.join(hints)}?" if hints else ""
         return f"unknown option(s): {unknown.group(1)}{hint}"
-    required = re.match(r'Key "([^"]+)" is required', first)
+    required = re.match(r'Key "([^"]+)" is required', first) or re.match(
+        r"the following arguments are required: ([\w.]+)", first)
     if required:
         return f"--{required.group(1)} is required: give it on the command line or in a --config file"
     keyed = re.match(r'Parser key "([^"]+)":\s*(.*)', first)
