@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import run_command
 from fabric_lite import DataModule, TrainModule
+from fabric_lite.callbacks import EarlyStopping
 
 pytest.importorskip("jsonargparse")
 
@@ -353,6 +354,36 @@ def test_save_config_refuses_to_overwrite_unless_asked(tmp_path):
     assert (tmp_path / "config.yaml").read_text() == "first run\n"
     TrainerCLI(Regressor, Data, args=args, save_config_kwargs={"overwrite": True})
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["trainer"]["max_epochs"] == 1
+
+
+def test_a_callback_group_is_always_added_with_its_own_options(tmp_path):
+    class WithEarlyStopping(TrainerCLI):
+        def add_arguments_to_parser(self, parser):
+            parser.add_lightning_class_args(EarlyStopping, "early_stopping")
+
+    cli = WithEarlyStopping(Regressor, Data, run=False, args=["--early_stopping.monitor", "val_loss",
+                                                              "--early_stopping.patience", "7",
+                                                              "--trainer.default_root_dir", str(tmp_path)])
+    stoppers = [c for c in cli.trainer.callbacks if isinstance(c, EarlyStopping)]
+    assert [(s.monitor, s.patience) for s in stoppers] == [("val_loss", 7)]
+    assert cli.config.early_stopping.monitor == "val_loss"
+
+
+def test_the_guide_page_script_runs_its_command_lines(tmp_path):
+    """docs/guides/trainer-cli.md: its python blocks are train.py; its command lines run as written (one epoch)."""
+    from test_docs import python_blocks
+
+    page = Path(__file__).resolve().parents[2] / "docs" / "guides" / "trainer-cli.md"
+    (tmp_path / "train.py").write_text("\n\n".join(python_blocks(page)))
+    text = page.read_text()
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    for line in ["python train.py fit --trainer.max_epochs 2 --model.lr 0.01 --data.batch_size 64",
+                 "python train.py fit --print_config > base.yaml"]:
+        assert line in text
+        command, _, target = line.partition(" > ")
+        proc = run_command([sys.executable, *command.split()[1:], *QUIET], env=env, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "config.yaml").is_file() and yaml.safe_load(proc.stdout)["model"] == {"hidden": 16, "lr": 0.05}
 
 
 def test_import_is_light_and_without_jsonargparse_says_what_to_install(monkeypatch):
