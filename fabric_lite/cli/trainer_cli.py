@@ -267,9 +267,7 @@ class TrainerCLI:
         if seed is False or seed is None:
             return
         if seed is True:
-            chosen = os.environ.get(SEED_VARIABLE)  # a rank started again by the Trainer: the parent's seed
-            seed = int(chosen) if chosen else random.SystemRandom().randint(0, 2**32 - 1)
-            os.environ[SEED_VARIABLE] = str(seed)
+            seed = _shared_random_seed()
         seed_everything(int(seed))
         self.section(self.config)["seed_everything"] = int(seed)
 
@@ -387,6 +385,27 @@ class TrainerCLI:
 
 #: Lightning's name for it.
 LightningCLI = TrainerCLI
+
+
+def _shared_random_seed() -> int:
+    """A random seed that every process of one launch draws alike: the launching process's (handed down in the
+    environment to the ranks the Trainer starts again), else one derived from the launch's rendezvous address (a
+    launch by torchrun or `fabric-lite launch`, where each rank parses the command line on its own)."""
+    import hashlib
+
+    from fabric_lite.strategies.environments import detect_process
+
+    process = detect_process()
+    inherited = os.environ.get(SEED_VARIABLE)
+    if process.is_distributed and inherited:
+        return int(inherited)
+    if process.is_distributed:
+        identity = f"{process.master_addr}:{process.master_port}:{process.world_size}".encode()
+        seed = int.from_bytes(hashlib.sha256(identity).digest()[:4], "little")
+    else:
+        seed = random.SystemRandom().randint(0, 2**32 - 1)
+    os.environ[SEED_VARIABLE] = str(seed)  # for the processes a Trainer(devices=N) starts from this one
+    return seed
 
 
 def _class_init(cls: Any, init: Any) -> Dict[str, Any]:

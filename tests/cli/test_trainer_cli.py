@@ -12,7 +12,7 @@ import yaml
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import run_command
+from conftest import free_port, run_command
 from fabric_lite import DataModule, TrainModule
 from fabric_lite.callbacks import EarlyStopping
 
@@ -82,7 +82,7 @@ SCRIPT = textwrap.dedent('''
             t, m = self.trainer, self.model
             opt = t.optimizers[0].optimizer if getattr(t, "optimizers", None) else None
             out = {
-                "argv": sys.argv[1:], "rank": t.global_rank, "world_size": t.world_size,
+                "argv": sys.argv[1:], "seed": self.config[self.subcommand]["seed_everything"], "rank": t.global_rank, "world_size": t.world_size,
                 "global_step": t.global_step, "current_epoch": t.current_epoch, "start_step": m.start_step,
                 "max_epochs": t.max_epochs, "lr": m.lr, "hidden": m.hparams["hidden"],
                 "batch_size": self.datamodule.batch_size, "log_dir": t.log_dir,
@@ -397,6 +397,7 @@ def test_import_is_light_and_without_jsonargparse_says_what_to_install(monkeypat
         TrainerCLI(Regressor, Data, args=["fit"])
 
 
+@pytest.mark.slow
 def test_devices_2_relaunches_under_torchrun_with_the_command_line(script, tmp_path):
     """`--trainer.devices 2` from a plain `python train.py fit ...`: the Trainer starts the script again on two
     processes, each parses the same command line (and the same random seed) and trains."""
@@ -410,3 +411,18 @@ def test_devices_2_relaunches_under_torchrun_with_the_command_line(script, tmp_p
     assert ranks[0]["weights"] == ranks[1]["weights"]
     saved = yaml.safe_load((Path(ranks[0]["log_dir"]) / "config.yaml").read_text())
     assert saved["trainer"]["devices"] == 2 and isinstance(saved["seed_everything"], int)
+    assert ranks[0]["seed"] == ranks[1]["seed"] == saved["seed_everything"]  # drawn once, in the first process
+    assert ranks[0]["argv"] == ranks[1]["argv"] == [str(a) for a in proc.args[2:]]
+
+
+@pytest.mark.slow
+def test_under_torchrun_every_rank_draws_the_same_random_seed(script, tmp_path):
+    """Started by torchrun, each rank parses the command line on its own; `--seed_everything true` gives them one
+    seed all the same (ranks seeding differently would draw different shuffles of one dataset)."""
+    env = {"RESULT_DIR": str(script.parent / "results"), "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = run_command([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                        "127.0.0.1", "--master-port", str(free_port()), str(script), "fit", "--trainer.max_epochs",
+                        "1", "--trainer.default_root_dir", str(tmp_path / "tr")], env=env, cwd=tmp_path, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [result(script, f"fit_rank{r}") for r in range(2)]
+    assert [r["world_size"] for r in ranks] == [2, 2] and ranks[0]["seed"] == ranks[1]["seed"]
