@@ -261,6 +261,10 @@ class Regressor(TrainModule):
         x, y = batch
         self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
 
+    def predict_step(self, batch, batch_idx):
+        self.predicted = batch_idx + 1
+        return self.net(batch[0])
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
@@ -289,6 +293,9 @@ class Data(DataModule):
         return DataLoader(self.dataset, batch_size=self.batch_size)
 
     def val_dataloader(self):
+        return DataLoader(self.dataset, batch_size=self.batch_size)
+
+    def predict_dataloader(self):
         return DataLoader(self.dataset, batch_size=self.batch_size)
 
 
@@ -354,6 +361,31 @@ def test_save_config_refuses_to_overwrite_unless_asked(tmp_path):
     assert (tmp_path / "config.yaml").read_text() == "first run\n"
     TrainerCLI(Regressor, Data, args=args, save_config_kwargs={"overwrite": True})
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["trainer"]["max_epochs"] == 1
+
+
+def test_validate_and_predict_subcommands_run_the_built_module(tmp_path):
+    args = ["--seed_everything", "5", "--model.hidden", "3", "--trainer.default_root_dir", str(tmp_path), *QUIET]
+    cli = TrainerCLI(Regressor, Data, args=["validate", *args])
+    torch.manual_seed(5)
+    net = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))
+    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
+    expected = nn.functional.mse_loss(net(x), x.sum(1, keepdim=True)).item()  # four equal batches: their mean
+    assert cli.subcommand == "validate" and cli.trainer.global_step == 0
+    assert float(cli.trainer.callback_metrics["val_loss"]) == pytest.approx(expected, rel=1e-5)
+
+    cli = TrainerCLI(Regressor, Data, args=["predict", *args])
+    assert cli.model.predicted == 32 // 8
+
+
+def test_default_config_files_per_subcommand(tmp_path, capsys):
+    defaults = tmp_path / "defaults.yaml"
+    defaults.write_text("trainer:\n  max_epochs: 9\nmodel:\n  lr: 0.25\n")
+    with pytest.raises(SystemExit) as exit_info:
+        TrainerCLI(Regressor, Data, parser_kwargs={"fit": {"default_config_files": [str(defaults)]}},
+                   args=["fit", "--model.lr", "0.5", "--print_config"])
+    assert exit_info.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["trainer"]["max_epochs"] == 9 and printed["model"]["lr"] == 0.5
 
 
 def test_a_callback_group_is_always_added_with_its_own_options(tmp_path):
