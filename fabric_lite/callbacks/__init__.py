@@ -12,3 +12,8 @@ from fabric_lite.callbacks.throughput import ThroughputMonitor
 __all__ = ["Callback", "ModelCheckpoint", "EarlyStopping", "Logger", "TensorBoardLogger", "CSVLogger", "MLFlowLogger",
            "WandbLogger", "LearningRateMonitor", "ProgressBar", "ProgressBarBase", "RichProgressBar",
            "ThroughputMonitor", "ModelSummary"]
+
+# Lightning's callbacks that fabric_lite refuses (they import; building one raises NotSupportedError)
+from fabric_lite.callbacks.lightning_refused import BatchSizeFinder, Checkpoint, LearningRateFinder, RichModelSummary  # noqa: E402,E501
+
+__all__ += ["BatchSizeFinder", "LearningRateFinder", "RichModelSummary", "Checkpoint"]

@@ -25,6 +25,8 @@ from fabric_lite.strategies.environments import detect_process, read_launch_sett
 from fabric_lite.trainer.logged_metrics import MetricStore
 from fabric_lite.trainer.module import DataModule, TrainModule
 from fabric_lite.trainer.configure_optimizers import SchedulerConfig, parse_optimizers
+from fabric_lite.trainer.lightning_surface import TrainerLightningNames, check_refused_arguments, \
+    check_refused_overrides
 from fabric_lite.trainer.profiler import PassThroughProfiler, Profiler, SimpleProfiler
 from fabric_lite.launch.preemption import PreemptionWatch
 
@@ -101,7 +103,7 @@ class _LoggedAggregates:
         self.trainer.metric_store.load_state_dict(state, self.trainer.module)
 
 
-class Trainer:
+class Trainer(TrainerLightningNames):
     """Fit a TrainModule: `Trainer(max_epochs=3, precision="bf16-mixed").fit(module, train_loader, val_loader)`."""
 
     #: Under `fabric-lite explain`, the arguments this Trainer was given; None otherwise.
@@ -125,6 +127,7 @@ class Trainer:
         explain: bool = False,
         **unknown: Any,
     ) -> None:
+        check_refused_arguments(unknown)  # Lightning's arguments fabric_lite refuses, in one table
         if unknown:
             known = list(inspect.signature(Trainer.__init__).parameters)[1:-1]
             hints = {k: difflib.get_close_matches(k, known, n=1) for k in unknown}
@@ -551,6 +554,7 @@ class Trainer:
     # -- plumbing ----------------------------------------------------------------------------------
     def _loaders(self, module: TrainModule, datamodule: Optional[DataModule], stage: str, first: Any,
                  second: Any) -> tuple:
+        check_refused_overrides(module, datamodule)
         if datamodule is None:
             return first, second
         if first is not None or second is not None:
