@@ -179,6 +179,16 @@ class TrainerLightningNames:
         return next((c for c in self.callbacks if isinstance(c, ProgressBarBase)), None)
 
     @fallback_property
+    def train_dataloader(self) -> Any:
+        """None until fit() sets the training loader it runs."""
+        return None
+
+    @fallback_property
+    def val_dataloaders(self) -> Any:
+        """None until fit() sets the validation loaders it runs."""
+        return None
+
+    @fallback_property
     def limit_train_batches(self) -> Any:
         return self.limits["train"]
 
