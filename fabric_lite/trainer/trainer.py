@@ -35,6 +35,8 @@ from fabric_lite.trainer.relaunch import relaunch_if_needed, xla_replicas
 from fabric_lite.trainer.sync_batchnorm import SYNC_BATCHNORM_DEVICES, convert_sync_batchnorm
 from fabric_lite.trainer.settings import apply_torch_settings, check_unknown, default_logger, resolve_settings
 from fabric_lite.profilers import Profiler, resolve_profiler
+from fabric_lite.trainer.lightning_surface import TrainerLightningNames, check_refused_arguments, \
+    check_refused_overrides
 from fabric_lite.launch.preemption import PreemptionWatch
 
 __all__ = ["Trainer", "convert_sync_batchnorm", "SYNC_BATCHNORM_DEVICES"]
@@ -63,7 +65,7 @@ class _StepRunner(nn.Module):
         return getattr(self.module, _STEP_METHODS[stage])(batch, batch_idx)
 
 
-class Trainer(TrainerFacts):
+class Trainer(TrainerFacts, TrainerLightningNames):
     """Fit a TrainModule: `Trainer(max_epochs=3, precision="bf16-mixed").fit(module, train_loader, val_loader)`."""
 
     #: Under `fabric-lite explain`, the arguments this Trainer was given; None otherwise.
@@ -91,6 +93,7 @@ class Trainer(TrainerFacts):
         plugins: Any = None, explain: bool = False,
         **unknown: Any,
     ) -> None:
+        check_refused_arguments(unknown)  # Lightning's arguments fabric_lite refuses, in one table
         given = {name: value for name, value in locals().items() if name not in ("self", "unknown", "__class__")}
         check_unknown(list(inspect.signature(Trainer.__init__).parameters)[1:-1], unknown)
         # Every argument is checked here, before anything starts (a relaunch, the strategy, torch's settings).
@@ -309,6 +312,7 @@ class Trainer(TrainerFacts):
 
         if not isinstance(module, TrainModule):
             raise TypeError(f"Trainer runs TrainModule subclasses, got {type(module).__name__}.")
+        check_refused_overrides(module, datamodule)
         self.train_source, self.val_source = connect_data(self, module, datamodule, "fit",
                                                           (train_dataloaders, val_dataloaders))
         train = self.train_source.request()
@@ -426,6 +430,7 @@ class Trainer(TrainerFacts):
                       dataloaders: Any, ckpt_path: Optional[str] = None) -> List[Any]:
         if not isinstance(module, TrainModule):
             raise TypeError(f"Trainer runs TrainModule subclasses, got {type(module).__name__}.")
+        check_refused_overrides(module, datamodule)
         source, = connect_data(self, module, datamodule, stage, (dataloaders,))
         loaders = source.request()
         if loaders is None:
