@@ -46,16 +46,15 @@ def loader_length(loader: Any) -> Optional[int]:
 class _StepHooks:
     """The per-step hooks that do something, looked up once per epoch: calling the empty defaults of
     every callback and of the module on each step costs more than a tiny model's step takes to vary.
-    Under a profiler each one is timed."""
+    Under a profiler each one is timed. Callbacks run before the module at each hook, as in Lightning."""
 
     def __init__(self, trainer: "Trainer", profiler: Optional["Profiler"] = None) -> None:
-        from fabric_lite.callbacks.base import Callback
+        from fabric_lite.callbacks.base import Callback, overrides
 
         module = trainer.module
 
         def mine(name: str) -> Any:
-            overridden = name in vars(module) or getattr(type(module), name) is not getattr(TrainModule, name)
-            if not overridden:
+            if not overrides(module, name, TrainModule):
                 return None
             if profiler is not None:
                 return profiler.wrap(f"[TrainModule]{type(module).__name__}.{name}", getattr(module, name))
@@ -64,24 +63,29 @@ class _StepHooks:
         def theirs(name: str) -> List[Any]:
             if profiler is not None:
                 return [profiler.wrap(f"[Callback]{type(cb).__name__}.{name}", getattr(cb, name))
-                        for cb in trainer.callbacks
-                        if name in vars(cb) or getattr(type(cb), name) is not getattr(Callback, name)]
-            return [getattr(cb, name) for cb in trainer.callbacks
-                    if name in vars(cb) or getattr(type(cb), name) is not getattr(Callback, name)]
+                        for cb in trainer.callbacks if overrides(cb, name, Callback)]
+            return [getattr(cb, name) for cb in trainer.callbacks if overrides(cb, name, Callback)]
 
-        self.batch_start, self.batch_end = mine("on_train_batch_start"), mine("on_train_batch_end")
-        self.before_backward, self.after_backward = mine("on_before_backward"), mine("on_after_backward")
-        self.cb_batch_start, self.cb_batch_end = theirs("on_train_batch_start"), theirs("on_train_batch_end")
-        # The module's and the callbacks' on_before_optimizer_step as one callable for the engine (or None).
-        own, callbacks = mine("on_before_optimizer_step"), theirs("on_before_optimizer_step")
+        def both(name: str) -> Any:
+            """The callbacks' hooks, then the module's, as one callable taking the module's arguments (or None)."""
+            own, callbacks = mine(name), theirs(name)
+            if not callbacks:
+                return own
 
-        def before_optimizer_step(optimizer: Any) -> None:
-            if own is not None:
-                own(optimizer)
-            for hook in callbacks:
-                hook(trainer, module, optimizer)
+            def call(*args: Any) -> None:
+                for hook in callbacks:
+                    hook(trainer, module, *args)
+                if own is not None:
+                    own(*args)
 
-        self.before_optimizer_step = before_optimizer_step if callbacks else own
+            return call
+
+        self.batch_start, self.cb_batch_start = mine("on_train_batch_start"), theirs("on_train_batch_start")
+        self.batch_end = both("on_train_batch_end")
+        self.before_backward, self.after_backward = both("on_before_backward"), both("on_after_backward")
+        # for the engine: called with the optimizer (or None: nothing to call)
+        self.before_optimizer_step = both("on_before_optimizer_step")
+        self.before_zero_grad = both("on_before_zero_grad")
 
 
 def _extract_loss(out: Any, batch_idx: int) -> torch.Tensor:
@@ -110,8 +114,11 @@ def run_fit(trainer: "Trainer") -> None:
     trainer.call_hook("on_fit_start")
     if trainer.val_dataloaders and trainer.num_sanity_val_steps > 0 and trainer.global_step == 0:
         trainer.sanity_checking = True
-        for loader in trainer.val_dataloaders:
-            run_evaluation(trainer, "validate", loader, limit=trainer.num_sanity_val_steps, log=False)
+        trainer.call_callback_hook("on_sanity_check_start")  # (callbacks only, as in Lightning)
+        for idx, loader in enumerate(trainer.val_dataloaders):
+            run_evaluation(trainer, "validate", loader, limit=trainer.num_sanity_val_steps, log=False,
+                           dataloader_idx=idx if len(trainer.val_dataloaders) > 1 else None)
+        trainer.call_callback_hook("on_sanity_check_end")
         trainer.sanity_checking = False
         trainer.metric_store.callback_metrics.clear()
         trainer.metric_store.progress_bar_metrics.clear()
@@ -212,10 +219,10 @@ def _train_epoch(trainer: "Trainer") -> bool:
                                       start=start):
         if limit is not None and batch_idx >= limit:
             break
-        if hooks.batch_start is not None and hooks.batch_start(batch, batch_idx) == -1:
-            break
         for hook in hooks.cb_batch_start:
             hook(trainer, module, batch, batch_idx)
+        if hooks.batch_start is not None and hooks.batch_start(batch, batch_idx) == -1:
+            break
         metrics.batch = batch  # its size weighs epoch means; read only if one is logged
         steps_before = trainer.global_step
         if module.automatic_optimization:
@@ -231,7 +238,7 @@ def _train_epoch(trainer: "Trainer") -> bool:
                     hooks.after_backward()
             if gradient_state.sync_gradients:  # the window closed: clip, step, zero_grad
                 step_optimizers(trainer.optimizers, trainer.gradient_clip_val, trainer.gradient_clip_algorithm,
-                                hooks.before_optimizer_step)
+                                hooks.before_optimizer_step, hooks.before_zero_grad)
                 trainer.global_step += 1
                 for sched in trainer.lr_scheduler_configs:
                     if sched.interval == "step" and trainer.global_step % sched.frequency == 0:
@@ -241,10 +248,9 @@ def _train_epoch(trainer: "Trainer") -> bool:
         if trainer.global_step != steps_before and (trainer.global_step % trainer.log_every_n_steps == 0
                                                     or batch_idx + 1 == limit):
             _flush_step_metrics(trainer)
-        if hooks.batch_end is not None:
-            hooks.batch_end(out, batch, batch_idx)
-        for hook in hooks.cb_batch_end:
-            hook(trainer, module, out, batch, batch_idx)
+        if hooks.batch_end is not None:  # (Lightning hands a plain loss over as {"loss": loss})
+            hooks.batch_end({"loss": out} if out.__class__ is torch.Tensor and module.automatic_optimization
+                            else out, batch, batch_idx)
         saver = trainer.accelerator.checkpoint_saver
         if trainer.preemption.should_stop(strategy, save_failed=saver.failed):
             _stop_preempted(trainer)
@@ -329,38 +335,56 @@ def _step_scheduler(trainer: "Trainer", sched: Any) -> None:
 
 
 def _validate(trainer: "Trainer") -> None:
-    for loader in trainer.val_dataloaders:
-        run_evaluation(trainer, "validate", loader)
-    trainer.module.train()
+    several = len(trainer.val_dataloaders) > 1
+    for idx, loader in enumerate(trainer.val_dataloaders):
+        run_evaluation(trainer, "validate", loader, dataloader_idx=idx if several else None)
 
 
 def run_evaluation(trainer: "Trainer", stage: str, loader: Any, limit: Optional[int] = None,
-                   log: bool = True) -> Dict[str, float]:
-    """Run validation or test over `loader`; returns the epoch metrics as floats."""
+                   log: bool = True, dataloader_idx: Optional[int] = None) -> Dict[str, float]:
+    """Run validation or test over `loader`; returns the epoch metrics as floats. `dataloader_idx`: the loader's
+    index when there are several (the step and batch hooks then get it), else None."""
+    from fabric_lite.callbacks.base import Callback, overrides
+
     module, model, metrics = trainer.module, trainer.eval_model, trainer.metric_store
     hook = "validation" if stage == "validate" else "test"
     limit = batch_limit(trainer.limits[stage] if limit is None else limit, loader_length(loader))
     saved_stage = metrics.stage
     metrics.reset_stage(stage)
-    module.eval()
+    modes = [(m, m.training) for m in module.modules()]  # restored after, unless the module says how
     profiler = trainer.profiler if trainer.profiler.enabled else None
     forward, callbacks, module_hooks, batches = model, trainer.callbacks, module, loader
     if profiler is not None:
         forward = profiler.wrap(f"[Strategy]{type(trainer.strategy).__name__}.{hook}_step", model)
         callbacks, module_hooks = trainer.timed_callbacks(), profiler.timed(module, "TrainModule", TrainModule)
         batches = profiler.iterate(f"{'val' if hook == 'validation' else hook}_dataloader_next", loader)
-    if hook == "validation":
-        for cb in callbacks:
-            cb.on_validation_start(trainer, module)
+    getattr(module_hooks, f"on_{hook}_model_eval")()
+    trainer.call_hook(f"on_{hook}_start")
     trainer.call_hook(f"on_{hook}_epoch_start")
+    extra = () if dataloader_idx is None else (dataloader_idx,)
+    # the batch hooks that do something, looked up once (callbacks first, then the module, as in Lightning)
+    starts = [getattr(timed, f"on_{hook}_batch_start") for cb, timed in zip(trainer.callbacks, callbacks)
+              if overrides(cb, f"on_{hook}_batch_start", Callback)]
+    ends = [getattr(timed, f"on_{hook}_batch_end") for cb, timed in zip(trainer.callbacks, callbacks)
+            if overrides(cb, f"on_{hook}_batch_end", Callback)]
+    own_start = getattr(module_hooks, f"on_{hook}_batch_start") \
+        if overrides(module, f"on_{hook}_batch_start", TrainModule) else None
+    own_end = getattr(module_hooks, f"on_{hook}_batch_end") \
+        if overrides(module, f"on_{hook}_batch_end", TrainModule) else None
     with torch.no_grad():
         for batch_idx, batch in enumerate(batches):
             if limit is not None and batch_idx >= limit:
                 break
             metrics.batch = batch
-            out = forward(batch, batch_idx, stage)
-            for cb in callbacks:
-                getattr(cb, f"on_{hook}_batch_end")(trainer, module, out, batch, batch_idx)
+            for cb_hook in starts:
+                cb_hook(trainer, module, batch, batch_idx, *extra)
+            if own_start is not None:
+                own_start(batch, batch_idx, *extra)
+            out = forward(batch, batch_idx, stage, *extra)
+            for cb_hook in ends:
+                cb_hook(trainer, module, out, batch, batch_idx, *extra)
+            if own_end is not None:
+                own_end(out, batch, batch_idx, *extra)
     del batches  # (closes a timed loader's iterator now, as a loop that ran out or broke off does)
     metrics.in_epoch_end_hook = True
     getattr(module_hooks, f"on_{hook}_epoch_end")()
@@ -368,11 +392,16 @@ def run_evaluation(trainer: "Trainer", stage: str, loader: Any, limit: Optional[
     metrics.in_epoch_end_hook = False
     if log and not trainer.sanity_checking:
         trainer.log_metrics(values, trainer.global_step)
+        # (after the module's: the callbacks read this epoch's results in trainer.callback_metrics, which
+        # Lightning computes when they are read and this store computes at the epoch's end)
         for cb in callbacks:
             getattr(cb, f"on_{hook}_epoch_end")(trainer, module)
-    if hook == "validation":
-        for cb in callbacks:
-            cb.on_validation_end(trainer, module)
+    trainer.call_hook(f"on_{hook}_end")
+    if overrides(module, f"on_{hook}_model_train", TrainModule):
+        getattr(module_hooks, f"on_{hook}_model_train")()
+    else:
+        for m, training in modes:
+            m.training = training
     metrics.stage = saved_stage
     return {k: float(v) for k, v in values.items()}
 

@@ -53,8 +53,9 @@ class _StepRunner(nn.Module):
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
-    def forward(self, batch: Any, batch_idx: int, stage: str = "train") -> Any:
-        return getattr(self.module, _STEP_METHODS[stage])(batch, batch_idx)
+    def forward(self, batch: Any, batch_idx: int, stage: str = "train", *dataloader_idx: int) -> Any:
+        # (`dataloader_idx` only with several evaluation or prediction loaders, as Lightning passes it)
+        return getattr(self.module, _STEP_METHODS[stage])(batch, batch_idx, *dataloader_idx)
 
 
 class _TrainerState:
@@ -394,15 +395,22 @@ class Trainer:
             cb.on_log(self, values, self.global_step if step is None else step)
 
     def call_hook(self, hook: str, *args: Any) -> None:
-        """Run a hook on the module, then on every callback (each timed, under a profiler)."""
+        """Run a hook on every callback, then on the module, as Lightning orders them (each timed, under a
+        profiler)."""
         module: Any = self.module
         callbacks: List[Any] = self.callbacks
         if self.profiler.enabled:
             module, callbacks = self.profiler.timed(module, "TrainModule", TrainModule), self.timed_callbacks()
+        for cb in callbacks:
+            getattr(cb, hook)(self, self.module, *args)
         fn = getattr(module, hook, None)
         if fn is not None:
             fn(*args)
-        for cb in callbacks:
+
+    def call_callback_hook(self, hook: str, *args: Any) -> None:
+        """Run a hook on every callback only (those the module has no counterpart of, such as
+        on_sanity_check_start)."""
+        for cb in self.callbacks if not self.profiler.enabled else self.timed_callbacks():
             getattr(cb, hook)(self, self.module, *args)
 
     def count_manual_step(self, *_: Any) -> None:
