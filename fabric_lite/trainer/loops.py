@@ -1,4 +1,4 @@
-"""The Trainer's loops: fit (train epochs with validation), evaluation, prediction.
+"""The Trainer's loops: fit (train epochs with validation) and evaluation (prediction: `predict_loop.py`).
 
 A training micro-step runs through the step engine (`trainer.accelerator`, see `engine.py`), the same
 code the raw door runs; device, precision and gradient decisions go to the strategy beneath it. These
@@ -7,10 +7,11 @@ functions only decide *when* things happen.
 
 from __future__ import annotations
 
+import inspect
 import sys
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -20,7 +21,8 @@ if TYPE_CHECKING:
     from fabric_lite.trainer.profiler import Profiler
     from fabric_lite.trainer.trainer import Trainer
 
-__all__ = ["run_fit", "run_evaluation", "run_predict", "batch_limit", "loader_length", "empty_loader_warning"]
+__all__ = ["run_fit", "run_evaluation", "batch_limit", "loader_length", "empty_loader_warning",
+           "check_dataloader_idx"]
 
 
 def batch_limit(limit: Any, length: Optional[int]) -> Optional[int]:
@@ -34,6 +36,23 @@ def batch_limit(limit: Any, length: Optional[int]) -> Optional[int]:
     if isinstance(limit, int) and limit >= 0:
         return limit if length is None else min(limit, length)
     raise ValueError(f"Batch limit {limit!r} must be an int >= 0 or a float in [0.0, 1.0].")
+
+
+def check_dataloader_idx(module: TrainModule, names: Sequence[str], loaders: int) -> None:
+    """With several loaders the step and batch hooks get `dataloader_idx`: refuse, before the first batch, a
+    step or hook the module overrides without that parameter."""
+    if loaders <= 1:
+        return
+    from fabric_lite.callbacks.base import overrides
+
+    for name in names:
+        if name.startswith("on_") and not overrides(module, name, TrainModule):
+            continue
+        params = inspect.signature(getattr(module, name)).parameters.values()
+        if not any(p.name == "dataloader_idx" or p.kind is p.VAR_POSITIONAL for p in params):
+            raise TypeError(f"{type(module).__name__}.{name} takes no dataloader_idx, and {loaders} loaders were "
+                            f"given: each batch says which loader it came from. Add `dataloader_idx=0` to its "
+                            f"parameters, or pass one loader.")
 
 
 def loader_length(loader: Any) -> Optional[int]:
@@ -358,6 +377,8 @@ def run_evaluation(trainer: "Trainer", stage: str, loader: Any, limit: Optional[
         forward = profiler.wrap(f"[Strategy]{type(trainer.strategy).__name__}.{hook}_step", model)
         callbacks, module_hooks = trainer.timed_callbacks(), profiler.timed(module, "TrainModule", TrainModule)
         batches = profiler.iterate(f"{'val' if hook == 'validation' else hook}_dataloader_next", loader)
+    if dataloader_idx == 0:  # (the first of several loaders)
+        check_dataloader_idx(module, (f"{hook}_step", f"on_{hook}_batch_start", f"on_{hook}_batch_end"), 2)
     getattr(module_hooks, f"on_{hook}_model_eval")()
     trainer.call_hook(f"on_{hook}_start")
     trainer.call_hook(f"on_{hook}_epoch_start")
@@ -404,28 +425,3 @@ def run_evaluation(trainer: "Trainer", stage: str, loader: Any, limit: Optional[
             m.training = training
     metrics.stage = saved_stage
     return {k: float(v) for k, v in values.items()}
-
-
-def run_predict(trainer: "Trainer", loaders: List[Any]) -> List[Any]:
-    module, model = trainer.module, trainer.eval_model
-    module.eval()
-    results: List[Any] = []
-    profiler = trainer.profiler if trainer.profiler.enabled else None
-    forward, callbacks = model, trainer.callbacks
-    if profiler is not None:
-        forward = profiler.wrap(f"[Strategy]{type(trainer.strategy).__name__}.predict_step", model)
-        callbacks = trainer.timed_callbacks()
-    with torch.no_grad():
-        for loader in loaders:
-            limit = batch_limit(trainer.limits["predict"], loader_length(loader))
-            outputs = []
-            for batch_idx, batch in enumerate(loader if profiler is None else
-                                              profiler.iterate("predict_dataloader_next", loader)):
-                if limit is not None and batch_idx >= limit:
-                    break
-                out = forward(batch, batch_idx, "predict")
-                for cb in callbacks:
-                    cb.on_predict_batch_end(trainer, module, out, batch, batch_idx)
-                outputs.append(out)
-            results.append(outputs)
-    return results[0] if len(results) == 1 else results

@@ -242,6 +242,8 @@ class Trainer:
         self.configured_models: set = set()
         self.model: Optional[nn.Module] = None
         self.eval_model: Optional[nn.Module] = None
+        self.predict_loop: Any = None  # the running prediction's state (predict_loop.PredictionState)
+        self.gathers_predictions = False  # predict(gather=True) is running
 
     def _add_default_callbacks(self, progress_bar: bool, checkpointing: bool, model_summary: bool,
                                logger: Union[List[Callback], bool, None]) -> None:
@@ -430,6 +432,7 @@ class Trainer:
         """Train `module`; `ckpt_path="last"` resumes from the newest checkpoint if there is one."""
         from fabric_lite.trainer import loops
 
+        self._merge_module_callbacks(module)
         train, val = self._loaders(module, datamodule, "fit", train_dataloaders, val_dataloaders)
         if train is None:
             raise ValueError("fit() needs train_dataloaders, or a datamodule with train_dataloader().")
@@ -466,6 +469,7 @@ class Trainer:
         callbacks = self.timed_callbacks() if profiling else self.callbacks
         for cb in callbacks:
             cb.setup(self, module, "fit")
+        self._module_setup(module, "fit")
         process = detect_process()
         if ckpt_path in (None, "last") and process.started_by_ray:
             ckpt_path = self._ray_checkpoint(ckpt_path)
@@ -490,6 +494,7 @@ class Trainer:
             self.preemption.uninstall()
             for cb in callbacks:
                 cb.teardown(self, module, "fit")
+            module.teardown("fit")
             if datamodule is not None:  # after a failure too, as its setup ran
                 datamodule.teardown("fit")
             if profiling:
@@ -504,23 +509,74 @@ class Trainer:
         return self._evaluate("test", module, dataloaders, datamodule)
 
     def predict(self, module: Optional[TrainModule] = None, dataloaders: Any = None,
-                datamodule: Optional[DataModule] = None) -> List[Any]:
-        from fabric_lite.trainer import loops
+                datamodule: Optional[DataModule] = None, return_predictions: Optional[bool] = None,
+                ckpt_path: Optional[str] = None, gather: bool = False) -> Optional[List[Any]]:
+        """Run `predict_step` over the loaders: a list of batch outputs (on the CPU), a list of such lists for
+        several loaders; None with `return_predictions=False`. Each process predicts its own shard; `gather=True`
+        returns every process's predictions on every process, in dataset order, each sample once (batched as
+        one process would batch them). `ckpt_path`: weights to predict with ("last", "best" or a path)."""
+        from fabric_lite.trainer.predict_loop import PredictionState, run_predict
 
         module = module or self.module
         if module is None:
             raise ValueError("predict() needs a module (or a Trainer that has already fit one).")
+        if return_predictions is not None and not isinstance(return_predictions, bool):
+            raise TypeError(f"predict(return_predictions={return_predictions!r}): must be None (True), True or False.")
+        self._merge_module_callbacks(module)
         loaders = self._eval_loaders(module, datamodule, "predict", dataloaders)
+        if ckpt_path is not None:
+            self._restore_weights(ckpt_path)
+        self.predict_loop = PredictionState()
+        self.gathers_predictions = bool(gather)
         profiling = self.profiler.enabled
         if profiling:
             self._start_profile("predict")
+        callbacks = self.timed_callbacks() if profiling else self.callbacks
         try:
-            return loops.run_predict(self, loaders)
+            for cb in callbacks:
+                cb.setup(self, module, "predict")
+            self._module_setup(module, "predict")
+            return run_predict(self, loaders, return_predictions is not False)
+        except BaseException as err:
+            for cb in callbacks:
+                cb.on_exception(self, module, err)
+            raise
         finally:
+            self.gathers_predictions = False
+            for cb in callbacks:
+                cb.teardown(self, module, "predict")
+            module.teardown("predict")
             if datamodule is not None:
                 datamodule.teardown("predict")
             if profiling:
                 self._end_profile("predict")
+
+    def _module_setup(self, module: TrainModule, stage: str) -> None:
+        """The module's own `prepare_data` (main process, the others waiting) and `setup(stage)`."""
+        from fabric_lite.callbacks.base import overrides
+
+        if overrides(module, "prepare_data", TrainModule):
+            with self.accelerator.main_process_first():
+                if self.is_global_zero:
+                    module.prepare_data()
+        module.setup(stage)
+
+    def _merge_module_callbacks(self, module: TrainModule) -> None:
+        """`module.configure_callbacks()` joins this Trainer's callbacks (see `merge_module_callbacks`)."""
+        from fabric_lite.trainer.module_callbacks import merge_module_callbacks
+
+        self.callbacks[:] = merge_module_callbacks(self.callbacks, module.configure_callbacks())
+        self._order_callbacks()
+
+    def _restore_weights(self, ckpt_path: str) -> None:
+        """For validate/test/predict: "best" (the checkpoint callback's best), "last", or a path."""
+        if ckpt_path == "best":
+            best = getattr(self.checkpoint_callback, "best_model_path", "")
+            if not best:
+                raise ValueError('ckpt_path="best", but no checkpoint callback has saved a best checkpoint yet; '
+                                 'fit with a ModelCheckpoint(monitor=...) first, or pass a path or "last".')
+            ckpt_path = best
+        self._restore(ckpt_path)
 
     def _evaluate(self, stage: str, module: Optional[TrainModule], dataloaders: Any,
                   datamodule: Optional[DataModule]) -> List[Dict[str, float]]:
@@ -529,13 +585,18 @@ class Trainer:
         module = module or self.module
         if module is None:
             raise ValueError(f"{stage}() needs a module (or a Trainer that has already fit one).")
+        self._merge_module_callbacks(module)
         loaders = self._eval_loaders(module, datamodule, stage, dataloaders)
         profiling = self.profiler.enabled
         if profiling:
             self._start_profile(stage)
         try:
-            return [loops.run_evaluation(self, stage, loader) for loader in loaders]
+            self._module_setup(module, stage)
+            several = len(loaders) > 1
+            return [loops.run_evaluation(self, stage, loader, dataloader_idx=i if several else None)
+                    for i, loader in enumerate(loaders)]
         finally:
+            module.teardown(stage)
             if datamodule is not None:
                 datamodule.teardown(stage)
             if profiling:
