@@ -11,7 +11,7 @@ import inspect
 import sys
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from fabric_lite.trainer.trainer import Trainer
 
 __all__ = ["run_fit", "run_evaluation", "batch_limit", "loader_length", "empty_loader_warning",
-           "check_dataloader_idx"]
+           "takes_dataloader_idx"]
 
 
 def batch_limit(limit: Any, length: Optional[int]) -> Optional[int]:
@@ -38,21 +38,11 @@ def batch_limit(limit: Any, length: Optional[int]) -> Optional[int]:
     raise ValueError(f"Batch limit {limit!r} must be an int >= 0 or a float in [0.0, 1.0].")
 
 
-def check_dataloader_idx(module: TrainModule, names: Sequence[str], loaders: int) -> None:
-    """With several loaders the step and batch hooks get `dataloader_idx`: refuse, before the first batch, a
-    step or hook the module overrides without that parameter."""
-    if loaders <= 1:
-        return
-    from fabric_lite.callbacks.base import overrides
-
-    for name in names:
-        if name.startswith("on_") and not overrides(module, name, TrainModule):
-            continue
-        params = inspect.signature(getattr(module, name)).parameters.values()
-        if not any(p.name == "dataloader_idx" or p.kind is p.VAR_POSITIONAL for p in params):
-            raise TypeError(f"{type(module).__name__}.{name} takes no dataloader_idx, and {loaders} loaders were "
-                            f"given: each batch says which loader it came from. Add `dataloader_idx=0` to its "
-                            f"parameters, or pass one loader.")
+def takes_dataloader_idx(fn: Any) -> bool:
+    """Whether a step method accepts `dataloader_idx` (passed only with several loaders, and only to a step
+    that takes it: a step written for one loader still runs over several)."""
+    params = inspect.signature(fn).parameters.values()
+    return any(p.name == "dataloader_idx" or p.kind is p.VAR_POSITIONAL for p in params)
 
 
 def loader_length(loader: Any) -> Optional[int]:
@@ -377,12 +367,11 @@ def run_evaluation(trainer: "Trainer", stage: str, loader: Any, limit: Optional[
         forward = profiler.wrap(f"[Strategy]{type(trainer.strategy).__name__}.{hook}_step", model)
         callbacks, module_hooks = trainer.timed_callbacks(), profiler.timed(module, "TrainModule", TrainModule)
         batches = profiler.iterate(f"{'val' if hook == 'validation' else hook}_dataloader_next", loader)
-    if dataloader_idx == 0:  # (the first of several loaders)
-        check_dataloader_idx(module, (f"{hook}_step", f"on_{hook}_batch_start", f"on_{hook}_batch_end"), 2)
     getattr(module_hooks, f"on_{hook}_model_eval")()
     trainer.call_hook(f"on_{hook}_start")
     trainer.call_hook(f"on_{hook}_epoch_start")
     extra = () if dataloader_idx is None else (dataloader_idx,)
+    step_extra = extra if extra and takes_dataloader_idx(getattr(module, f"{hook}_step")) else ()
     # the batch hooks that do something, looked up once (callbacks first, then the module, as in Lightning)
     starts = [getattr(timed, f"on_{hook}_batch_start") for cb, timed in zip(trainer.callbacks, callbacks)
               if overrides(cb, f"on_{hook}_batch_start", Callback)]
@@ -401,7 +390,7 @@ def run_evaluation(trainer: "Trainer", stage: str, loader: Any, limit: Optional[
                 cb_hook(trainer, module, batch, batch_idx, *extra)
             if own_start is not None:
                 own_start(batch, batch_idx, *extra)
-            out = forward(batch, batch_idx, stage, *extra)
+            out = forward(batch, batch_idx, stage, *step_extra)
             for cb_hook in ends:
                 cb_hook(trainer, module, out, batch, batch_idx, *extra)
             if own_end is not None:

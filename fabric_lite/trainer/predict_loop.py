@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional
 
 import torch
 
-from fabric_lite.trainer.loops import batch_limit, check_dataloader_idx, loader_length
+from fabric_lite.trainer.loops import batch_limit, loader_length, takes_dataloader_idx
 from fabric_lite.trainer.module import TrainModule
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ def run_predict(trainer: "Trainer", loaders: List[Any], return_predictions: bool
     own_start = module_hooks.on_predict_batch_start if overrides(module, "on_predict_batch_start", TrainModule) \
         else None
     own_end = module_hooks.on_predict_batch_end if overrides(module, "on_predict_batch_end", TrainModule) else None
-    check_dataloader_idx(module, ("predict_step", "on_predict_batch_start", "on_predict_batch_end"), len(loaders))
+    step_takes_idx = len(loaders) > 1 and takes_dataloader_idx(module.predict_step)
     state.epoch_batch_indices = [[] for _ in loaders]
     state.outputs = [[] for _ in loaders]
     modes = [(m, m.training) for m in module.modules()]
@@ -96,7 +96,7 @@ def run_predict(trainer: "Trainer", loaders: List[Any], return_predictions: bool
                     hook(trainer, module, batch, batch_idx, *extra)
                 if own_start is not None:
                     own_start(batch, batch_idx, *extra)
-                out = forward(batch, batch_idx, "predict", *extra)
+                out = forward(batch, batch_idx, "predict", *(extra if step_takes_idx else ()))
                 for hook in ends:
                     hook(trainer, module, out, batch, batch_idx, *extra)
                 if own_end is not None:
