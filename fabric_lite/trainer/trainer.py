@@ -590,12 +590,21 @@ class Trainer:
         profiling = self.profiler.enabled
         if profiling:
             self._start_profile(stage)
+        callbacks = self.timed_callbacks() if profiling else self.callbacks
         try:
+            for cb in callbacks:
+                cb.setup(self, module, stage)
             self._module_setup(module, stage)
             several = len(loaders) > 1
             return [loops.run_evaluation(self, stage, loader, dataloader_idx=i if several else None)
                     for i, loader in enumerate(loaders)]
+        except BaseException as err:
+            for cb in callbacks:
+                cb.on_exception(self, module, err)
+            raise
         finally:
+            for cb in callbacks:
+                cb.teardown(self, module, stage)
             module.teardown(stage)
             if datamodule is not None:
                 datamodule.teardown(stage)
