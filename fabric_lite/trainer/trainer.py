@@ -569,14 +569,25 @@ class Trainer:
         self._order_callbacks()
 
     def _restore_weights(self, ckpt_path: str) -> None:
-        """For validate/test/predict: "best" (the checkpoint callback's best), "last", or a path."""
+        """The module's weights for predict: from "best" (the checkpoint callback's best), "last" (the newest
+        whole checkpoint) or a path (a checkpoint or a weights file); the rest of the run stays as it is."""
+        from fabric_lite.checkpoint import files as checkpoint_io
+        from fabric_lite.checkpoint.state import read_weights
+
         if ckpt_path == "best":
             best = getattr(self.checkpoint_callback, "best_model_path", "")
             if not best:
                 raise ValueError('ckpt_path="best", but no checkpoint callback has saved a best checkpoint yet; '
                                  'fit with a ModelCheckpoint(monitor=...) first, or pass a path or "last".')
             ckpt_path = best
-        self._restore(ckpt_path)
+        elif ckpt_path == "last":
+            found = checkpoint_io.newest_whole_checkpoint(self.checkpoint_dir()) if self.is_global_zero else None
+            found = self.strategy.broadcast_object(found)
+            if found is None:
+                raise ValueError(f'ckpt_path="last", but there is no whole checkpoint under {self.checkpoint_dir()}; '
+                                 f'pass the path of one, or fit first.')
+            ckpt_path = found
+        self.accelerator.unwrap_model(self.model).load_state_dict(read_weights(ckpt_path))
 
     def _evaluate(self, stage: str, module: Optional[TrainModule], dataloaders: Any,
                   datamodule: Optional[DataModule]) -> List[Dict[str, float]]:
