@@ -515,7 +515,7 @@ class Trainer:
         several loaders; None with `return_predictions=False`. Each process predicts its own shard; `gather=True`
         returns every process's predictions on every process, in dataset order, each sample once (batched as
         one process would batch them). `ckpt_path`: weights to predict with ("last", "best" or a path)."""
-        from fabric_lite.trainer.predict_loop import PredictionState, run_predict
+        from fabric_lite.trainer.predict_loop import PredictionState, load_weights, run_predict
 
         module = module or self.module
         if module is None:
@@ -525,7 +525,7 @@ class Trainer:
         self._merge_module_callbacks(module)
         loaders = self._eval_loaders(module, datamodule, "predict", dataloaders)
         if ckpt_path is not None:
-            self._restore_weights(ckpt_path)
+            load_weights(self, ckpt_path)
         self.predict_loop = PredictionState()
         self.gathers_predictions = bool(gather)
         profiling = self.profiler.enabled
@@ -567,27 +567,6 @@ class Trainer:
 
         self.callbacks[:] = merge_module_callbacks(self.callbacks, module.configure_callbacks())
         self._order_callbacks()
-
-    def _restore_weights(self, ckpt_path: str) -> None:
-        """The module's weights for predict: from "best" (the checkpoint callback's best), "last" (the newest
-        whole checkpoint) or a path (a checkpoint or a weights file); the rest of the run stays as it is."""
-        from fabric_lite.checkpoint import files as checkpoint_io
-        from fabric_lite.checkpoint.state import read_weights
-
-        if ckpt_path == "best":
-            best = getattr(self.checkpoint_callback, "best_model_path", "")
-            if not best:
-                raise ValueError('ckpt_path="best", but no checkpoint callback has saved a best checkpoint yet; '
-                                 'fit with a ModelCheckpoint(monitor=...) first, or pass a path or "last".')
-            ckpt_path = best
-        elif ckpt_path == "last":
-            found = checkpoint_io.newest_whole_checkpoint(self.checkpoint_dir()) if self.is_global_zero else None
-            found = self.strategy.broadcast_object(found)
-            if found is None:
-                raise ValueError(f'ckpt_path="last", but there is no whole checkpoint under {self.checkpoint_dir()}; '
-                                 f'pass the path of one, or fit first.')
-            ckpt_path = found
-        self.accelerator.unwrap_model(self.model).load_state_dict(read_weights(ckpt_path))
 
     def _evaluate(self, stage: str, module: Optional[TrainModule], dataloaders: Any,
                   datamodule: Optional[DataModule]) -> List[Dict[str, float]]:
