@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from fabric_lite.trainer.trainer import Trainer
 
 __all__ = ["run_fit", "run_evaluation", "batch_limit", "loader_length", "empty_loader_warning",
-           "takes_dataloader_idx"]
+           "takes_dataloader_idx",
+           "moves_batches", "batch_transfer"]
 
 
 def batch_limit(limit: Any, length: Optional[int]) -> Optional[int]:
@@ -43,6 +44,35 @@ def takes_dataloader_idx(fn: Any) -> bool:
     that takes it: a step written for one loader still runs over several)."""
     params = inspect.signature(fn).parameters.values()
     return any(p.name == "dataloader_idx" or p.kind is p.VAR_POSITIONAL for p in params)
+
+
+_TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
+
+
+def moves_batches(module: TrainModule) -> bool:
+    """Whether the module overrides a batch-transfer hook: its loaders then leave batches where they load them."""
+    from fabric_lite.callbacks.base import overrides
+
+    return any(overrides(module, name, TrainModule) for name in _TRANSFER_HOOKS)
+
+
+def batch_transfer(trainer: "Trainer") -> Any:
+    """The module's batch-transfer hooks as one call `(batch, dataloader_idx) -> batch` (None where it overrides
+    none: the loaders placed the batch). Without its own transfer_batch_to_device the strategy's feed moves it."""
+    from fabric_lite.callbacks.base import overrides
+
+    module = trainer.module
+    if not moves_batches(module):
+        return None
+    device = trainer.device
+    feed = None if overrides(module, "transfer_batch_to_device", TrainModule) else trainer.strategy.device_feed(False)
+
+    def transfer(batch: Any, dataloader_idx: int) -> Any:
+        batch = module.on_before_batch_transfer(batch, dataloader_idx)
+        batch = feed(batch) if feed is not None else module.transfer_batch_to_device(batch, device, dataloader_idx)
+        return module.on_after_batch_transfer(batch, dataloader_idx)
+
+    return transfer
 
 
 def loader_length(loader: Any) -> Optional[int]:
@@ -95,6 +125,7 @@ class _StepHooks:
         # for the engine: called with the optimizer (or None: nothing to call)
         self.before_optimizer_step = both("on_before_optimizer_step")
         self.before_zero_grad = both("on_before_zero_grad")
+        self.transfer = batch_transfer(trainer)
 
 
 def _extract_loss(out: Any, batch_idx: int) -> torch.Tensor:
@@ -228,6 +259,8 @@ def _train_epoch(trainer: "Trainer") -> bool:
                                       start=start):
         if limit is not None and batch_idx >= limit:
             break
+        if hooks.transfer is not None:
+            batch = hooks.transfer(batch, 0)
         for hook in hooks.cb_batch_start:
             hook(trainer, module, batch, batch_idx)
         if hooks.batch_start is not None and hooks.batch_start(batch, batch_idx) == -1:
@@ -372,6 +405,7 @@ def run_evaluation(trainer: "Trainer", stage: str, loader: Any, limit: Optional[
     trainer.call_hook(f"on_{hook}_epoch_start")
     extra = () if dataloader_idx is None else (dataloader_idx,)
     step_extra = extra if extra and takes_dataloader_idx(getattr(module, f"{hook}_step")) else ()
+    transfer = batch_transfer(trainer)
     # the batch hooks that do something, looked up once (callbacks first, then the module, as in Lightning)
     starts = [getattr(timed, f"on_{hook}_batch_start") for cb, timed in zip(trainer.callbacks, callbacks)
               if overrides(cb, f"on_{hook}_batch_start", Callback)]
@@ -385,6 +419,8 @@ def run_evaluation(trainer: "Trainer", stage: str, loader: Any, limit: Optional[
         for batch_idx, batch in enumerate(batches):
             if limit is not None and batch_idx >= limit:
                 break
+            if transfer is not None:
+                batch = transfer(batch, dataloader_idx or 0)
             metrics.batch = batch
             for cb_hook in starts:
                 cb_hook(trainer, module, batch, batch_idx, *extra)

@@ -103,6 +103,22 @@ class TrainModule(nn.Module):
         replace the Trainer's callbacks of the same type (or a parent type); checkpoint callbacks go last."""
         return []
 
+    # Overriding any of the three batch-transfer hooks makes the loops move each batch through them (the
+    # prepared loaders then leave batches where they load them); otherwise the loaders place batches themselves.
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Change a batch before it moves to the device (on the host)."""
+        return batch
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Move a batch to `device` (tensors in lists, tuples, dicts and dataclasses); override for other types."""
+        from fabric_lite.data.transfer import move_to_device
+
+        return move_to_device(batch, device)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Change a batch once it is on the device (e.g. augment on the GPU)."""
+        return batch
+
     def on_fit_start(self) -> None: ...
     def on_fit_end(self) -> None: ...
     def on_train_start(self) -> None: ...

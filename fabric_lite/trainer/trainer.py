@@ -440,11 +440,11 @@ class Trainer:
         self.accelerator.free_memory()
         self.accelerator.registered_objects.clear()
         self.accelerator.per_process_objects.clear()
-        self.train_dataloader = self.accelerator.prepare_data_loader(train)
+        self.train_dataloader = self.accelerator.prepare_data_loader(train, device_placement=_placement(module))
         # the user's loader and where it came from, named if it yields no batches (loops.empty_loader_warning)
         self.train_dataloader_source = (train, "given to fit()" if datamodule is None
                                         else f"from {type(datamodule).__name__}.train_dataloader()")
-        self.val_dataloaders = [self._prepare_eval_loader(v) for v in _as_list(val)]
+        self.val_dataloaders = [self._prepare_eval_loader(v, module) for v in _as_list(val)]
         self._attach(module, with_optimizers=True)
         for sched in self.lr_scheduler_configs:
             self.accelerator.register_for_checkpointing(sched.scheduler)
@@ -608,13 +608,14 @@ class Trainer:
             raise ValueError(f"{stage}() needs dataloaders, or a datamodule with {stage}_dataloader().")
         if self.module is not module:
             self._attach(module)
-        return [self._prepare_eval_loader(d) for d in _as_list(loaders)]
+        return [self._prepare_eval_loader(d, module) for d in _as_list(loaders)]
 
-    def _prepare_eval_loader(self, loader: Any) -> Any:
+    def _prepare_eval_loader(self, loader: Any, module: Optional[TrainModule] = None) -> Any:
         # Every sample exactly once (no even-batch padding), so metrics over the whole set are exact;
         # unless each forward is a collective (ZeRO-3), where a process that ran out would hang the rest:
         # then the last step is padded as in training, and its repeated samples count in epoch means.
-        return self.accelerator.prepare_data_loader(loader, even_batches=self.strategy.forward_is_collective)
+        return self.accelerator.prepare_data_loader(loader, even_batches=self.strategy.forward_is_collective,
+                                                    device_placement=_placement(module))
 
     # -- plumbing ----------------------------------------------------------------------------------
     def _loaders(self, module: TrainModule, datamodule: Optional[DataModule], stage: str, first: Any,
@@ -873,6 +874,14 @@ def _relaunch_if_needed(devices: Union[int, str], num_nodes: int, xla: Optional[
     else:  # (the script's own arguments pass through untouched)
         cmd = torchrun_command(devices, num_nodes, script, sys.argv[1:])
     raise SystemExit(subprocess.call(cmd))
+
+
+def _placement(module: Optional[TrainModule]) -> Optional[bool]:
+    """False where the module moves its batches itself (its batch-transfer hooks, run by the loops), else None:
+    the prepared loaders place them."""
+    from fabric_lite.trainer.loops import moves_batches
+
+    return False if module is not None and moves_batches(module) else None
 
 
 def _as_list(loaders: Any) -> List[Any]:

@@ -23,7 +23,7 @@ from fabric_lite.callbacks.checkpoint import ModelCheckpoint
 CALLBACK_HOOKS = [n for n in vars(Callback) if n.startswith("on_") and n not in ("on_log", "on_hyperparameters",
                                                                                   "on_exception")]
 CALLBACK_HOOKS += ["setup", "teardown"]
-MODULE_HOOKS = [n for n in vars(TrainModule) if n.startswith("on_")] + ["setup", "teardown"]
+MODULE_HOOKS = [n for n in vars(TrainModule) if n.startswith("on_")] + ["setup", "teardown", "transfer_batch_to_device"]
 
 
 def short(value):
@@ -36,6 +36,8 @@ def short(value):
         return "batch"
     if isinstance(value, dict):
         return "dict:" + ",".join(sorted(value))
+    if isinstance(value, torch.device):
+        return "device"
     if isinstance(value, torch.optim.Optimizer) or hasattr(value, "param_groups"):
         return "optimizer"
     return type(value).__name__
@@ -112,11 +114,18 @@ def both(name, *args):
     return [("Callback." + name, *args), (name, *args)]
 
 
+def moved(dataloader_idx=0):
+    """The batch-transfer hooks, before any batch hook (Lightning's order)."""
+    return [("on_before_batch_transfer", "batch", dataloader_idx),
+            ("transfer_batch_to_device", "batch", "device", dataloader_idx),
+            ("on_after_batch_transfer", "batch", dataloader_idx)]
+
+
 def eval_run(noun, batches, sanity=False):
     """One validation or test run over one loader (Lightning's `_eval_epoch` with its start/end around it)."""
     out = [(f"on_{noun}_model_eval",), *both(f"on_{noun}_start"), *both(f"on_{noun}_epoch_start")]
     for i in range(batches):
-        out += [*both(f"on_{noun}_batch_start", "batch", i), (f"{noun}_step", i),
+        out += [*moved(), *both(f"on_{noun}_batch_start", "batch", i), (f"{noun}_step", i),
                 *both(f"on_{noun}_batch_end", "dict:" + ("x" if noun == "validation" else "y"), "batch", i)]
     out += [(f"on_{noun}_epoch_end",)]  # the module's first, then the callbacks' (none during the sanity check)
     if not sanity:
@@ -126,7 +135,7 @@ def eval_run(noun, batches, sanity=False):
 
 
 def train_batch(i):
-    return [*both("on_train_batch_start", "batch", i), ("training_step", i),
+    return [*moved(), *both("on_train_batch_start", "batch", i), ("training_step", i),
             *both("on_before_backward", "tensor"), *both("on_after_backward"),
             *both("on_before_optimizer_step", "optimizer"),
             *both("on_before_zero_grad", "optimizer"),  # (after the step here; before backward in Lightning)
@@ -170,7 +179,7 @@ def test_predict_calls_its_hooks_in_lightnings_order(tmp_path):
     out = trainer.predict(module, DataLoader(data(), batch_size=2))
     batches = []
     for i in range(2):
-        batches += [*both("on_predict_batch_start", "batch", i), ("predict_step", i),
+        batches += [*moved(), *both("on_predict_batch_start", "batch", i), ("predict_step", i),
                     *both("on_predict_batch_end", "tensor", "batch", i)]
     assert calls == [
         ("Callback.setup", "predict"), ("setup", "predict"),
@@ -192,7 +201,9 @@ def test_several_loaders_pass_dataloader_idx_to_batch_hooks_and_steps(tmp_path):
     calls = []
     trainer = make_trainer(tmp_path, calls, limit_val_batches=1)
     trainer.validate(TwoLoaders(calls), [DataLoader(data(), batch_size=2), DataLoader(data(), batch_size=2)])
-    batch_calls = [c for c in calls if "batch" in c[0] or c[0].endswith("_step")]
+    assert [c for c in calls if c[0] == "on_before_batch_transfer"] == [("on_before_batch_transfer", "batch", 0),
+                                                                        ("on_before_batch_transfer", "batch", 1)]
+    batch_calls = [c for c in calls if ("batch" in c[0] and "transfer" not in c[0]) or c[0].endswith("_step")]
     assert batch_calls == [
         ("Callback.on_validation_batch_start", "batch", 0, 0), ("on_validation_batch_start", "batch", 0, 0),
         ("validation_step", 0, 0),
@@ -281,3 +292,39 @@ def test_on_train_batch_start_returning_minus_one_ends_the_epoch_after_the_callb
     assert starts == [("Callback.on_train_batch_start", "batch", 0), ("on_train_batch_start", 0),
                       ("Callback.on_train_batch_start", "batch", 1), ("on_train_batch_start", 1)]
     assert [c for c in calls if c[0] == "training_step"] == [("training_step", 0)]
+
+
+class Augmenting(TrainModule):
+    """Doubles each input before the transfer and adds one after it: training sees 2x + 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+        self.net = nn.Linear(3, 1)
+
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        return [batch[0] * 2, batch[1]]
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        return [batch[0] + 1, batch[1]]
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(batch[0].clone())
+        return F.mse_loss(self.net(batch[0]), batch[1])
+
+    def predict_step(self, batch, batch_idx):
+        return batch[0]
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_batch_transfer_hooks_change_the_batches_every_stage_sees(tmp_path):
+    ds = data(4)
+    module = Augmenting()
+    trainer = Trainer(max_epochs=1, enable_progress_bar=False, enable_checkpointing=False, logger=False,
+                      enable_model_summary=False, default_root_dir=str(tmp_path))
+    trainer.fit(module, DataLoader(ds, batch_size=2))
+    torch.testing.assert_close(torch.cat(module.seen), ds.tensors[0] * 2 + 1)
+    out = trainer.predict(module, DataLoader(ds, batch_size=4))
+    torch.testing.assert_close(out[0], ds.tensors[0] * 2 + 1)
