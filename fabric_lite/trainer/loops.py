@@ -88,22 +88,25 @@ class _StepHooks:
     Under a profiler each one is timed. Callbacks run before the module at each hook, as in Lightning."""
 
     def __init__(self, trainer: "Trainer", profiler: Optional["Profiler"] = None) -> None:
-        from fabric_lite.callbacks.base import Callback, overrides
+        from fabric_lite.callbacks.base import Callback
 
         module = trainer.module
+        # (`callbacks.base.overrides` written out: these run for every hook of every callback, each epoch)
 
         def mine(name: str) -> Any:
-            if not overrides(module, name, TrainModule):
+            if name not in vars(module) and getattr(type(module), name) is getattr(TrainModule, name):
                 return None
             if profiler is not None:
                 return profiler.wrap(f"[TrainModule]{type(module).__name__}.{name}", getattr(module, name))
             return getattr(module, name)
 
         def theirs(name: str) -> List[Any]:
+            default = getattr(Callback, name)
             if profiler is not None:
                 return [profiler.wrap(f"[Callback]{type(cb).__name__}.{name}", getattr(cb, name))
-                        for cb in trainer.callbacks if overrides(cb, name, Callback)]
-            return [getattr(cb, name) for cb in trainer.callbacks if overrides(cb, name, Callback)]
+                        for cb in trainer.callbacks if name in vars(cb) or getattr(type(cb), name) is not default]
+            return [getattr(cb, name) for cb in trainer.callbacks
+                    if name in vars(cb) or getattr(type(cb), name) is not default]
 
         def both(name: str) -> Any:
             """The callbacks' hooks, then the module's, as one callable taking the module's arguments (or None)."""
@@ -125,7 +128,7 @@ class _StepHooks:
         # for the engine: called with the optimizer (or None: nothing to call)
         self.before_optimizer_step = both("on_before_optimizer_step")
         self.before_zero_grad = both("on_before_zero_grad")
-        self.transfer = batch_transfer(trainer)
+        self.transfer = batch_transfer(trainer) if any(mine(name) for name in _TRANSFER_HOOKS) else None
 
 
 def _extract_loss(out: Any, batch_idx: int) -> torch.Tensor:
