@@ -276,6 +276,8 @@ def test_configure_callbacks_replaces_the_trainers_of_the_same_type_and_checkpoi
     # SubMarker replaces the Trainer's Marker (its parent type); a plain Callback replaces nothing;
     # the checkpoint callback goes last
     assert trainer.callbacks == [replaced, plain, mine_sub, mine_plain, mine_ckpt]
+    trainer.predict(WithCallbacks([]), DataLoader(data(), batch_size=4))  # every stage asks again: no duplicates
+    assert trainer.callbacks == [replaced, plain, mine_sub, mine_plain, mine_ckpt]
 
 
 def test_on_train_batch_start_returning_minus_one_ends_the_epoch_after_the_callbacks_heard_it(tmp_path):

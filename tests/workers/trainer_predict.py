@@ -1,7 +1,6 @@
 """Trainer.predict on several processes: what a BasePredictionWriter is told on each rank, and every rank's
 predictions gathered back in dataset order (21 samples: not divisible by 2)."""
 
-import torch
 from torch.utils.data import DataLoader
 
 from common import IndexDataset, parse, write_result
