@@ -17,8 +17,7 @@ from fabric_lite.trainer.module import TrainModule
 if TYPE_CHECKING:
     from fabric_lite.trainer.trainer import Trainer
 
-__all__ = ["PredictionState", "run_predict", "load_weights", "gather_in_dataset_order", "split_samples",
-           "join_samples"]
+__all__ = ["PredictionState", "run_predict", "gather_in_dataset_order", "split_samples", "join_samples"]
 
 
 class PredictionState:
@@ -75,7 +74,7 @@ def run_predict(trainer: "Trainer", loaders: List[Any], return_predictions: bool
     trainer.call_hook("on_predict_start")
     trainer.call_hook("on_predict_epoch_start")
     cpu = torch.device("cpu")
-    with torch.no_grad():
+    with trainer.evaluation_context():
         for dataloader_idx, loader in enumerate(loaders):
             extra = (dataloader_idx,) if len(loaders) > 1 else ()
             seen = record_batch_indices(loader) if wants_indices else None
@@ -123,29 +122,6 @@ def run_predict(trainer: "Trainer", loaders: List[Any], return_predictions: bool
     for m, training in modes:
         m.training = training
     return results
-
-
-def load_weights(trainer: "Trainer", ckpt_path: str) -> None:
-    """The module's weights for predict: from "best" (the checkpoint callback's best), "last" (the newest whole
-    checkpoint) or a path (a checkpoint or a weights file); the rest of the run stays as it is."""
-    from fabric_lite.checkpoint import files as checkpoint_io
-    from fabric_lite.checkpoint.state import read_weights
-
-    if ckpt_path == "best":
-        best = getattr(trainer.checkpoint_callback, "best_model_path", "")
-        if not best:
-            raise ValueError('ckpt_path="best", but no checkpoint callback has saved a best checkpoint yet; fit '
-                             'with a ModelCheckpoint(monitor=...) first, or pass a path or "last".')
-        ckpt_path = best
-    elif ckpt_path == "last":
-        root = trainer.checkpoint_dir()
-        found = checkpoint_io.newest_whole_checkpoint(root) if trainer.is_global_zero else None
-        found = trainer.strategy.broadcast_object(found)
-        if found is None:
-            raise ValueError(f'ckpt_path="last", but there is no whole checkpoint under {root}; pass the path of '
-                             f'one, or fit first.')
-        ckpt_path = found
-    trainer.module.load_state_dict(read_weights(ckpt_path))
 
 
 def _batch_size(loader: Any, indices: List[List[int]]) -> int:

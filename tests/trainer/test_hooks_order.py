@@ -1,10 +1,11 @@
 """Which hooks the Trainer calls, with which arguments, in which order: fit, validate, test and predict, recorded
 from a callback and a module that override every hook, against Lightning's order written out here.
 
-Where the order differs from Lightning's on purpose it is said next to the expected list: the epoch-end hooks
-run the module's before the callbacks' (the callbacks read that epoch's results, which this Trainer computes
-at the epoch's end), callbacks hear no `on_validation_epoch_end` during the sanity check, and
-`on_before_zero_grad` comes after the optimizer step (this engine clears gradients after stepping).
+Where the order differs from Lightning's it is said next to the expected list: the module's `setup` runs
+before the callbacks' (with the data hooks, when the loaders are asked for), the epoch-end hooks run the
+module's before the callbacks' (the callbacks read that epoch's results, which this Trainer computes at the
+epoch's end), callbacks hear no `on_validation_epoch_end` during the sanity check, and `on_before_zero_grad`
+comes after the optimizer step (this engine clears gradients after stepping).
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ def test_fit_calls_every_hook_in_lightnings_order(tmp_path):
                            num_sanity_val_steps=1)
     trainer.fit(Recorded(calls), DataLoader(data(), batch_size=2), DataLoader(data(), batch_size=2))
     expected = [
-        ("Callback.setup", "fit"), ("setup", "fit"),
+        ("setup", "fit"), ("Callback.setup", "fit"),  # (module first, see the docstring)
         *both("on_fit_start"),
         ("Callback.on_sanity_check_start",), *eval_run("validation", 1, sanity=True), ("Callback.on_sanity_check_end",),
         *both("on_train_start"),
@@ -167,7 +168,7 @@ def test_validate_and_test_call_their_hooks_in_lightnings_order(tmp_path, verb, 
     calls = []
     trainer = make_trainer(tmp_path, calls, limit_val_batches=2, limit_test_batches=2)
     getattr(trainer, verb)(Recorded(calls), DataLoader(data(), batch_size=2))
-    assert calls == [("Callback.setup", verb), ("setup", verb), *eval_run(noun, 2),
+    assert calls == [("setup", verb), ("Callback.setup", verb), *eval_run(noun, 2),
                      ("Callback.teardown", verb), ("teardown", verb)]
 
 
@@ -182,7 +183,7 @@ def test_predict_calls_its_hooks_in_lightnings_order(tmp_path):
         batches += [*moved(), *both("on_predict_batch_start", "batch", i), ("predict_step", i),
                     *both("on_predict_batch_end", "tensor", "batch", i)]
     assert calls == [
-        ("Callback.setup", "predict"), ("setup", "predict"),
+        ("setup", "predict"), ("Callback.setup", "predict"),
         ("on_predict_model_eval",), *both("on_predict_start"), *both("on_predict_epoch_start"),
         *batches,
         *both("on_predict_epoch_end"), *both("on_predict_end"),

@@ -145,7 +145,7 @@ def test_predict_with_ckpt_path_uses_the_saved_weights(tmp_path):
     torch.testing.assert_close(torch.cat(again), torch.cat(expected))
     for p, q in zip(module.parameters(), saved):
         torch.testing.assert_close(p, q)
-    with pytest.raises(ValueError, match='ckpt_path="best", but no checkpoint callback has saved a best'):
+    with pytest.raises(ValueError, match='predict\\(ckpt_path="best"\\) needs a ModelCheckpoint'):
         make_trainer(tmp_path).predict(Trained(), DataLoader(ds), ckpt_path="best")
 
 
