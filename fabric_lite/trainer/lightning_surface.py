@@ -39,7 +39,6 @@ REFUSED_TRAINER_MEMBERS: Dict[str, Tuple[str, str]] = {
     "fit_loop": ("Lightning's loop objects (fit_loop)", _LOOPS_INSTEAD),
     "validate_loop": ("Lightning's loop objects (validate_loop)", _LOOPS_INSTEAD),
     "test_loop": ("Lightning's loop objects (test_loop)", _LOOPS_INSTEAD),
-    "predict_loop": ("Lightning's loop objects (predict_loop)", _LOOPS_INSTEAD),
     "training": ("the running-stage flag trainer.training", _STAGE_INSTEAD),
     "validating": ("the running-stage flag trainer.validating", _STAGE_INSTEAD),
     "testing": ("the running-stage flag trainer.testing", _STAGE_INSTEAD),
@@ -238,13 +237,6 @@ REFUSED_MODULE_MEMBERS: Dict[str, Tuple[str, str]] = {
     "configure_sharded_model": ("configure_sharded_model (removed in Lightning 2)", "build the layers in "
                                 "configure_model"),
     "on_validation_model_zero_grad": ("the on_validation_model_zero_grad hook", _NO_LOOP_HOOK),
-    "on_validation_model_eval": ("the on_validation_model_eval hook (the module is put in eval mode for "
-                                 "validation)", _NO_LOOP_HOOK),
-    "on_validation_model_train": ("the on_validation_model_train hook (train mode is restored after "
-                                  "validation)", _NO_LOOP_HOOK),
-    "on_test_model_eval": ("the on_test_model_eval hook", _NO_LOOP_HOOK),
-    "on_test_model_train": ("the on_test_model_train hook", _NO_LOOP_HOOK),
-    "on_predict_model_eval": ("the on_predict_model_eval hook", _NO_LOOP_HOOK),
     "to_onnx": ("LightningModule.to_onnx", "call torch.onnx.export(module, example_input, path) yourself"),
     "to_torchscript": ("LightningModule.to_torchscript", "call torch.jit.script(module.eval()) or torch.jit.trace"),
     "load_from_checkpoint": ("LightningModule.load_from_checkpoint", "build the module (Module(**hparams)) and "

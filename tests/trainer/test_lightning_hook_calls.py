@@ -120,11 +120,13 @@ def test_every_hook_the_trainer_has_runs_in_lightnings_order_with_its_arguments(
     with torch.no_grad():
         expected = float(F.mse_loss(module.net(x), y))
     assert trainer.test(module, loader(4, batch_size=4)) == [{"test_loss": pytest.approx(expected, rel=1e-5)}]
-    assert Counter(names(calls)) == {"on_test_epoch_start": 2, "on_test_epoch_end": 2, "on_test_batch_end": 1}
+    assert Counter(names(calls)) == {"on_test_epoch_start": 2, "on_test_epoch_end": 2, "on_test_batch_end": 1,
+                                     "setup": 1, "teardown": 1}  # (the callback's, with stage="test")
     calls.clear()
     predictions = trainer.predict(module, loader(4))
-    assert len(predictions) == 2 and names(calls) == ["on_predict_batch_end", "on_predict_batch_end"]
-    assert calls[1][2][4] == 1 and torch.equal(calls[1][2][2], predictions[1])  # (trainer, module, outputs, batch,
+    assert len(predictions) == 2 and names(calls) == ["setup", "on_predict_batch_end", "on_predict_batch_end",
+                                                      "teardown"]
+    assert calls[2][2][4] == 1 and torch.equal(calls[2][2][2], predictions[1])  # (trainer, module, outputs, batch,
     #                                                                                      batch_idx)
 
 

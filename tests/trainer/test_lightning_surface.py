@@ -291,7 +291,7 @@ def loader():
     return DataLoader(TensorDataset(torch.ones(4, 3), torch.ones(4, 1)), batch_size=2)
 
 
-@pytest.mark.parametrize("hook", ["optimizer_step", "configure_gradient_clipping", "on_validation_model_eval",
+@pytest.mark.parametrize("hook", ["optimizer_step", "configure_gradient_clipping", "on_validation_model_zero_grad",
                                   "backward"])
 def test_a_module_overriding_a_refused_hook_is_refused_before_anything_runs(hook, tmp_path):
     class Overrides(Net):
