@@ -125,6 +125,7 @@ def run_fit(trainer: "Trainer") -> None:
     train_epoch = _train_epoch if profiler is None else profiler.wrap("run_training_epoch", _train_epoch)
     warned = False
     reload_every = trainer.reload_dataloaders_every_n_epochs
+    trainer.loaded_epoch = trainer.current_epoch  # (the loaders were asked for at this epoch: resumed, it is later)
     # (a stop asked for before min_epochs/min_steps are reached waits for them: may_stop)
     while not (trainer.should_stop and may_stop(trainer)) and (trainer.max_epochs == -1
                                                                 or trainer.current_epoch < trainer.max_epochs):

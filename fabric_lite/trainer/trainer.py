@@ -299,7 +299,6 @@ class Trainer(TrainerFacts):
         self.accelerator.per_process_objects.clear()
         self.train_dataloader = prepare_train_loader(self, train)
         self.val_dataloaders = [self._prepare_eval_loader(v, "validate") for v in as_list(self.val_source.request())]
-        self.loaded_epoch = self.current_epoch
         self._attach(module, with_optimizers=True)
         for sched in self.lr_scheduler_configs:
             self.accelerator.register_for_checkpointing(sched.scheduler)
