@@ -201,6 +201,16 @@ def test_test_with_ckpt_path_best_loads_the_best_models_weights(tmp_path):
     assert module.net.weight.item() == weights[0] and torch.allclose(predicted, torch.full((2, 1), weights[0]))
 
 
+def test_a_new_trainer_tests_a_new_module_with_the_weights_of_a_checkpoint_path(tmp_path):
+    trainer, _, weights = fitted(tmp_path, monitor="val_loss", mode="min", save_top_k=1)
+    module = SelfFed()  # weight 0
+    (result,) = trainer_for(tmp_path / "other", enable_checkpointing=False).test(
+        module, ckpt_path=trainer.checkpoint_callback.best_model_path)
+    assert module.net.weight.item() == weights[0]
+    assert result["test_loss"] == pytest.approx(weights[0] ** 2 * (torch.linspace(-1, 1, 4) ** 2).mean().item(),
+                                                rel=1e-5)
+
+
 def test_ckpt_path_best_without_a_best_model_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r'test\(ckpt_path="best"\) needs a ModelCheckpoint'):
         trainer_for(tmp_path, enable_checkpointing=False).test(SelfFed(), ckpt_path="best")
