@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from fabric_lite.accelerator.accelerator import Accelerator
-from fabric_lite.arguments import ArgumentCheck
+from fabric_lite.arguments import ArgumentCheck, is_int
 from fabric_lite.callbacks.base import Callback, is_logger
 from fabric_lite.strategies.environments import detect_process, read_launch_settings, records_explain_arguments
 from fabric_lite.trainer.barebones import BarebonesMetricStore
@@ -31,10 +31,12 @@ from fabric_lite.trainer.data_connector import (
     STAGE_LOADERS, as_list, connect_data, prepare_eval_loader, prepare_train_loader, teardown_data,
 )
 from fabric_lite.trainer.configure_optimizers import SchedulerConfig, parse_optimizers
-from fabric_lite.trainer.profiler import PassThroughProfiler, Profiler, SimpleProfiler
 from fabric_lite.trainer.relaunch import relaunch_if_needed, xla_replicas
 from fabric_lite.trainer.sync_batchnorm import SYNC_BATCHNORM_DEVICES, convert_sync_batchnorm
 from fabric_lite.trainer.settings import apply_torch_settings, check_unknown, default_logger, resolve_settings
+from fabric_lite.profilers import Profiler, resolve_profiler
+from fabric_lite.trainer.lightning_surface import TrainerLightningNames, check_refused_arguments, \
+    check_refused_overrides
 from fabric_lite.launch.preemption import PreemptionWatch
 
 __all__ = ["Trainer", "convert_sync_batchnorm", "SYNC_BATCHNORM_DEVICES"]
@@ -63,7 +65,7 @@ class _StepRunner(nn.Module):
         return getattr(self.module, _STEP_METHODS[stage])(batch, batch_idx)
 
 
-class Trainer(TrainerFacts):
+class Trainer(TrainerFacts, TrainerLightningNames):
     """Fit a TrainModule: `Trainer(max_epochs=3, precision="bf16-mixed").fit(module, train_loader, val_loader)`."""
 
     #: Under `fabric-lite explain`, the arguments this Trainer was given; None otherwise.
@@ -91,12 +93,13 @@ class Trainer(TrainerFacts):
         plugins: Any = None, explain: bool = False,
         **unknown: Any,
     ) -> None:
+        check_refused_arguments(unknown)  # Lightning's arguments fabric_lite refuses, in one table
         given = {name: value for name, value in locals().items() if name not in ("self", "unknown", "__class__")}
         check_unknown(list(inspect.signature(Trainer.__init__).parameters)[1:-1], unknown)
         # Every argument is checked here, before anything starts (a relaunch, the strategy, torch's settings).
         check = ArgumentCheck("Trainer")
         settings = resolve_settings(check, given)
-        profiler = _check_profiler(check, profiler)
+        profiler = resolve_profiler(profiler)
         apply_torch_settings(settings)
         devices, num_nodes = settings.devices, settings.num_nodes
         if read_launch_settings().explain_dry_run:  # one process stands in for the planned launch
@@ -125,14 +128,14 @@ class Trainer(TrainerFacts):
                        f"'SyncBatchNorm expected input tensor to be on GPU' at the first training step). Train on "
                        f"GPUs, or drop sync_batchnorm: each process then normalizes over its own batch.")
         self.sync_batchnorm = sync_batchnorm
-        #: Times the hooks and steps when given one (`profiler="simple"`); a PassThroughProfiler otherwise.
+        #: Profiles the hooks and steps when given one (`profiler="simple"`, "advanced", "pytorch"); a
+        #: PassThroughProfiler otherwise.
         self.profiler: Profiler = profiler
         self.max_epochs = settings.max_epochs
         self.max_steps = settings.max_steps
         self.max_time = settings.max_time
         self.gradient_clip_val = settings.gradient_clip_val
         self.gradient_clip_algorithm = settings.gradient_clip_algorithm
-        self.accumulate_grad_batches = settings.accumulate_grad_batches
         self.val_check_interval = settings.val_check_interval
         self.check_val_every_n_epoch = settings.check_val_every_n_epoch
         self.limits = dict(settings.limits)
@@ -224,7 +227,9 @@ class Trainer(TrainerFacts):
         return [self.profiler.timed(cb, "Callback", Callback) for cb in self.callbacks]
 
     def _start_profile(self, stage: str) -> None:
-        self.profiler.setup(stage, rank=self.global_rank if self.world_size > 1 else None)
+        self.profiler.module = self.module  # (for profilers that label its layers)
+        # (positional: a profiler written for Lightning names the second argument local_rank)
+        self.profiler.setup(stage, self.global_rank if self.world_size > 1 else None, self.log_dir)
 
     def _end_profile(self, stage: str) -> None:
         """Print the stage's report on the main process (each process writes its report file, if it has one)."""
@@ -245,6 +250,26 @@ class Trainer(TrainerFacts):
     def progress_bar_metrics(self) -> Dict[str, torch.Tensor]:
         self.metric_store.step_values()
         return self.metric_store.progress_bar_metrics
+
+    @property
+    def progress_bar_callback(self) -> Optional[Callback]:
+        """The progress bar among the callbacks (TQDMProgressBar, RichProgressBar, ...), or None."""
+        from fabric_lite.callbacks.progress import ProgressBarBase
+
+        return next((c for c in self.callbacks if isinstance(c, ProgressBarBase)), None)
+
+    @property
+    def accumulate_grad_batches(self) -> int:
+        """Batches per optimizer step: the step engine's window, so a change between epochs (as
+        GradientAccumulationScheduler makes) applies from the next batch on."""
+        return self.accelerator.gradient_accumulation_steps
+
+    @accumulate_grad_batches.setter
+    def accumulate_grad_batches(self, value: int) -> None:
+        if not is_int(value) or value < 1:
+            raise ValueError(f"trainer.accumulate_grad_batches={value!r} must be an integer >= 1 (batches per "
+                             f"optimizer step; 1: no accumulation).")
+        self.accelerator.gradient_accumulation_steps = value
 
     def log_metrics(self, metrics: Dict[str, Any], step: Optional[int] = None) -> None:
         """Send values to every logger callback (floats; tensors are read here, once)."""
@@ -287,6 +312,7 @@ class Trainer(TrainerFacts):
 
         if not isinstance(module, TrainModule):
             raise TypeError(f"Trainer runs TrainModule subclasses, got {type(module).__name__}.")
+        check_refused_overrides(module, datamodule)
         self.train_source, self.val_source = connect_data(self, module, datamodule, "fit",
                                                           (train_dataloaders, val_dataloaders))
         train = self.train_source.request()
@@ -403,6 +429,7 @@ class Trainer(TrainerFacts):
                       dataloaders: Any, ckpt_path: Optional[str] = None) -> List[Any]:
         if not isinstance(module, TrainModule):
             raise TypeError(f"Trainer runs TrainModule subclasses, got {type(module).__name__}.")
+        check_refused_overrides(module, datamodule)
         source, = connect_data(self, module, datamodule, stage, (dataloaders,))
         loaders = source.request()
         if loaders is None:
@@ -490,20 +517,3 @@ class Trainer(TrainerFacts):
             callback.setup(self, self.module, "fit")  # type: ignore[arg-type]
             return callback.dirpath  # type: ignore[attr-defined]
         return f"{self.default_root_dir.rstrip('/')}/checkpoints"
-
-
-
-def _check_profiler(check: ArgumentCheck, value: Any) -> Profiler:
-    """None (no profiling: a PassThroughProfiler), "simple" (a SimpleProfiler) or a Profiler instance."""
-    if value is None:
-        return PassThroughProfiler()
-    if isinstance(value, Profiler):
-        return value
-    rule = "must be 'simple', a Profiler instance such as SimpleProfiler(filename='perf'), or None"
-    if not isinstance(value, str):
-        check.fail("profiler", value, f"{rule}; got {type(value).__name__}.", TypeError)
-    if value.lower() != "simple":
-        other = value.lower() in ("advanced", "pytorch", "xla")
-        check.fail("profiler", value, rule + (" (Lightning's cProfile and torch.profiler profilers are not "
-                                              "available here)." if other else "."))
-    return SimpleProfiler()
