@@ -12,6 +12,8 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
+from fabric_lite.trainer.data_hooks import defines_loader
+
 if TYPE_CHECKING:
     from fabric_lite.trainer.module import DataModule, TrainModule
     from fabric_lite.trainer.trainer import Trainer
@@ -41,10 +43,6 @@ class LoaderSource:
         return self.method() if self.method is not None else self.given
 
 
-def user_hook(module: Any, name: str) -> Optional[Callable[..., Any]]:
-    """The module's own `name` method (Lightning's optional data hooks), or None where it defines none."""
-    hook = getattr(module, name, None)
-    return hook if callable(hook) else None
 
 
 def connect_data(trainer: "Trainer", module: "TrainModule", datamodule: Optional["DataModule"], stage: str,
@@ -59,16 +57,12 @@ def connect_data(trainer: "Trainer", module: "TrainModule", datamodule: Optional
         if trainer.is_global_zero:
             if datamodule is not None:
                 datamodule.prepare_data()
-            prepare = user_hook(module, "prepare_data")
-            if prepare is not None:
-                prepare()
+            module.prepare_data()
     if datamodule is not None:
         datamodule.setup(stage)
         if datamodule.hparams:
             module.hparams.setdefault("datamodule", dict(datamodule.hparams))
-    setup = user_hook(module, "setup")
-    if setup is not None:
-        setup(stage)
+    module.setup(stage)
     sources = []
     for name, value in zip(STAGE_LOADERS[stage], given):
         if datamodule is not None:
@@ -77,7 +71,7 @@ def connect_data(trainer: "Trainer", module: "TrainModule", datamodule: Optional
         elif value is not None:
             sources.append(LoaderSource(given=value, origin=f"given to {stage}()"))
         else:
-            own = user_hook(module, name)
+            own = getattr(module, name) if defines_loader(module, name) else None
             sources.append(LoaderSource(method=own, origin=f"from {type(module).__name__}.{name}()"))
     return sources
 
@@ -86,9 +80,8 @@ def teardown_data(module: Optional["TrainModule"], datamodule: Optional["DataMod
     """`teardown(stage)` on the DataModule, then on the module (after a failure too: their setup ran)."""
     if datamodule is not None:
         datamodule.teardown(stage)
-    hook = user_hook(module, "teardown") if module is not None else None
-    if hook is not None:
-        hook(stage)
+    if module is not None:
+        module.teardown(stage)
 
 
 def as_list(loaders: Any) -> List[Any]:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, 
 import torch
 from torch import nn
 
+from fabric_lite.trainer.data_hooks import ModuleDataHooks
 from fabric_lite.trainer.lightning_surface import DataModuleLightningNames, ModuleLightningNames
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ class AttributeDict(Dict[str, Any]):
             raise AttributeError(name) from None
 
 
-class TrainModule(ModuleLightningNames, nn.Module):
+class TrainModule(ModuleDataHooks, ModuleLightningNames, nn.Module):
     """Subclass it, write `training_step` and `configure_optimizers`, and pass it to `Trainer.fit`.
 
     Examples:
@@ -201,6 +202,8 @@ class DataModule(DataModuleLightningNames):
 
     #: Record the caller's __init__ arguments in `self.hparams`, as TrainModule's does.
     save_hyperparameters = TrainModule.save_hyperparameters
+    #: The Trainer that last ran with this DataModule (set when fit/validate/test/predict is given it).
+    trainer: Optional["Trainer"] = None
 
     def __init__(self) -> None:
         self.hparams: AttributeDict = AttributeDict()
