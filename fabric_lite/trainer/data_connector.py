@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from fabric_lite.trainer.trainer import Trainer
 
 __all__ = ["STAGE_LOADERS", "LoaderSource", "connect_data", "teardown_data", "as_list", "sequential_loader",
-           "prepare_unsharded", "prepare_train_loader", "prepare_eval_loader", "reload_loaders"]
+           "prepare_unsharded", "prepare_train_loader", "prepare_eval_loader", "reload_loaders", "HookedLoader"]
 
 #: the loader methods each stage asks for, in order
 STAGE_LOADERS = {"fit": ("train_dataloader", "val_dataloader"), "validate": ("val_dataloader",),
@@ -121,14 +121,38 @@ def sequential_loader(loader: Any, stage: str, overfit_batches: Any) -> Any:
     return DataLoader(loader.dataset, sampler=SequentialSampler(loader.dataset), **kwargs)
 
 
-def prepare_unsharded(trainer: "Trainer", loader: Any, even_batches: Optional[bool] = None) -> Any:
+class HookedLoader:
+    """A prepared loader whose batches go through the module's batch-transfer hooks, which place them (the loader
+    does not); everything else (length, position, epochs) is the loader's. Each batch is transferred as the loop
+    draws it: where a batch limit ends an epoch early, the batch drawn to find the end has been transferred too."""
+
+    def __init__(self, loader: Any, transfer: Callable[[Any, int], Any], dataloader_idx: int) -> None:
+        self.loader, self.transfer, self.dataloader_idx = loader, transfer, dataloader_idx
+
+    def __iter__(self) -> Any:
+        for batch in self.loader:
+            yield self.transfer(batch, self.dataloader_idx)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)
+
+
+def _inner(loader: Any) -> Any:
+    return loader.loader if isinstance(loader, HookedLoader) else loader
+
+
+def prepare_unsharded(trainer: "Trainer", loader: Any, even_batches: Optional[bool] = None,
+                      place: Optional[bool] = None) -> Any:
     """`use_distributed_sampler=False`: every process reads `loader` whole, in its own order (the user shards it,
     e.g. with their own DistributedSampler); batches are still placed on the device and the position is kept."""
     from fabric_lite.data.loader import shard_dataloader
 
     acc = trainer.accelerator
     config = acc.dataloader_config
-    place = acc.device_placement
+    place = acc.device_placement if place is None else place
     prepared = shard_dataloader(
         loader, num_replicas=1, rank=0, device=acc.device if place and acc.device.type != "cpu" else None,
         gradient_state=acc.gradient_state, split_batches=config.split_batches,
@@ -146,22 +170,27 @@ def prepare_train_loader(trainer: "Trainer", loader: Any) -> Any:
         loader = sequential_loader(loader, "training", trainer.overfit_batches)
     # the user's loader and where it came from, named if it yields no batches (loops.empty_loader_warning)
     trainer.train_dataloader_source = (loader, trainer.train_source.origin)
+    return _prepared(trainer, loader, None, 0)
+
+
+def _prepared(trainer: "Trainer", loader: Any, even: Optional[bool], dataloader_idx: int) -> Any:
+    transfer = trainer.batch_transfer
+    place = None if transfer is None else False  # (the transfer hooks place the batches)
     if not trainer.settings.use_distributed_sampler:
-        return prepare_unsharded(trainer, loader)
-    return trainer.accelerator.prepare_data_loader(loader)
+        prepared = prepare_unsharded(trainer, loader, even_batches=even, place=place)
+    else:
+        prepared = trainer.accelerator.prepare_data_loader(loader, device_placement=place, even_batches=even)
+    return prepared if transfer is None else HookedLoader(prepared, transfer, dataloader_idx)
 
 
-def prepare_eval_loader(trainer: "Trainer", loader: Any, stage: str = "validate") -> Any:
+def prepare_eval_loader(trainer: "Trainer", loader: Any, stage: str = "validate", dataloader_idx: int = 0) -> Any:
     """An evaluation loader as the Trainer reads it: every sample once (see below), in order under overfit_batches."""
     if trainer.overfit_batches and stage == "validate":
         loader = sequential_loader(loader, "validation", trainer.overfit_batches)
     # Every sample exactly once (no even-batch padding), so metrics over the whole set are exact;
     # unless each forward is a collective (ZeRO-3), where a process that ran out would hang the rest:
     # then the last step is padded as in training, and its repeated samples count in epoch means.
-    even = trainer.strategy.forward_is_collective
-    if not trainer.settings.use_distributed_sampler:
-        return prepare_unsharded(trainer, loader, even_batches=even)
-    return trainer.accelerator.prepare_data_loader(loader, even_batches=even)
+    return _prepared(trainer, loader, trainer.strategy.forward_is_collective, dataloader_idx)
 
 
 def reload_loaders(trainer: "Trainer") -> None:
@@ -169,12 +198,15 @@ def reload_loaders(trainer: "Trainer") -> None:
     acc = trainer.accelerator
     if trainer.train_source.reloadable:
         old, new = trainer.train_dataloader, prepare_train_loader(trainer, trainer.train_source.request())
-        acc.dataloaders.remove(new)  # the new loader takes the old one's place (its checkpoint slot)
-        acc.dataloaders[acc.dataloaders.index(old)] = new
+        # the new loader takes the old one's place (its checkpoint slot)
+        old_inner, new_inner = _inner(old), _inner(new)
+        acc.dataloaders.remove(new_inner)
+        acc.dataloaders[acc.dataloaders.index(old_inner)] = new_inner
         new.set_epoch(trainer.current_epoch)
         trainer.train_dataloader = new
     if trainer.val_source.reloadable:
         for old in trainer.val_dataloaders:
-            acc.dataloaders.remove(old)
-        trainer.val_dataloaders = [prepare_eval_loader(trainer, v) for v in as_list(trainer.val_source.request())]
+            acc.dataloaders.remove(_inner(old))
+        trainer.val_dataloaders = [prepare_eval_loader(trainer, v, "validate", i)
+                                   for i, v in enumerate(as_list(trainer.val_source.request()))]
     trainer.loaded_epoch = trainer.current_epoch

@@ -7,12 +7,33 @@ called: fit/validate/test/predict then need loaders or a DataModule (see `data_c
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional
 
-__all__ = ["ModuleDataHooks", "defines_loader"]
+import torch
+
+from fabric_lite.data.transfer import move_to_device
+
+__all__ = ["BatchTransferHooks", "ModuleDataHooks", "defines_loader", "batch_transfer"]
+
+TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
 
 
-class ModuleDataHooks:
+class BatchTransferHooks:
+    """How a batch reaches the device (a mixin of TrainModule and DataModule). Override one, and the Trainer
+    passes every batch through all three instead of placing it itself: `on_before_batch_transfer` (on the CPU),
+    `transfer_batch_to_device`, `on_after_batch_transfer` (on the device: GPU augmentations go here)."""
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return batch
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        return move_to_device(batch, device)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return batch
+
+
+class ModuleDataHooks(BatchTransferHooks):
     """The data hooks of a TrainModule (a mixin): no-ops, and loader methods to override."""
 
     def prepare_data(self) -> None:
@@ -49,3 +70,22 @@ class ModuleDataHooks:
 def defines_loader(module: Any, name: str) -> bool:
     """Whether `module` has its own `name` loader method (overridden, or set on the instance)."""
     return name in vars(module) or getattr(type(module), name, None) is not getattr(ModuleDataHooks, name)
+
+
+def _overrides(obj: Any, name: str) -> bool:
+    return obj is not None and (name in vars(obj) or getattr(type(obj), name, None) is not getattr(BatchTransferHooks,
+                                                                                                   name))
+
+
+def batch_transfer(module: Any, datamodule: Any, device: torch.device) -> Optional[Callable[[Any, int], Any]]:
+    """The three transfer hooks as one function of (batch, dataloader_idx), the DataModule's where it overrides one,
+    else the module's; None where neither overrides any (the loaders then place batches themselves)."""
+    if not any(_overrides(obj, name) for obj in (module, datamodule) for name in TRANSFER_HOOKS):
+        return None
+    before, transfer, after = (getattr(datamodule if _overrides(datamodule, name) else module, name)
+                               for name in TRANSFER_HOOKS)
+
+    def run(batch: Any, dataloader_idx: int) -> Any:
+        return after(transfer(before(batch, dataloader_idx), device, dataloader_idx), dataloader_idx)
+
+    return run

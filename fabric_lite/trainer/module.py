@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, 
 import torch
 from torch import nn
 
-from fabric_lite.trainer.data_hooks import ModuleDataHooks
+from fabric_lite.trainer.data_hooks import BatchTransferHooks, ModuleDataHooks
 from fabric_lite.trainer.lightning_surface import DataModuleLightningNames, ModuleLightningNames
 
 if TYPE_CHECKING:
@@ -197,7 +197,7 @@ class TrainModule(ModuleDataHooks, ModuleLightningNames, nn.Module):
         self.trainer.backward(loss, **kwargs)
 
 
-class DataModule(DataModuleLightningNames):
+class DataModule(BatchTransferHooks, DataModuleLightningNames):
     """Dataloaders in one place: `setup(stage)` then `train_dataloader()` / `val_dataloader()` / ..."""
 
     #: Record the caller's __init__ arguments in `self.hparams`, as TrainModule's does.

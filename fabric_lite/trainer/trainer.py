@@ -27,6 +27,7 @@ from fabric_lite.trainer.checkpointing import (
     LoggedAggregates, TrainerCheckpointState, load_eval_weights, ray_checkpoint, restore,
 )
 from fabric_lite.trainer.facts import TrainerFacts
+from fabric_lite.trainer.data_hooks import batch_transfer
 from fabric_lite.trainer.data_connector import (
     STAGE_LOADERS, as_list, connect_data, prepare_eval_loader, prepare_train_loader, teardown_data,
 )
@@ -152,6 +153,8 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         self.barebones = settings.barebones
         #: the DataModule given to the latest fit/validate/test/predict that had one (None before any)
         self.datamodule: Optional[DataModule] = None
+        #: the batch-transfer hooks as one function (data_hooks.batch_transfer), or None: the loaders place batches
+        self.batch_transfer: Optional[Callable[[Any, int], Any]] = None
         self.min_limits_noted = False  # (the note that a stop waits for min_epochs/min_steps is printed once)
         self._add_default_callbacks(settings.enable_progress_bar, settings.enable_checkpointing,
                                     settings.enable_model_summary, settings.logger)
@@ -315,6 +318,7 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         check_refused_overrides(module, datamodule)
         self.train_source, self.val_source = connect_data(self, module, datamodule, "fit",
                                                           (train_dataloaders, val_dataloaders))
+        self.batch_transfer = batch_transfer(module, self.datamodule, self.device)
         train = self.train_source.request()
         if train is None:
             raise ValueError("fit() needs train_dataloaders, a datamodule with train_dataloader(), or a module that "
@@ -324,7 +328,8 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         self.accelerator.registered_objects.clear()
         self.accelerator.per_process_objects.clear()
         self.train_dataloader = prepare_train_loader(self, train)
-        self.val_dataloaders = [self._prepare_eval_loader(v, "validate") for v in as_list(self.val_source.request())]
+        self.val_dataloaders = [self._prepare_eval_loader(v, "validate", i)
+                                for i, v in enumerate(as_list(self.val_source.request()))]
         self._attach(module, with_optimizers=True)
         for sched in self.lr_scheduler_configs:
             self.accelerator.register_for_checkpointing(sched.scheduler)
@@ -431,6 +436,7 @@ class Trainer(TrainerFacts, TrainerLightningNames):
             raise TypeError(f"Trainer runs TrainModule subclasses, got {type(module).__name__}.")
         check_refused_overrides(module, datamodule)
         source, = connect_data(self, module, datamodule, stage, (dataloaders,))
+        self.batch_transfer = batch_transfer(module, self.datamodule, self.device)
         loaders = source.request()
         if loaders is None:
             name = STAGE_LOADERS[stage][0]
@@ -440,10 +446,10 @@ class Trainer(TrainerFacts, TrainerLightningNames):
             self._attach(module)
         if ckpt_path is not None:
             load_eval_weights(self, stage, ckpt_path)
-        return [self._prepare_eval_loader(d, stage) for d in as_list(loaders)]
+        return [self._prepare_eval_loader(d, stage, i) for i, d in enumerate(as_list(loaders))]
 
-    def _prepare_eval_loader(self, loader: Any, stage: str = "validate") -> Any:
-        return prepare_eval_loader(self, loader, stage)
+    def _prepare_eval_loader(self, loader: Any, stage: str = "validate", dataloader_idx: int = 0) -> Any:
+        return prepare_eval_loader(self, loader, stage, dataloader_idx)
 
     def evaluation_context(self) -> Any:
         """What evaluation and prediction run under: torch.inference_mode (`inference_mode=True`, the default) or
