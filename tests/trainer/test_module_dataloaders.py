@@ -207,7 +207,8 @@ class Augmented(SelfFed):
 
 def test_batches_go_through_the_transfer_hooks_with_their_loaders_index(tmp_path):
     module = Augmented()
-    val = [DataLoader(line_data(2, slope=0.0), batch_size=2), DataLoader(line_data(2, slope=0.0, offset=1), batch_size=2)]
+    val = [DataLoader(line_data(2, slope=0.0), batch_size=2),
+           DataLoader(line_data(2, slope=0.0, offset=1), batch_size=2)]
     trainer_for(tmp_path, max_epochs=1, enable_checkpointing=False).fit(module, val_dataloaders=val)
     # one epoch of 2 training batches (x in [-1, 1]), then both validation loaders (x in [-1, 1] and [0, 2])
     assert module.transfers == [("before", 0, "cpu"), ("transfer", 0, "cpu")] * 2 + [
