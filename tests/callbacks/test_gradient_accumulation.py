@@ -115,7 +115,8 @@ def test_refused_with_manual_optimization():
             opt.zero_grad()
 
     with pytest.raises(RuntimeError, match="automatic_optimization=False"):
-        trainer([GradientAccumulationScheduler({0: 2})], max_epochs=1).fit(Manual(), DataLoader(dataset(), batch_size=4))
+        trainer([GradientAccumulationScheduler({0: 2})], max_epochs=1).fit(
+            Manual(), DataLoader(dataset(), batch_size=4))
 
 
 def test_trainer_accumulate_grad_batches_is_the_engines_window():
