@@ -22,3 +22,8 @@ __all__ = ["Callback", "ModelCheckpoint", "EarlyStopping", "Logger", "TensorBoar
            "ThroughputMonitor", "ModelSummary", "GradientAccumulationScheduler",
            "Timer", "OnExceptionCheckpoint", "BaseFinetuning", "BackboneFinetuning",
            "DeviceStatsMonitor", "ModelPruning", "TQDMProgressBar", "RichProgressBarTheme"]
+
+# Lightning's callbacks that fabric_lite refuses (they import; building one raises NotSupportedError)
+from fabric_lite.callbacks.lightning_refused import BatchSizeFinder, Checkpoint, LearningRateFinder, RichModelSummary  # noqa: E402,E501
+
+__all__ += ["BatchSizeFinder", "LearningRateFinder", "RichModelSummary", "Checkpoint"]
