@@ -214,7 +214,8 @@ class ModelPruning(Callback):
 
     def on_validation_epoch_end(self, trainer: "Trainer", module: "TrainModule") -> None:
         if not trainer.sanity_checking and not self._prune_on_train_epoch_end:
-            self._run(trainer.current_epoch)
+            with torch.inference_mode(False):  # validation may run under inference mode: masks must train on
+                self._run(trainer.current_epoch)
 
     def on_train_end(self, trainer: "Trainer", module: "TrainModule") -> None:
         if self._make_pruning_permanent:

@@ -250,17 +250,29 @@ REFUSED_MODULE_MEMBERS: Dict[str, Tuple[str, str]] = {
     "load_from_checkpoint": ("LightningModule.load_from_checkpoint", "build the module (Module(**hparams)) and "
                              "resume with trainer.fit(module, ckpt_path=...), or load exported weights with "
                              "module.load_state_dict"),
-    "hparams_initial": ("hparams_initial", "read self.hparams"),
-    "strict_loading": ("strict_loading", "checkpoints always load strictly: every key must match"),
-    "fabric": ("Lightning Fabric (LightningModule.fabric)", "run the module with fabric_lite's Trainer, or use "
-               "fabric_lite.Accelerator for a loop of your own"),
 }
 
 
 class ModuleLightningNames:
-    """Lightning's names on TrainModule for what its Trainer holds, and the refused members (a mixin)."""
+    """Lightning's names on TrainModule for what its Trainer holds, and the refused members (a mixin).
+
+    No property here raises when read: `hasattr` and what walks a module's attributes (torch.jit.trace, which
+    TensorBoardLogger(log_graph=True) runs) read every one of them."""
 
     _trainer: Any
+
+    @fallback_property
+    def fabric(self) -> None:
+        """None: the Trainer, not Lightning Fabric, runs this module (Lightning's value under its Trainer)."""
+        return None
+
+    @fallback_property
+    def hparams_initial(self) -> Any:
+        """The hyperparameters as `save_hyperparameters` recorded them (later changes to `hparams` not included);
+        empty before it is called."""
+        from fabric_lite.trainer.module import AttributeDict
+
+        return AttributeDict()
 
     @fallback_property
     def global_rank(self) -> int:
@@ -360,11 +372,15 @@ class ModuleLightningNames:
             accelerator.clip_grad_norm_(params, gradient_clip_val)
 
 
-_REFUSED_PROPERTIES = ("hparams_initial", "strict_loading", "fabric")
+_REFUSED_PROPERTIES: Tuple[str, ...] = ()
 #: Lightning's settings that hold one value here (prepare_data runs once, on the main process; a loader with no
 #: batches on some process is refused): setting the other value raises.
-_FIXED = {"prepare_data_per_node": False, "allow_zero_length_dataloader_with_multiple_devices": False}
+_FIXED = {"prepare_data_per_node": False, "allow_zero_length_dataloader_with_multiple_devices": False,
+          "strict_loading": True}
 _FIXED_REFUSALS = {
+    "strict_loading": ("checkpoints that load with missing or unexpected keys (strict_loading=False)",
+                       "checkpoints always load strictly, every key matching; load partial weights with "
+                       "module.load_state_dict(state, strict=False)"),
     "prepare_data_per_node": ("prepare_data on the first process of every machine (prepare_data_per_node=True)",
                               "prepare_data runs once, on the main process: write its files where every machine "
                               "reads them"),
