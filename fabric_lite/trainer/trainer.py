@@ -258,13 +258,6 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         return self.metric_store.progress_bar_metrics
 
     @property
-    def progress_bar_callback(self) -> Optional[Callback]:
-        """The progress bar among the callbacks (TQDMProgressBar, RichProgressBar, ...), or None."""
-        from fabric_lite.callbacks.progress import ProgressBarBase
-
-        return next((c for c in self.callbacks if isinstance(c, ProgressBarBase)), None)
-
-    @property
     def accumulate_grad_batches(self) -> int:
         """Batches per optimizer step: the step engine's window, so a change between epochs (as
         GradientAccumulationScheduler makes) applies from the next batch on."""
