@@ -135,6 +135,12 @@ def one_line_error(message: str, options: List[str] = ()) -> str:
         hints = [h for f in flags for h in difflib.get_close_matches(f, list(options), n=1)]
         hint = f"; did you mean {', '.join(hints)}?" if hints else ""
         return f"unknown option(s): {unknown.group(1)}{hint}"
+    refused = re.match(r"(?:Subcommand|Group) '([\w.-]+)' does not accept option '([\w.]+)'", first)
+    if refused:  # (a key in a config file, or a dict given as args)
+        group, key = refused.groups()
+        flag = f"--{key}" if first.startswith("Subcommand") else f"--{group}.{key}"
+        hints = difflib.get_close_matches(flag, list(options), n=1)
+        return f"unknown option {flag} (in a --config file?)" + (f"; did you mean {hints[0]}?" if hints else "")
     required = re.match(r'Key "([^"]+)" is required', first) or re.match(
         r"the following arguments are required: ([\w.]+)", first)
     if required:

@@ -231,6 +231,16 @@ def test_bad_values_exit_2_with_one_line_naming_the_option(args, names, capsys, 
         assert name in err, err
 
 
+@pytest.mark.parametrize("run", [True, False])
+def test_an_unknown_key_in_a_config_file_exits_2_naming_it(run, tmp_path, capsys):
+    (tmp_path / "bad.yaml").write_text("trainer:\n  max_epoch: 3\n")
+    with pytest.raises(SystemExit) as exit_info:
+        TrainerCLI(Regressor, Data, run=run, args=["fit"] * run + ["--config", str(tmp_path / "bad.yaml")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--trainer.max_epoch " in err and "did you mean --trainer.max_epochs" in err
+
+
 def test_a_missing_required_argument_exits_2_naming_it(capsys):
     with pytest.raises(SystemExit) as exit_info:
         TrainerCLI(NeedsWidth, Data, args=["fit"])
