@@ -37,7 +37,6 @@ SEED_VARIABLE = "FABRIC_LITE_CLI_SEED"
 ArgsType = Optional[Union[List[str], Dict[str, Any], "Namespace"]]
 #: Type hints for a module's __init__ that takes an optimizer or scheduler to build later (dependency injection).
 OptimizerCallable = Callable[[Iterable], torch.optim.Optimizer]
-LRSchedulerCallable = Callable[[torch.optim.Optimizer], Any]
 
 
 class ReduceLROnPlateau(torch.optim.lr_scheduler.ReduceLROnPlateau):
@@ -50,6 +49,7 @@ class ReduceLROnPlateau(torch.optim.lr_scheduler.ReduceLROnPlateau):
 
 #: The scheduler classes the automatic `--lr_scheduler` group accepts (torch's ReduceLROnPlateau has no metric).
 LR_SCHEDULER_CLASSES = (torch.optim.lr_scheduler.LRScheduler, ReduceLROnPlateau)
+LRSchedulerCallable = Callable[[torch.optim.Optimizer], Union[torch.optim.lr_scheduler.LRScheduler, ReduceLROnPlateau]]
 
 
 def load_jsonargparse_parser() -> Type["TrainerArgumentParser"]:
@@ -188,14 +188,14 @@ class TrainerCLI:
             return
         subcommands = self.parser.add_subcommands()
         self.parser.subcommand_names = list(self.subcommands())
+        trainer_type = self.trainer_class if isinstance(self.trainer_class, type) else Trainer
         for name, skip in self.subcommands().items():
-            method = getattr(self.trainer_class if isinstance(self.trainer_class, type) else Trainer, name)
+            method = getattr(trainer_type, name)
             doc = (inspect.getdoc(method) or "").split("\n", 1)[0] or None
             kwargs = dict(sub_kwargs.get(name, {}))
             kwargs.setdefault("description", doc)
             parser = self.init_parser(**kwargs)
             self.add_all_arguments(parser)
-            trainer_type = self.trainer_class if isinstance(self.trainer_class, type) else Trainer
             self.subcommand_method_arguments[name] = parser.add_method_arguments(trainer_type, name, skip=set(skip))
             self.subcommand_parsers[name] = parser
             subcommands.add_subcommand(name, parser, help=doc)

@@ -4,6 +4,7 @@
 import json
 import sys
 import textwrap
+from typing import Optional
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,8 @@ from fabric_lite.callbacks import EarlyStopping
 
 pytest.importorskip("jsonargparse")
 
-from fabric_lite.cli import LightningCLI, SaveConfigCallback, TrainerCLI  # noqa: E402
+from fabric_lite.cli import (  # noqa: E402
+    LightningCLI, LRSchedulerCallable, OptimizerCallable, SaveConfigCallback, TrainerCLI)
 
 SCRIPT = textwrap.dedent('''
     import json, os, sys
@@ -396,6 +398,31 @@ def test_default_config_files_per_subcommand(tmp_path, capsys):
     assert exit_info.value.code == 0
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["trainer"]["max_epochs"] == 9 and printed["model"]["lr"] == 0.5
+
+
+class Injected(Regressor):
+    """Lightning's dependency-injection pattern: the module takes a function that builds its optimizer."""
+
+    def __init__(self, optimizer: OptimizerCallable = torch.optim.SGD, scheduler: Optional[LRSchedulerCallable] = None):
+        super().__init__()
+        self.optimizer, self.scheduler = optimizer, scheduler
+
+    def configure_optimizers(self):
+        optimizer = self.optimizer(self.parameters())
+        if self.scheduler is None:
+            return optimizer
+        return [optimizer], [self.scheduler(optimizer)]
+
+
+def test_optimizer_and_scheduler_given_to_the_module_as_callables(tmp_path):
+    cli = TrainerCLI(Injected, Data, run=False, args=[
+        "--model.optimizer", "Adam", "--model.optimizer.lr", "0.03", "--model.scheduler", "StepLR",
+        "--model.scheduler.step_size", "4", "--trainer.default_root_dir", str(tmp_path)])
+    (optimizer,), (scheduler,) = cli.model.configure_optimizers()
+    assert type(optimizer).__name__ == "Adam" and optimizer.param_groups[0]["lr"] == 0.03
+    assert type(scheduler).__name__ == "StepLR" and scheduler.step_size == 4
+    saved = cli.parser.dump(cli.config)
+    assert "torch.optim.Adam" in saved and "step_size: 4" in saved
 
 
 def test_a_callback_group_is_always_added_with_its_own_options(tmp_path):
