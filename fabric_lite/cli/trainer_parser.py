@@ -27,7 +27,7 @@ class TrainerArgumentParser(ArgumentParser):
     schedulers (Lightning's `LightningArgumentParser`)."""
 
     def __init__(self, *args: Any, description: str = "fabric_lite Trainer command line",
-                 env_prefix: str = "FL", default_env: bool = False, **kwargs: Any) -> None:
+                 env_prefix: str = "FABRIC_LITE", default_env: bool = False, **kwargs: Any) -> None:
         # A misspelt option must be refused, not read as the option it abbreviates.
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, description=description, env_prefix=env_prefix, default_env=default_env, **kwargs)

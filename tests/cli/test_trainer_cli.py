@@ -425,6 +425,16 @@ def test_optimizer_and_scheduler_given_to_the_module_as_callables(tmp_path):
     assert "torch.optim.Adam" in saved and "step_size: 4" in saved
 
 
+def test_options_from_environment_variables_when_asked(tmp_path, monkeypatch):
+    monkeypatch.setenv("FABRIC_LITE_TRAINER__MAX_EPOCHS", "6")
+    monkeypatch.setenv("FABRIC_LITE_MODEL__LR", "0.125")
+    cli = TrainerCLI(Regressor, Data, run=False, parser_kwargs={"default_env": True},
+                     args=["--model.lr", "0.5", "--trainer.default_root_dir", str(tmp_path)])
+    assert cli.trainer.max_epochs == 6 and cli.model.lr == 0.5  # the command line over the environment
+    cli = TrainerCLI(Regressor, Data, run=False, args=["--trainer.default_root_dir", str(tmp_path)])
+    assert cli.trainer.max_epochs != 6  # off by default
+
+
 def test_a_callback_group_is_always_added_with_its_own_options(tmp_path):
     class WithEarlyStopping(TrainerCLI):
         def add_arguments_to_parser(self, parser):
