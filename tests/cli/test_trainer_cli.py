@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import free_port, run_command
-from fabric_lite import DataModule, TrainModule
+from fabric_lite import Callback, DataModule, TrainModule
 from fabric_lite.callbacks import EarlyStopping
 
 pytest.importorskip("jsonargparse")
@@ -433,6 +433,49 @@ def test_options_from_environment_variables_when_asked(tmp_path, monkeypatch):
     assert cli.trainer.max_epochs == 6 and cli.model.lr == 0.5  # the command line over the environment
     cli = TrainerCLI(Regressor, Data, run=False, args=["--trainer.default_root_dir", str(tmp_path)])
     assert cli.trainer.max_epochs != 6  # off by default
+
+
+class Backbone(nn.Module):
+    def __init__(self, hidden_dim: int = 128):
+        super().__init__()
+        self.l1 = nn.Linear(4, hidden_dim)
+        self.l2 = nn.Linear(hidden_dim, 1)
+
+    def forward(self, x):
+        return self.l2(torch.relu(self.l1(x)))
+
+
+class WithBackbone(Regressor):
+    """The shape of Lightning's backbone image classifier example: a sub-network passed to the module."""
+
+    def __init__(self, backbone: Optional[Backbone] = None, learning_rate: float = 0.0001):
+        super().__init__(lr=learning_rate)
+        self.net = backbone if backbone is not None else Backbone()
+
+
+class CountEpochs(Callback):
+    def __init__(self):
+        self.epochs = 0
+
+    def on_train_epoch_end(self, trainer, module):
+        self.epochs += 1
+
+
+def test_the_lightning_example_shape_run_false_with_trainer_defaults_and_a_sub_network(tmp_path):
+    counter = CountEpochs()
+    cli = LightningCLI(WithBackbone, Data, seed_everything_default=1234, run=False,
+                       trainer_defaults={"callbacks": counter, "max_epochs": 2, "enable_progress_bar": False},
+                       save_config_kwargs={"overwrite": True},
+                       args=["--model.backbone", "Backbone", "--model.backbone.hidden_dim", "16",
+                             "--model.learning_rate", "0.01", "--trainer.default_root_dir", str(tmp_path)])
+    assert cli.model.net.l1.out_features == 16 and cli.model.lr == 0.01
+    assert counter in cli.trainer.callbacks and cli.trainer.max_epochs == 2
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert counter.epochs == 2
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)  # a second fit: the config is written once
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert saved["model"]["backbone"] == {"class_path": "test_trainer_cli.Backbone", "init_args": {"hidden_dim": 16}}
+    assert saved["seed_everything"] == 1234 and saved["trainer"]["max_epochs"] == 2
 
 
 def test_a_callback_group_is_always_added_with_its_own_options(tmp_path):
