@@ -14,7 +14,6 @@ import inspect
 import os
 import random
 import re
-import sys
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Type, Union
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import difflib
 import re
 import sys
-from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple, Type, Union
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple, Union
 
 import torch
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, class_from_function

@@ -352,6 +352,13 @@ def test_hooks_links_and_subclass_mode(tmp_path):
     assert saved["model"]["class_path"] == "test_trainer_cli.WideRegressor" and saved["note"] == "hi"
 
 
+def test_subclass_mode_model_takes_a_subclass_by_its_short_name(tmp_path):
+    cli = TrainerCLI(Regressor, Data, subclass_mode_model=True, run=False,
+                     args=["--model", "WideRegressor", "--model.depth", "3", "--trainer.default_root_dir", str(tmp_path)])
+    assert type(cli.model) is WideRegressor and cli.model.depth == 3 and cli.model.hparams["hidden"] == 16
+    assert cli.config.model.class_path == "test_trainer_cli.WideRegressor"
+
+
 def test_reduce_lr_on_plateau_follows_its_monitor(tmp_path):
     with pytest.warns(UserWarning, match="Regressor.configure_optimizers is replaced"):
         cli = TrainerCLI(Regressor, Data, run=False, save_config_callback=None,
