@@ -19,6 +19,7 @@ from fabric_lite.callbacks import EarlyStopping
 
 pytest.importorskip("jsonargparse")
 
+from fabric_lite.cli.trainer_cli import SEED_VARIABLE  # noqa: E402
 from fabric_lite.cli import (  # noqa: E402
     LightningCLI, LRSchedulerCallable, OptimizerCallable, SaveConfigCallback, TrainerCLI)
 
@@ -111,6 +112,12 @@ SCRIPT = textwrap.dedent('''
         RecordingCLI(Regressor, Data, trainer_defaults={"enable_progress_bar": False,
                                                          "enable_model_summary": False})
 ''')
+
+@pytest.fixture(autouse=True)
+def _no_inherited_seed(monkeypatch):
+    """A CLI that draws a random seed hands it down in the environment: none leaks from one test to the next."""
+    monkeypatch.setenv(SEED_VARIABLE, "")
+
 
 QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
 
