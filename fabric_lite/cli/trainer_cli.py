@@ -119,6 +119,22 @@ class TrainerCLI:
     `--trainer.*`/`--model.*`/`--data.*` options, `--optimizer`/`--lr_scheduler` class paths, `--print_config`.
 
     `run=False` builds without a subcommand: `cli.model`, `cli.datamodule`, `cli.trainer`, `cli.config`.
+
+    Args:
+        model_class: the TrainModule class (or a function returning one); None: any, named by `--model`.
+        datamodule_class: the DataModule class (or a function returning one); None: optional, named by `--data`.
+        save_config_callback: the callback that writes config.yaml into the log dir; None: none.
+        save_config_kwargs: its arguments (`{"overwrite": True}`, `{"config_filename": "run.yaml"}`).
+        trainer_class: the Trainer class (or a function returning one).
+        trainer_defaults: Trainer arguments that replace its defaults; callbacks given here are always added.
+        seed_everything_default: `--seed_everything`'s default: an int, True (a random seed) or False.
+        parser_kwargs: arguments of the parsers; under a subcommand's name, of that subcommand's parser only.
+        subclass_mode_model: accept any subclass of `model_class`, named on the command line.
+        subclass_mode_data: accept any subclass of `datamodule_class`, named on the command line.
+        args: what to parse instead of `sys.argv[1:]`: a list of strings, a dict or a config namespace.
+        run: run the subcommand given (fit, validate, test, predict); False: build only, no subcommands.
+        auto_configure_optimizers: add `--optimizer` and `--lr_scheduler`, which replace configure_optimizers.
+        parser_class: the parser class (a TrainerArgumentParser subclass).
     """
 
     def __init__(
