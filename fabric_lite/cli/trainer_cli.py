@@ -306,7 +306,8 @@ class TrainerCLI:
         parser = self.subcommand_parser(self.subcommand)
         extra = [self.section(self.config_init).get(key) for key in parser.callback_keys]
         section = self.section(self.config_init).get("trainer")
-        config = {**(vars(section) if section is not None else {}), **kwargs}
+        given = vars(section) if section is not None else {}
+        config = {**{k: v for k, v in given.items() if not k.startswith("__")}, **kwargs}  # (not `__path__`)
         callbacks = config.get("callbacks")
         callbacks = [] if callbacks is None else list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
         callbacks.extend(c for c in extra if c is not None)
