@@ -3,7 +3,6 @@
 
 import json
 import sys
-import textwrap
 from typing import Optional
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import yaml
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import free_port, run_command
+from conftest import ROOT, WORKERS, free_port, run_command
 from fabric_lite import Callback, DataModule, TrainModule
 from fabric_lite.callbacks import EarlyStopping
 
@@ -23,95 +22,7 @@ from fabric_lite.cli.trainer_cli import SEED_VARIABLE  # noqa: E402
 from fabric_lite.cli import (  # noqa: E402
     LightningCLI, LRSchedulerCallable, OptimizerCallable, SaveConfigCallback, TrainerCLI)
 
-SCRIPT = textwrap.dedent('''
-    import json, os, sys
-    import torch
-    from torch import nn
-    from torch.utils.data import DataLoader, TensorDataset
-    from fabric_lite import DataModule, TrainModule
-    from fabric_lite.cli import TrainerCLI
-
-
-    class Regressor(TrainModule):
-        def __init__(self, hidden: int = 8, lr: float = 0.1):
-            super().__init__()
-            self.save_hyperparameters()
-            self.net = nn.Sequential(nn.Linear(4, hidden), nn.Tanh(), nn.Linear(hidden, 1))
-            self.lr = lr
-            self.start_step = None
-
-        def on_train_start(self):
-            self.start_step = self.global_step
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            loss = nn.functional.mse_loss(self.net(x), y)
-            self.log("train_loss", loss)
-            return loss
-
-        def validation_step(self, batch, batch_idx):
-            x, y = batch
-            self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
-
-        def test_step(self, batch, batch_idx):
-            x, y = batch
-            self.log("test_loss", nn.functional.mse_loss(self.net(x), y), reduce_fx="sum")
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=self.lr)
-
-
-    class Data(DataModule):
-        def __init__(self, batch_size: int = 8, n: int = 64):
-            super().__init__()
-            self.batch_size = batch_size
-            x = torch.randn(n, 4, generator=torch.Generator().manual_seed(0))
-            self.dataset = TensorDataset(x, x.sum(1, keepdim=True))
-
-        def train_dataloader(self):
-            return DataLoader(self.dataset, batch_size=self.batch_size)
-
-        def val_dataloader(self):
-            return DataLoader(self.dataset, batch_size=self.batch_size)
-
-        def test_dataloader(self):
-            return DataLoader(self.dataset, batch_size=len(self.dataset))
-
-
-    class RecordingCLI(TrainerCLI):
-        """Writes what ran into RESULT_DIR/<subcommand>_rank<r>.json."""
-
-        def record(self):
-            t, m = self.trainer, self.model
-            opt = t.optimizers[0].optimizer if getattr(t, "optimizers", None) else None
-            out = {
-                "argv": sys.argv[1:], "seed": self.config[self.subcommand]["seed_everything"], "rank": t.global_rank, "world_size": t.world_size,
-                "global_step": t.global_step, "current_epoch": t.current_epoch, "start_step": m.start_step,
-                "max_epochs": t.max_epochs, "lr": m.lr, "hidden": m.hparams["hidden"],
-                "batch_size": self.datamodule.batch_size, "log_dir": t.log_dir,
-                "callbacks": [[type(c).__name__, getattr(c, "monitor", None), getattr(c, "patience", None)]
-                              for c in t.callbacks],
-                "optimizer": type(opt).__name__ if opt is not None else None,
-                "optimizer_lr": opt.param_groups[0]["lr"] if opt is not None else None,
-                "schedulers": [type(s.scheduler).__name__ for s in getattr(t, "lr_scheduler_configs", [])],
-                "metrics": {k: float(v) for k, v in t.callback_metrics.items()},
-                "weights": [p.detach().double().sum().item() for p in m.parameters()],
-            }
-            path = os.path.join(os.environ["RESULT_DIR"], f"{self.subcommand}_rank{t.global_rank}.json")
-            with open(path, "w") as f:
-                json.dump(out, f)
-
-        def after_fit(self):
-            self.record()
-
-        def after_test(self):
-            self.record()
-
-
-    if __name__ == "__main__":
-        RecordingCLI(Regressor, Data, trainer_defaults={"enable_progress_bar": False,
-                                                         "enable_model_summary": False})
-''')
+SCRIPT = WORKERS / "trainer_cli_script.py"
 
 @pytest.fixture(autouse=True)
 def _no_inherited_seed(monkeypatch):
@@ -122,21 +33,29 @@ def _no_inherited_seed(monkeypatch):
 QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
 
 
+class Script:
+    """The worker script, with its own results folder and working directory."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        (folder / "results").mkdir()
+
+    def env(self):
+        return {"RESULT_DIR": str(self.folder / "results"), "PYTHONPATH": str(ROOT)}
+
+
 @pytest.fixture
 def script(tmp_path):
-    path = tmp_path / "train_cli.py"
-    path.write_text(SCRIPT)
-    (tmp_path / "results").mkdir()
-    return path
+    return Script(tmp_path)
 
 
 def run_script(script, *args, timeout=120):
-    env = {"RESULT_DIR": str(script.parent / "results"), "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    return run_command([sys.executable, str(script), *map(str, args)], timeout=timeout, env=env, cwd=script.parent)
+    return run_command([sys.executable, str(SCRIPT), *map(str, args)], timeout=timeout, env=script.env(),
+                       cwd=script.folder)
 
 
 def result(script, name):
-    return json.loads((script.parent / "results" / f"{name}.json").read_text())
+    return json.loads((script.folder / "results" / f"{name}.json").read_text())
 
 
 def test_fit_with_dotted_overrides_saves_a_config_that_reruns_the_same_run(script, tmp_path):
@@ -509,10 +428,10 @@ def test_the_guide_page_script_runs_its_command_lines(tmp_path):
     """docs/guides/trainer-cli.md: its python blocks are train.py; its command lines run as written (one epoch)."""
     from test_docs import python_blocks
 
-    page = Path(__file__).resolve().parents[2] / "docs" / "guides" / "trainer-cli.md"
+    page = ROOT / "docs" / "guides" / "trainer-cli.md"
     (tmp_path / "train.py").write_text("\n\n".join(python_blocks(page)))
     text = page.read_text()
-    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env = {"PYTHONPATH": str(ROOT)}
     for line in ["python train.py fit --trainer.max_epochs 2 --model.lr 0.01 --data.batch_size 64",
                  "python train.py fit --print_config > base.yaml"]:
         assert line in text
@@ -555,10 +474,9 @@ def test_devices_2_relaunches_under_torchrun_with_the_command_line(script, tmp_p
 def test_under_torchrun_every_rank_draws_the_same_random_seed(script, tmp_path):
     """Started by torchrun, each rank parses the command line on its own; `--seed_everything true` gives them one
     seed all the same (ranks seeding differently would draw different shuffles of one dataset)."""
-    env = {"RESULT_DIR": str(script.parent / "results"), "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     proc = run_command([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-                        "127.0.0.1", "--master-port", str(free_port()), str(script), "fit", "--trainer.max_epochs",
-                        "1", "--trainer.default_root_dir", str(tmp_path / "tr")], env=env, cwd=tmp_path, timeout=180)
+                        "127.0.0.1", "--master-port", str(free_port()), str(SCRIPT), "fit", "--trainer.max_epochs",
+                        "1", "--trainer.default_root_dir", str(tmp_path / "tr")], env=script.env(), cwd=tmp_path, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [result(script, f"fit_rank{r}") for r in range(2)]
     assert [r["world_size"] for r in ranks] == [2, 2] and ranks[0]["seed"] == ranks[1]["seed"]
