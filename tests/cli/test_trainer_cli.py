@@ -124,16 +124,18 @@ def test_fit_ckpt_path_resumes_and_test_runs_the_test_loop(script, tmp_path):
     r = result(script, "fit_rank0")
     assert (r["start_step"], r["global_step"]) == (8, 16)
 
-    tested = run_script(script, "test", "--trainer.default_root_dir", tmp_path / "c", "--seed_everything", 11,
-                        "--model.hidden", 5)
+    # `test --ckpt_path PATH`: the test loop on the resumed run's last weights, in a new process
+    last = next((tmp_path / "b" / "checkpoints").glob("epoch=1-*"))
+    tested = run_script(script, "test", "--trainer.default_root_dir", tmp_path / "c", "--ckpt_path", last)
     assert tested.returncode == 0, tested.stderr
     t = result(script, "test_rank0")
-    torch.manual_seed(11)  # the untrained module the test subcommand built, rebuilt here
-    net = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 1))
+    assert t["weights"] == r["weights"] and t["global_step"] == 0
+    module = nn.Module()
+    module.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    module.load_state_dict(torch.load(last / "model_0.pt", weights_only=True))
     x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
-    expected = nn.functional.mse_loss(net(x), x.sum(1, keepdim=True)).item()
+    expected = nn.functional.mse_loss(module.net(x), x.sum(1, keepdim=True)).item()  # one batch: the whole set
     assert t["metrics"]["test_loss"] == pytest.approx(expected, rel=1e-5)
-    assert t["global_step"] == 0
 
 
 @pytest.mark.parametrize("args, names", [
@@ -283,6 +285,24 @@ def test_subclass_mode_model_takes_a_subclass_by_its_short_name(tmp_path):
                      args=["--model", "WideRegressor", "--model.depth", "3", "--trainer.default_root_dir", str(tmp_path)])
     assert type(cli.model) is WideRegressor and cli.model.depth == 3 and cli.model.hparams["hidden"] == 16
     assert cli.config.model.class_path == "test_trainer_cli.WideRegressor"
+
+
+class WithOwnLoaders(Regressor):
+    """Lightning's basic docs: the module defines its own dataloaders; the CLI is given no datamodule."""
+
+    def __init__(self, hidden: int = 8, lr: float = 0.1, batch_size: int = 4):
+        super().__init__(hidden, lr)
+        self.batch_size = batch_size
+
+    def train_dataloader(self):
+        return DataLoader(Data().dataset, batch_size=self.batch_size)
+
+
+def test_a_module_with_its_own_dataloaders_needs_no_datamodule(tmp_path):
+    cli = TrainerCLI(WithOwnLoaders, args=["fit", "--model.batch_size", "16", "--trainer.max_epochs", "2",
+                                           "--trainer.default_root_dir", str(tmp_path), *QUIET])
+    assert cli.datamodule is None and cli.trainer.global_step == 2 * 32 // 16
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["data"] is None
 
 
 def test_reduce_lr_on_plateau_follows_its_monitor(tmp_path):
