@@ -461,6 +461,23 @@ def test_the_guide_page_script_runs_its_command_lines(tmp_path):
     assert (tmp_path / "config.yaml").is_file() and yaml.safe_load(proc.stdout)["model"] == {"hidden": 16, "lr": 0.05}
 
 
+def test_lightning_names_of_the_cli_module():
+    """Every name of Lightning's `lightning.pytorch.cli` a script imports, under fabric_lite.cli."""
+    import typing
+
+    import fabric_lite.cli as cli
+
+    assert cli.LightningCLI is cli.TrainerCLI and cli.LightningArgumentParser is cli.TrainerArgumentParser
+    assert issubclass(cli.ReduceLROnPlateau, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    assert cli.LRSchedulerTypeTuple == (torch.optim.lr_scheduler.LRScheduler, cli.ReduceLROnPlateau)
+    assert set(typing.get_args(cli.LRSchedulerTypeUnion)) == set(cli.LRSchedulerTypeTuple)
+    assert {typing.get_args(t)[0] for t in typing.get_args(cli.LRSchedulerType)} == set(cli.LRSchedulerTypeTuple)
+    adam = cli.instantiate_class(torch.nn.Linear(2, 1).parameters(),
+                                 {"class_path": "torch.optim.Adam", "init_args": {"lr": 0.5}})
+    assert type(adam) is torch.optim.Adam and adam.param_groups[0]["lr"] == 0.5
+    assert typing.get_args(cli.ArgsType) and cli.SaveConfigCallback.__name__ == "SaveConfigCallback"
+
+
 def test_import_is_light_and_without_jsonargparse_says_what_to_install(monkeypatch):
     proc = run_command([sys.executable, "-c", "import sys, fabric_lite.cli; "
                         "print(sorted(m for m in ('jsonargparse', 'fabric_lite.trainer.trainer', "
