@@ -81,7 +81,8 @@ def test_fit_with_dotted_overrides_saves_a_config_that_reruns_the_same_run(scrip
 
 
 def test_config_files_merge_in_order_and_print_config_exits_0(script, tmp_path):
-    (tmp_path / "a.yaml").write_text("trainer:\n  max_epochs: 7\nmodel:\n  lr: 0.5\n  hidden: 3\n")
+    (tmp_path / "a.yaml").write_text("trainer:\n  max_epochs: 7\n  callbacks:\n    - class_path: EarlyStopping\n"
+                                     "      init_args: {monitor: val_loss, patience: 2}\nmodel:\n  lr: 0.5\n  hidden: 3\n")
     (tmp_path / "b.yaml").write_text("model:\n  hidden: 4\ndata:\n  batch_size: 32\n")
     proc = run_script(script, "fit", "--config", tmp_path / "a.yaml", "--config", tmp_path / "b.yaml",
                       "--model.lr", 0.2, "--trainer.default_root_dir", tmp_path / "never", "--print_config")
@@ -89,6 +90,8 @@ def test_config_files_merge_in_order_and_print_config_exits_0(script, tmp_path):
     printed = yaml.safe_load(proc.stdout)
     assert printed["model"] == {"hidden": 4, "lr": 0.2}  # b.yaml over a.yaml, the command line over both
     assert printed["trainer"]["max_epochs"] == 7 and printed["data"]["batch_size"] == 32
+    (stopper,) = printed["trainer"]["callbacks"]  # a short class name in a file resolves as on the command line
+    assert stopper["class_path"].endswith(".EarlyStopping") and stopper["init_args"]["patience"] == 2
     assert printed["trainer"]["enable_progress_bar"] is False  # trainer_defaults
     assert printed["seed_everything"] is True and "optimizer" in printed and "lr_scheduler" in printed
     assert not (tmp_path / "never").exists()  # printed, nothing built or trained
