@@ -108,7 +108,8 @@ class PyTorchProfiler(Profiler):
     - `record_module_names`: label each layer's forward in the trace.
     - `profiler_kwargs`: torch.profiler.profile's own (`schedule`, `activities` (default: the CPU, plus CUDA where
       a GPU is available), `record_shapes`, `profile_memory`, `with_stack`, `with_flops`, `with_modules`,
-      `on_trace_ready` (replaces the Chrome export), ...), and Lightning's `export_to_flame_graph` / `metric`
+      `on_trace_ready` (replaces the Chrome export), `acc_events` (default True here: the report covers every
+      cycle of the stage; each trace still holds its own cycle), ...), and Lightning's `export_to_flame_graph` / `metric`
       (``{stem}-{step action}.{cycle}.stack``, for flamegraph.pl).
     """
 
@@ -138,6 +139,7 @@ class PyTorchProfiler(Profiler):
             raise ValueError("PyTorchProfiler(emit_nvtx=True): NVTX ranges are for NVIDIA's nsys/nvprof and need a "
                              "CUDA GPU, and none is available; drop emit_nvtx to use torch's profiler.")
         kwargs.setdefault("schedule", torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1))
+        kwargs.setdefault("acc_events", True)  # (the report covers every cycle of the stage, not the last only)
         if kwargs.get("activities") is None:
             kwargs["activities"] = default_activities()
         self.user_on_trace_ready = kwargs.pop("on_trace_ready", None)
