@@ -109,8 +109,8 @@ class PyTorchProfiler(Profiler):
     - `profiler_kwargs`: torch.profiler.profile's own (`schedule`, `activities` (default: the CPU, plus CUDA where
       a GPU is available), `record_shapes`, `profile_memory`, `with_stack`, `with_flops`, `with_modules`,
       `on_trace_ready` (replaces the Chrome export), `acc_events` (default True here: the report covers every
-      cycle of the stage; each trace still holds its own cycle), ...), and Lightning's `export_to_flame_graph` / `metric`
-      (``{stem}-{step action}.{cycle}.stack``, for flamegraph.pl).
+      cycle of the stage; each trace still holds its own cycle), ...), and Lightning's `export_to_flame_graph` /
+      `metric` (``{stem}-{step action}.{cycle}.stack``, for flamegraph.pl).
     """
 
     def __init__(self, dirpath: Optional[str] = None, filename: Optional[str] = None,
