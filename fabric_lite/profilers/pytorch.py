@@ -130,6 +130,8 @@ class PyTorchProfiler(Profiler):
         self.metric = kwargs.pop("metric", "self_cpu_time_total")
         if self.export_to_flame_graph:
             kwargs["with_stack"] = True  # (the stacks are what a flame graph draws)
+            # torch keeps the Python frames of the stacks only in verbose mode (its export_stacks docs say so)
+            kwargs.setdefault("experimental_config", torch.profiler._ExperimentalConfig(verbose=True))
         if group_by_input_shapes:
             if kwargs.get("record_shapes") is False:
                 raise ValueError("PyTorchProfiler(group_by_input_shapes=True, record_shapes=False): grouping by input "

@@ -387,3 +387,13 @@ def test_lightnings_profiler_example_writes_a_training_and_a_validation_trace(tm
                       "fit-[Strategy]SingleDeviceStrategy.validation_step.2.pt.trace.json"]
     t.predict(dataloaders=loader(6))
     assert Path(t.log_dir, "predict-[Strategy]SingleDeviceStrategy.predict_step.1.pt.trace.json").is_file()
+
+
+def test_export_to_flame_graph_writes_the_stacks_of_each_cycle(tmp_path):
+    profiler = PyTorchProfiler(dirpath=tmp_path, export_to_flame_graph=True, schedule=None, export_to_chrome=False)
+    assert profiler.profiler_kwargs["with_stack"] is True
+    trainer(tmp_path, profiler=profiler, max_steps=2).fit(Net(), loader(8))
+    stacks = list(tmp_path.glob("*.stack"))
+    assert [p.name for p in stacks] == ["fit-[Strategy]SingleDeviceStrategy.training_step.1.stack"]
+    assert not list(tmp_path.glob("*.json"))
+    assert "training_step" in stacks[0].read_text()  # the user's function, in the stacks
