@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, 
 import torch
 from torch import nn
 
+from fabric_lite.trainer.lightning_surface import DataModuleLightningNames, ModuleLightningNames
+
 if TYPE_CHECKING:
     from fabric_lite.trainer.trainer import Trainer
 
@@ -38,7 +40,7 @@ class AttributeDict(Dict[str, Any]):
             raise AttributeError(name) from None
 
 
-class TrainModule(nn.Module):
+class TrainModule(ModuleLightningNames, nn.Module):
     """Subclass it, write `training_step` and `configure_optimizers`, and pass it to `Trainer.fit`.
 
     Examples:
@@ -194,8 +196,11 @@ class TrainModule(nn.Module):
         self.trainer.backward(loss, **kwargs)
 
 
-class DataModule:
+class DataModule(DataModuleLightningNames):
     """Dataloaders in one place: `setup(stage)` then `train_dataloader()` / `val_dataloader()` / ..."""
+
+    #: Record the caller's __init__ arguments in `self.hparams`, as TrainModule's does.
+    save_hyperparameters = TrainModule.save_hyperparameters
 
     def __init__(self) -> None:
         self.hparams: AttributeDict = AttributeDict()
