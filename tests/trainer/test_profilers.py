@@ -161,17 +161,21 @@ def test_a_schedule_of_two_cycles_writes_two_traces_and_no_schedule_records_ever
     assert [e.name for e in everything.function_events].count(STEP) == 5
 
 
-def test_validation_inside_a_training_cycle_is_recorded_in_it_without_breaking_the_cycle(tmp_path):
-    """3 training batches an epoch: the training cycle (steps 3, 4, 5) spans the first epoch's validation."""
+def test_steps_of_another_kind_inside_a_running_cycle_are_recorded_in_it(tmp_path):
+    """8 training and 2 validation batches an epoch, 2 epochs: the validation cycle begins in the first epoch's
+    validation (wait 1 done: warm-up, then recording) and runs through the second epoch's training steps, which
+    do not count, to the second epoch's validation."""
     import warnings
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer(tmp_path, profiler=PyTorchProfiler(dirpath=tmp_path / "p"), max_epochs=2,
-                num_sanity_val_steps=0).fit(Net(), loader(3), loader(2))
+                num_sanity_val_steps=0).fit(Net(), loader(8), loader(2))
     assert not [w for w in caught if "Incorrect schedule" in str(w.message)]
-    events = names(trace_events(tmp_path / "p" / "fit-[Strategy]SingleDeviceStrategy.training_step.1.pt.trace.json"))
-    assert events.count(STEP) == 3 and events.count(VAL_STEP) == 2
+    train = names(trace_events(tmp_path / "p" / "fit-[Strategy]SingleDeviceStrategy.training_step.1.pt.trace.json"))
+    assert train.count(STEP) == 3 and train.count(VAL_STEP) == 0
+    val = names(trace_events(tmp_path / "p" / "fit-[Strategy]SingleDeviceStrategy.validation_step.2.pt.trace.json"))
+    assert val.count(VAL_STEP) == 2 and val.count(STEP) == 8
 
 
 def test_a_stage_too_short_for_the_schedule_says_so(tmp_path, capsys):
@@ -245,8 +249,8 @@ def test_names_resolve_to_their_profilers():
 @pytest.mark.skipif(importlib.util.find_spec("torch_xla") is not None, reason="torch_xla is installed here")
 def test_the_xla_profiler_is_refused_without_torch_xla():
     for make in (lambda: Trainer(profiler="xla"), XLAProfiler):
-        with pytest.raises(NotSupportedError, match=r"XLAProfiler: profiling XLA devices \(TPUs\) needs torch_xla.*"
-                                                    r"profiler='pytorch'"):
+        with pytest.raises(NotSupportedError, match=r"XLAProfiler: profiling XLA devices \(TPU\) .* it needs "
+                                                    r"torch_xla, which is not installed here.*profiler='pytorch'"):
             make()
 
 
