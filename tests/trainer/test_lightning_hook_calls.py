@@ -208,7 +208,8 @@ def test_the_trainer_arguments_and_members_a_script_reads_after_fit(tmp_path):
     assert set(trainer.logged_metrics) >= {"loss", "double"}
     assert float(trainer.logged_metrics["double"]) == pytest.approx(2 * float(trainer.logged_metrics["loss"]))
     assert len(trainer.train_dataloader) == 4 and len(trainer.val_dataloaders) == 1
-    assert module.trainer is trainer and trainer.model.state_dict().keys() == module.state_dict().keys()
+    assert module.trainer is trainer and module.device == trainer.device == torch.device("cpu")
+    assert trainer.model.state_dict().keys() == module.state_dict().keys()
     assert trainer.validate(module, loader(4))[0].keys() == {"val_loss"}
     assert len(trainer.test(module, loader(8))) == 1  # limit_test_batches=1: one batch of the four
     x = next(iter(loader(8)))[0]

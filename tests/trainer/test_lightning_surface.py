@@ -210,6 +210,12 @@ def test_trainer_members_under_lightnings_names(capsys):
     assert layer.weight.device == trainer.device
 
 
+def test_num_nodes_is_the_launchs_and_another_count_is_refused():
+    assert new_trainer(num_nodes=1).num_nodes == 1
+    with pytest.raises(ValueError, match=r"num_nodes=2 disagrees with the launch environment.*--nnodes 2"):
+        new_trainer(num_nodes=2)
+
+
 def test_a_member_the_trainer_assigns_itself_replaces_the_lightning_spelling():
     trainer = new_trainer(limit_train_batches=3)
     trainer.limit_train_batches = 7  # an attribute of the Trainer's own wins over the spelling's property
