@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, 
 
 import torch
 
-from fabric_lite.utils.refusals import NotSupportedError, message, refused, refused_class
+from fabric_lite.utils.refusals import NotSupportedError, message, refused
 
 if TYPE_CHECKING:
     from fabric_lite.callbacks.base import Callback
 
 __all__ = ["TrainerLightningNames", "ModuleLightningNames", "DataModuleLightningNames", "REFUSED_TRAINER_ARGUMENTS",
-           "REFUSED_TRAINER_MEMBERS", "check_refused_arguments", "check_refused_overrides", "XLAProfiler"]
+           "REFUSED_TRAINER_MEMBERS", "check_refused_arguments", "check_refused_overrides"]
 
 _STAGE_INSTEAD = "know the stage from the hook you are in (on_train_*, on_validation_*, on_test_*, on_predict_*)"
 _LOOPS_INSTEAD = "read trainer.current_epoch, trainer.global_step and trainer.should_stop"
@@ -412,6 +412,11 @@ class DataModuleLightningNames:
     #: Lightning's optional name of a DataModule.
     name: Optional[str] = None
 
+    @fallback_property
+    def trainer(self) -> Any:
+        """None until a Trainer runs this DataModule (it sets itself here, as Lightning's does)."""
+        return None
+
 
 _add_refusals(DataModuleLightningNames, "LightningDataModule", REFUSED_DATAMODULE_MEMBERS)
 
@@ -447,6 +452,3 @@ def _map_tensors(data: Any, fn: Any) -> Any:
         return type(data)(_map_tensors(v, fn) for v in data)
     return data
 
-
-XLAProfiler = refused_class("XLAProfiler", "profiling XLA devices (TPU) with torch_xla's profiler server",
-                            "profile with the PyTorch profiler, or torch_xla.debug.profiler yourself")

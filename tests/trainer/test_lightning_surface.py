@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from conftest import ROOT
 from fabric_lite import Callback, DataModule, Trainer, TrainModule
 from fabric_lite.callbacks import EarlyStopping, ModelCheckpoint
+from fabric_lite.trainer.data_connector import STAGE_LOADERS
 from fabric_lite.trainer.lightning_surface import (REFUSED_TRAINER_ARGUMENTS, REFUSED_TRAINER_MEMBERS, fixed_property,
                                                    refused_property)
 from fabric_lite.utils import NotSupportedError
@@ -52,6 +53,8 @@ def table_rows():
 
 
 ROWS = table_rows()
+#: Lightning's data hooks that the Trainer calls where a module defines them (TrainModule has no default of its own)
+MODULE_DATA_HOOKS = {name for names in STAGE_LOADERS.values() for name in names} | {"prepare_data", "setup", "teardown"}
 OWNERS = {"Trainer": Trainer, "TrainModule": TrainModule, "DataModule": DataModule, "Callback": Callback}
 
 
@@ -75,6 +78,8 @@ def resolve(path):
     if match := MEMBER.fullmatch(path):
         owner, name = match.groups()
         cls = OWNERS[owner]
+        if owner == "TrainModule" and name in MODULE_DATA_HOOKS:
+            return None
         if name in dir(cls) or (owner == "Trainer" and name in REFUSED_TRAINER_MEMBERS):
             return inspect.getattr_static(cls, name, None)
         assert name in vars(instance(owner)), f"{path}: neither {owner} nor a new {owner} has {name!r}"
@@ -287,7 +292,7 @@ def test_datamodule_members_under_lightnings_names():
 
     data = Data(batch_size=8)
     assert data.hparams == {"batch_size": 8, "root": "data"} and data.hparams.batch_size == 8
-    assert data.name is None and data.prepare_data_per_node is False
+    assert data.name is None and data.trainer is None and data.prepare_data_per_node is False
     data.prepare_data_per_node = False  # Lightning's other value is refused; this one is what happens here
     with pytest.raises(NotSupportedError, match="prepare_data on the first process of every machine"):
         data.prepare_data_per_node = True
@@ -334,3 +339,52 @@ def test_a_refused_trainer_argument_at_lightnings_default_is_accepted():
         new_trainer(enable_autolog_hparams=False)
     with pytest.raises(TypeError, match="Unknown Trainer argument"):
         new_trainer(enable_autolog_hparam=True)
+
+
+def test_the_trainer_keeps_lightnings_loop_arguments_under_their_names():
+    trainer = new_trainer(min_epochs=2, min_steps=3, overfit_batches=2, reload_dataloaders_every_n_epochs=1)
+    assert (trainer.min_epochs, trainer.min_steps, trainer.overfit_batches, trainer.reload_dataloaders_every_n_epochs,
+            trainer.barebones) == (2, 3, 2, 1, False)
+    assert new_trainer(barebones=True, num_sanity_val_steps=0, log_every_n_steps=None).barebones is True
+    assert (new_trainer().min_epochs, new_trainer().min_steps, new_trainer().overfit_batches) == (None, None, 0)
+
+
+class InjectedOptimizer(TrainModule):
+    """A module that is given how to build its optimizer (the command line picks the class and its arguments)."""
+
+    def __init__(self, hidden: int = 4, optimizer: "OptimizerCallable" = torch.optim.Adam):
+        super().__init__()
+        self.hidden, self.make_optimizer = hidden, optimizer
+
+
+try:  # (the string hint above is resolved in this module's globals)
+    from fabric_lite.cli import OptimizerCallable
+except ImportError:  # pragma: no cover (jsonargparse not installed: the test below skips)
+    OptimizerCallable = None
+
+
+def test_lightning_cli_names_that_scripts_import():
+    import typing
+
+    cli = pytest.importorskip("fabric_lite.cli.trainer_cli")
+    from fabric_lite.cli import (ArgsType, LightningArgumentParser, LRSchedulerCallable, LRSchedulerType,
+                                 LRSchedulerTypeTuple, LRSchedulerTypeUnion, instantiate_class)
+
+    params = [nn.Parameter(torch.zeros(2))]
+    optimizer = instantiate_class((params,), {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.25}})
+    assert isinstance(optimizer, torch.optim.SGD) and optimizer.param_groups[0]["lr"] == 0.25
+    scheduler = instantiate_class(optimizer, {"class_path": "fabric_lite.cli.ReduceLROnPlateau",
+                                              "init_args": {"monitor": "val_loss", "patience": 2}})
+    assert isinstance(scheduler, LRSchedulerTypeTuple) and scheduler.monitor == "val_loss"
+    assert isinstance(torch.optim.lr_scheduler.StepLR(optimizer, 1), LRSchedulerTypeTuple)
+    assert set(typing.get_args(LRSchedulerTypeUnion)) == {torch.optim.lr_scheduler.LRScheduler, cli.ReduceLROnPlateau}
+    assert len(typing.get_args(LRSchedulerType)) == 2 and typing.List[str] in typing.get_args(ArgsType)
+    assert typing.get_origin(OptimizerCallable) is typing.get_origin(LRSchedulerCallable)  # (Callable hints)
+
+    parser = LightningArgumentParser()
+    parser.add_lightning_class_args(InjectedOptimizer, "model")
+    config = parser.parse_args(["--model.hidden", "8", "--model.optimizer", "torch.optim.SGD",
+                                "--model.optimizer.lr", "0.5"])
+    model = parser.instantiate_classes(config).model
+    built = model.make_optimizer([nn.Parameter(torch.zeros(1))])
+    assert model.hidden == 8 and isinstance(built, torch.optim.SGD) and built.param_groups[0]["lr"] == 0.5
