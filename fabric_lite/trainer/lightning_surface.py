@@ -10,6 +10,7 @@ nothing per step.
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
@@ -19,7 +20,7 @@ from fabric_lite.utils.refusals import NotSupportedError, message, refused
 if TYPE_CHECKING:
     from fabric_lite.callbacks.base import Callback
 
-__all__ = ["TrainerLightningNames", "ModuleLightningNames", "DataModuleLightningNames", "REFUSED_TRAINER_ARGUMENTS",
+__all__ = ["NotSupportedAttributeError", "TrainerLightningNames", "ModuleLightningNames", "DataModuleLightningNames", "REFUSED_TRAINER_ARGUMENTS",
            "REFUSED_TRAINER_MEMBERS", "check_refused_arguments", "check_refused_overrides"]
 
 _STAGE_INSTEAD = "know the stage from the hook you are in (on_train_*, on_validation_*, on_test_*, on_predict_*)"
@@ -69,6 +70,11 @@ REFUSED_TRAINER_MEMBERS: Dict[str, Tuple[str, str]] = {
 }
 
 
+class NotSupportedAttributeError(NotSupportedError, AttributeError):
+    """Reading a refused attribute: a NotSupportedError naming the feature, and an AttributeError, so that
+    hasattr() and tools that walk a module's attributes (torch.jit, copy, inspect) see the name as absent."""
+
+
 class fallback_property:
     """A read-only property that an instance attribute of the same name replaces (no __set__): the class that
     inherits the mixin may assign the name itself and then owns it."""
@@ -79,22 +85,6 @@ class fallback_property:
 
     def __get__(self, obj: Any, owner: Any = None) -> Any:
         return self if obj is None else self.fget(obj)
-
-
-class refused_property:
-    """A property of Lightning's that fabric_lite does not have: reading or setting it raises NotSupportedError."""
-
-    def __init__(self, name: str, feature: str, instead: str) -> None:
-        self.text = message(name, feature, instead)
-        self.refusal = (feature, instead)
-
-    def __get__(self, obj: Any, owner: Any = None) -> Any:
-        if obj is None:
-            return self
-        raise NotSupportedError(self.text)
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        raise NotSupportedError(self.text)
 
 
 class fixed_property:
@@ -132,7 +122,7 @@ class TrainerLightningNames:
     def __getattr__(self, name: str) -> Any:
         refusal = REFUSED_TRAINER_MEMBERS.get(name)
         if refusal is not None:
-            raise NotSupportedError(message(f"Trainer.{name}", *refusal))
+            raise NotSupportedAttributeError(message(f"Trainer.{name}", *refusal))
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @fallback_property
@@ -250,9 +240,9 @@ REFUSED_MODULE_MEMBERS: Dict[str, Tuple[str, str]] = {
     "load_from_checkpoint": ("LightningModule.load_from_checkpoint", "build the module (Module(**hparams)) and "
                              "resume with trainer.fit(module, ckpt_path=...), or load exported weights with "
                              "module.load_state_dict"),
-    "hparams_initial": ("hparams_initial", "read self.hparams"),
-    "strict_loading": ("strict_loading", "checkpoints always load strictly: every key must match"),
-    "fabric": ("Lightning Fabric (LightningModule.fabric)", "run the module with fabric_lite's Trainer, or use "
+    "strict_loading": ("loading checkpoints non-strictly (strict_loading=False)", "checkpoints always load "
+                       "strictly: every key must match; load a partial state_dict with load_state_dict(strict=False)"),
+    "fabric": ("running a module under Lightning Fabric (LightningModule.fabric)", "run the module with fabric_lite's Trainer, or use "
                "fabric_lite.Accelerator for a loop of your own"),
 }
 
@@ -261,6 +251,10 @@ class ModuleLightningNames:
     """Lightning's names on TrainModule for what its Trainer holds, and the refused members (a mixin)."""
 
     _trainer: Any
+    #: Properties torch.jit leaves alone when it scripts or traces the module (they read the Trainer).
+    __jit_unused_properties__: List[str] = ["global_rank", "local_rank", "logger", "loggers", "on_gpu", "dtype",
+                                            "fabric", "strict_loading", "hparams_initial", "prepare_data_per_node",
+                                            "allow_zero_length_dataloader_with_multiple_devices"]
 
     @fallback_property
     def global_rank(self) -> int:
@@ -288,6 +282,11 @@ class ModuleLightningNames:
         params = (p for p in self.parameters() if p.is_floating_point())  # type: ignore[attr-defined]
         first = next(params, None)
         return first.dtype if first is not None else torch.get_default_dtype()
+
+    @fallback_property
+    def hparams_initial(self) -> Any:
+        """A copy of the saved hyperparameters (Lightning keeps them as first saved; here: as they are now)."""
+        return copy.deepcopy(self.hparams)  # type: ignore[attr-defined]
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """`print` on the main process only."""
@@ -360,10 +359,10 @@ class ModuleLightningNames:
             accelerator.clip_grad_norm_(params, gradient_clip_val)
 
 
-_REFUSED_PROPERTIES = ("hparams_initial", "strict_loading", "fabric")
 #: Lightning's settings that hold one value here (prepare_data runs once, on the main process; a loader with no
 #: batches on some process is refused): setting the other value raises.
-_FIXED = {"prepare_data_per_node": False, "allow_zero_length_dataloader_with_multiple_devices": False}
+_FIXED = {"prepare_data_per_node": False, "allow_zero_length_dataloader_with_multiple_devices": False,
+          "strict_loading": True, "fabric": None}
 _FIXED_REFUSALS = {
     "prepare_data_per_node": ("prepare_data on the first process of every machine (prepare_data_per_node=True)",
                               "prepare_data runs once, on the main process: write its files where every machine "
@@ -379,8 +378,6 @@ def _add_refusals(mixin: type, owner: str, table: Dict[str, Tuple[str, str]]) ->
     for name, (feature, instead) in table.items():
         if name in _FIXED:
             member: Any = fixed_property(f"{owner}.{name}", _FIXED[name], feature, instead)
-        elif name in _REFUSED_PROPERTIES:
-            member = refused_property(f"{owner}.{name}", feature, instead)
         else:
             member = refused(f"{owner}.{name}", feature, instead)
         setattr(mixin, name, member)
@@ -401,7 +398,6 @@ REFUSED_DATAMODULE_MEMBERS: Dict[str, Tuple[str, str]] = {
     "load_state_dict": ("a DataModule's own state in checkpoints (state_dict/load_state_dict)", "keep state in a "
                         "Callback's state_dict, which checkpoints save"),
     "on_exception": ("DataModule.on_exception", "write Callback.on_exception"),
-    "hparams_initial": ("hparams_initial", "read self.hparams"),
     **_FIXED_REFUSALS,
 }
 
@@ -416,6 +412,8 @@ class DataModuleLightningNames:
     def trainer(self) -> Any:
         """None until a Trainer runs this DataModule (it sets itself here, as Lightning's does)."""
         return None
+
+    hparams_initial = ModuleLightningNames.hparams_initial
 
 
 _add_refusals(DataModuleLightningNames, "LightningDataModule", REFUSED_DATAMODULE_MEMBERS)
@@ -433,7 +431,7 @@ def check_refused_overrides(*objects: Any) -> None:
             library = next(c for c in type(obj).__mro__ if c.__module__.startswith("fabric_lite."))
             for name, (feature, instead) in table.items():
                 default = getattr(library, name)
-                if getattr(default, "refusal", None) is None or name in _REFUSED_PROPERTIES or name in _FIXED:
+                if getattr(default, "refusal", None) is None or name in _FIXED:
                     continue
                 if getattr(type(obj), name) is not getattr(library, name):
                     raise NotSupportedError(message(f"{type(obj).__name__}.{name}", feature, instead))

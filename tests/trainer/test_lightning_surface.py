@@ -19,8 +19,7 @@ from conftest import ROOT
 from fabric_lite import Callback, DataModule, Trainer, TrainModule
 from fabric_lite.callbacks import EarlyStopping, ModelCheckpoint
 from fabric_lite.trainer.data_connector import STAGE_LOADERS
-from fabric_lite.trainer.lightning_surface import (REFUSED_TRAINER_ARGUMENTS, REFUSED_TRAINER_MEMBERS, fixed_property,
-                                                   refused_property)
+from fabric_lite.trainer.lightning_surface import REFUSED_TRAINER_ARGUMENTS, REFUSED_TRAINER_MEMBERS, fixed_property
 from fabric_lite.utils import NotSupportedError
 
 NAMES_FILE = ROOT / "tests" / "trainer" / "lightning_reference_names.txt"
@@ -148,7 +147,7 @@ def use(path):
         member = inspect.getattr_static(OWNERS[owner], name, None)
         if isinstance(member, fixed_property):
             setattr(obj, name, not member.value)
-        elif isinstance(member, refused_property) or owner == "Trainer":
+        elif owner == "Trainer":
             getattr(obj, name)
         else:
             getattr(obj, name)()
@@ -183,6 +182,9 @@ class Net(TrainModule):
         self.body = nn.Linear(3, 2)
         self.head = nn.Linear(2, 1)
 
+    def forward(self, x):
+        return self.head(self.body(x))
+
 
 def attached(**kwargs):
     trainer, module = new_trainer(**kwargs), Net()
@@ -215,6 +217,19 @@ def test_trainer_members_under_lightnings_names(capsys):
     assert layer.weight.device == trainer.device
 
 
+def test_a_refused_member_reads_as_absent_to_hasattr_and_introspection():
+    trainer, module = attached()
+    assert not hasattr(trainer, "fit_loop")
+    assert getattr(trainer, "state", "absent") == "absent"
+    with pytest.raises(NotSupportedError, match="Trainer.fit_loop: Lightning's loop objects"):
+        trainer.fit_loop  # noqa: B018
+    traced = torch.jit.trace(module, torch.ones(2, 3))  # (torch.jit reads every attribute it finds)
+    assert traced(torch.ones(1, 3)).shape == (1, 1)
+    assert module.fabric is None and module.strict_loading is True  # Lightning's values without Fabric
+    with pytest.raises(NotSupportedError, match="non-strictly"):
+        module.strict_loading = False
+
+
 def test_num_nodes_is_the_launchs_and_another_count_is_refused():
     assert new_trainer(num_nodes=1).num_nodes == 1
     with pytest.raises(ValueError, match=r"num_nodes=2 disagrees with the launch environment.*--nnodes 2"):
@@ -231,6 +246,8 @@ def test_a_member_the_trainer_assigns_itself_replaces_the_lightning_spelling():
 
 def test_module_members_under_lightnings_names(capsys):
     module = Net()
+    module.hparams.lr = 0.1
+    assert module.hparams_initial == {"lr": 0.1} and module.hparams_initial is not module.hparams
     assert (module.global_rank, module.local_rank, module.logger, module.loggers) == (0, 0, None, [])
     assert module.on_gpu is False and module.dtype == torch.float32
     assert module.to(torch.float64).dtype == torch.float64
@@ -292,6 +309,7 @@ def test_datamodule_members_under_lightnings_names():
 
     data = Data(batch_size=8)
     assert data.hparams == {"batch_size": 8, "root": "data"} and data.hparams.batch_size == 8
+    assert data.hparams_initial == data.hparams and data.hparams_initial is not data.hparams
     assert data.name is None and data.trainer is None and data.prepare_data_per_node is False
     data.prepare_data_per_node = False  # Lightning's other value is refused; this one is what happens here
     with pytest.raises(NotSupportedError, match="prepare_data on the first process of every machine"):
