@@ -10,7 +10,6 @@ nothing per step.
 from __future__ import annotations
 
 import contextlib
-import copy
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
@@ -240,21 +239,33 @@ REFUSED_MODULE_MEMBERS: Dict[str, Tuple[str, str]] = {
     "load_from_checkpoint": ("LightningModule.load_from_checkpoint", "build the module (Module(**hparams)) and "
                              "resume with trainer.fit(module, ckpt_path=...), or load exported weights with "
                              "module.load_state_dict"),
-    "strict_loading": ("loading checkpoints non-strictly (strict_loading=False)", "checkpoints always load "
-                       "strictly: every key must match; load a partial state_dict with load_state_dict(strict=False)"),
-    "fabric": ("running a module under Lightning Fabric (LightningModule.fabric)", "run the module with fabric_lite's Trainer, or use "
-               "fabric_lite.Accelerator for a loop of your own"),
 }
 
 
 class ModuleLightningNames:
-    """Lightning's names on TrainModule for what its Trainer holds, and the refused members (a mixin)."""
+    """Lightning's names on TrainModule for what its Trainer holds, and the refused members (a mixin).
+
+    No property here raises when read: `hasattr` and what walks a module's attributes (torch.jit.trace, which
+    TensorBoardLogger(log_graph=True) runs) read every one of them."""
 
     _trainer: Any
     #: Properties torch.jit leaves alone when it scripts or traces the module (they read the Trainer).
     __jit_unused_properties__: List[str] = ["global_rank", "local_rank", "logger", "loggers", "on_gpu", "dtype",
                                             "fabric", "strict_loading", "hparams_initial", "prepare_data_per_node",
                                             "allow_zero_length_dataloader_with_multiple_devices"]
+
+    @fallback_property
+    def fabric(self) -> None:
+        """None: the Trainer, not Lightning Fabric, runs this module (Lightning's value under its Trainer)."""
+        return None
+
+    @fallback_property
+    def hparams_initial(self) -> Any:
+        """The hyperparameters as `save_hyperparameters` recorded them (later changes to `hparams` not included);
+        empty before it is called."""
+        from fabric_lite.trainer.module import AttributeDict
+
+        return AttributeDict()
 
     @fallback_property
     def global_rank(self) -> int:
@@ -282,11 +293,6 @@ class ModuleLightningNames:
         params = (p for p in self.parameters() if p.is_floating_point())  # type: ignore[attr-defined]
         first = next(params, None)
         return first.dtype if first is not None else torch.get_default_dtype()
-
-    @fallback_property
-    def hparams_initial(self) -> Any:
-        """A copy of the saved hyperparameters (Lightning keeps them as first saved; here: as they are now)."""
-        return copy.deepcopy(self.hparams)  # type: ignore[attr-defined]
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """`print` on the main process only."""
@@ -362,8 +368,11 @@ class ModuleLightningNames:
 #: Lightning's settings that hold one value here (prepare_data runs once, on the main process; a loader with no
 #: batches on some process is refused): setting the other value raises.
 _FIXED = {"prepare_data_per_node": False, "allow_zero_length_dataloader_with_multiple_devices": False,
-          "strict_loading": True, "fabric": None}
+          "strict_loading": True}
 _FIXED_REFUSALS = {
+    "strict_loading": ("checkpoints that load with missing or unexpected keys (strict_loading=False)",
+                       "checkpoints always load strictly, every key matching; load partial weights with "
+                       "module.load_state_dict(state, strict=False)"),
     "prepare_data_per_node": ("prepare_data on the first process of every machine (prepare_data_per_node=True)",
                               "prepare_data runs once, on the main process: write its files where every machine "
                               "reads them"),

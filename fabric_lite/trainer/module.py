@@ -6,6 +6,7 @@ in which precision and how gradients move.
 
 from __future__ import annotations
 
+import copy
 import inspect
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Union
 
@@ -179,6 +180,10 @@ class TrainModule(ModuleLightningNames, nn.Module):
         if names:
             args = {k: v for k, v in args.items() if k in names}
         self.hparams.update({k: v for k, v in args.items() if k not in set(ignore)})
+        try:  # (Lightning's hparams_initial: a copy, which later changes to hparams leave as it is)
+            self.hparams_initial = AttributeDict(copy.deepcopy(dict(self.hparams)))
+        except Exception:  # an argument that cannot be copied (an open file, a lock) is kept as it is
+            self.hparams_initial = AttributeDict(self.hparams)
 
     # -- manual optimization -----------------------------------------------------------------------
     def optimizers(self) -> Union[torch.optim.Optimizer, List[torch.optim.Optimizer]]:

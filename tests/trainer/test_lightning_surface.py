@@ -226,8 +226,6 @@ def test_a_refused_member_reads_as_absent_to_hasattr_and_introspection():
     traced = torch.jit.trace(module, torch.ones(2, 3))  # (torch.jit reads every attribute it finds)
     assert traced(torch.ones(1, 3)).shape == (1, 1)
     assert module.fabric is None and module.strict_loading is True  # Lightning's values without Fabric
-    with pytest.raises(NotSupportedError, match="non-strictly"):
-        module.strict_loading = False
 
 
 def test_num_nodes_is_the_launchs_and_another_count_is_refused():
@@ -246,8 +244,6 @@ def test_a_member_the_trainer_assigns_itself_replaces_the_lightning_spelling():
 
 def test_module_members_under_lightnings_names(capsys):
     module = Net()
-    module.hparams.lr = 0.1
-    assert module.hparams_initial == {"lr": 0.1} and module.hparams_initial is not module.hparams
     assert (module.global_rank, module.local_rank, module.logger, module.loggers) == (0, 0, None, [])
     assert module.on_gpu is False and module.dtype == torch.float32
     assert module.to(torch.float64).dtype == torch.float64
@@ -309,7 +305,8 @@ def test_datamodule_members_under_lightnings_names():
 
     data = Data(batch_size=8)
     assert data.hparams == {"batch_size": 8, "root": "data"} and data.hparams.batch_size == 8
-    assert data.hparams_initial == data.hparams and data.hparams_initial is not data.hparams
+    data.hparams.batch_size = 16
+    assert data.hparams_initial == {"batch_size": 8, "root": "data"}  # (as save_hyperparameters recorded them)
     assert data.name is None and data.trainer is None and data.prepare_data_per_node is False
     data.prepare_data_per_node = False  # Lightning's other value is refused; this one is what happens here
     with pytest.raises(NotSupportedError, match="prepare_data on the first process of every machine"):
