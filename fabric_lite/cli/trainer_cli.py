@@ -28,8 +28,7 @@ if TYPE_CHECKING:
     from fabric_lite.cli.trainer_parser import Namespace, TrainerArgumentParser
 
 __all__ = ["TrainerCLI", "LightningCLI", "SaveConfigCallback", "ReduceLROnPlateau", "instantiate_class",
-           "OptimizerCallable", "LRSchedulerCallable", "LR_SCHEDULER_CLASSES", "ArgsType",
-           "LRSchedulerTypeTuple", "LRSchedulerTypeUnion", "LRSchedulerType"]
+           "OptimizerCallable", "LRSchedulerCallable", "LR_SCHEDULER_CLASSES", "ArgsType"]
 
 #: The seed a TrainerCLI chose at random (`--seed_everything true`), handed to the processes the Trainer starts
 #: again under torchrun (`devices=N`) so that every rank draws the same one.
@@ -51,10 +50,6 @@ class ReduceLROnPlateau(torch.optim.lr_scheduler.ReduceLROnPlateau):
 
 #: The scheduler classes the automatic `--lr_scheduler` group accepts (torch's ReduceLROnPlateau has no metric).
 LR_SCHEDULER_CLASSES = (torch.optim.lr_scheduler.LRScheduler, ReduceLROnPlateau)
-#: Lightning's names for the same scheduler types (type hints and isinstance checks in CLI code written for it).
-LRSchedulerTypeTuple = LR_SCHEDULER_CLASSES
-LRSchedulerTypeUnion = Union[torch.optim.lr_scheduler.LRScheduler, ReduceLROnPlateau]
-LRSchedulerType = Union[Type[torch.optim.lr_scheduler.LRScheduler], Type[ReduceLROnPlateau]]
 
 
 def load_jsonargparse_parser() -> Type["TrainerArgumentParser"]:
