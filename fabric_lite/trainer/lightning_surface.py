@@ -19,8 +19,8 @@ from fabric_lite.utils.refusals import NotSupportedError, message, refused
 if TYPE_CHECKING:
     from fabric_lite.callbacks.base import Callback
 
-__all__ = ["NotSupportedAttributeError", "TrainerLightningNames", "ModuleLightningNames", "DataModuleLightningNames", "REFUSED_TRAINER_ARGUMENTS",
-           "REFUSED_TRAINER_MEMBERS", "check_refused_arguments", "check_refused_overrides"]
+__all__ = ["NotSupportedAttributeError", "TrainerLightningNames", "ModuleLightningNames", "DataModuleLightningNames",
+           "REFUSED_TRAINER_ARGUMENTS", "REFUSED_TRAINER_MEMBERS", "check_refused_arguments", "check_refused_overrides"]
 
 _STAGE_INSTEAD = "know the stage from the hook you are in (on_train_*, on_validation_*, on_test_*, on_predict_*)"
 _LOOPS_INSTEAD = "read trainer.current_epoch, trainer.global_step and trainer.should_stop"
