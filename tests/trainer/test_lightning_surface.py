@@ -202,8 +202,8 @@ def attached(**kwargs):
 
 def test_trainer_members_under_lightnings_names(capsys):
     stop, best, last = EarlyStopping(monitor="loss"), ModelCheckpoint(monitor="loss"), ModelCheckpoint()
-    trainer, module = attached(callbacks=[stop, best, last], precision="bf16-mixed", enable_checkpointing=True, limit_train_batches=5,
-                               limit_val_batches=0.5)
+    trainer, module = attached(callbacks=[stop, best, last], precision="bf16-mixed", enable_checkpointing=True,
+                               limit_train_batches=5, limit_val_batches=0.5)
     assert trainer.lightning_module is module
     assert trainer.accelerator.device == trainer.device  # (fabric_lite's Accelerator, the raw door under the Trainer)
     assert trainer.precision == "bf16-mixed" and trainer.precision_plugin is trainer.strategy.precision
