@@ -221,8 +221,10 @@ class StepEngine:
 
     # -- the optimizer step ------------------------------------------------------------------------
     def step_optimizers(self, optimizers: Sequence[Any], clip_val: Optional[float] = None,
-                        clip_algorithm: str = "norm", before_step: Optional[Callable[[Any], None]] = None) -> None:
-        """Close a window: for each optimizer clip (optionally), call `before_step(opt)`, step, zero_grad."""
+                        clip_algorithm: str = "norm", before_step: Optional[Callable[[Any], None]] = None,
+                        before_zero_grad: Optional[Callable[[Any], None]] = None) -> None:
+        """Close a window: for each optimizer clip (optionally), call `before_step(opt)`, step,
+        `before_zero_grad(opt)`, zero_grad."""
         for opt in optimizers:
             if clip_val is not None:
                 params = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
@@ -233,6 +235,8 @@ class StepEngine:
             if before_step is not None:
                 before_step(opt)
             opt.step()
+            if before_zero_grad is not None:
+                before_zero_grad(opt)
             opt.zero_grad(set_to_none=True)
 
     @property

@@ -63,6 +63,9 @@ class ShardedBatchSampler:
         #: Called once an iteration, when the batches to skip have been pulled from the user's sampler and
         #: before the next one is (a resumed epoch replays the skipped draws under older RNG states).
         self.after_skip: Optional[Callable[[], None]] = None
+        #: A list to append each batch of indices to as it is handed out (the dataset indices of this rank's
+        #: batches, in order: what a prediction writer is told), or None: nothing recorded.
+        self.seen_indices: Optional[List[Any]] = None
 
     @property
     def num_processes(self) -> int:
@@ -195,8 +198,16 @@ class ShardedBatchSampler:
         # `skip` is read now but not cleared: a DataLoader with workers calls iter() twice and uses the
         # second iterator, so the prepared loader clears it once its own iter() has returned.
         if self.num_replicas == 1:  # one process: the user's batches exactly as their sampler makes them
-            return self._iter_one(self.skip)
-        return self._iter_sharded(self.skip)
+            batches = self._iter_one(self.skip)
+        else:
+            batches = self._iter_sharded(self.skip)
+        return batches if self.seen_indices is None else self._recorded(batches, self.seen_indices)
+
+    @staticmethod
+    def _recorded(batches: Iterator[Any], seen: List[Any]) -> Iterator[Any]:
+        for indices in batches:
+            seen.append(indices)
+            yield indices
 
     def _iter_one(self, skip: int) -> Iterator[List[int]]:
         self._ready()

@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, 
 
 import torch
 
-from fabric_lite.utils.refusals import NotSupportedError, message, refused, refused_class
+from fabric_lite.utils.refusals import NotSupportedError, message, refused
 
 if TYPE_CHECKING:
     from fabric_lite.callbacks.base import Callback
 
-__all__ = ["TrainerLightningNames", "ModuleLightningNames", "DataModuleLightningNames", "REFUSED_TRAINER_ARGUMENTS",
-           "REFUSED_TRAINER_MEMBERS", "check_refused_arguments", "check_refused_overrides", "XLAProfiler"]
+__all__ = ["NotSupportedAttributeError", "TrainerLightningNames", "ModuleLightningNames", "DataModuleLightningNames",
+           "REFUSED_TRAINER_ARGUMENTS", "REFUSED_TRAINER_MEMBERS", "check_refused_arguments", "check_refused_overrides"]
 
 _STAGE_INSTEAD = "know the stage from the hook you are in (on_train_*, on_validation_*, on_test_*, on_predict_*)"
 _LOOPS_INSTEAD = "read trainer.current_epoch, trainer.global_step and trainer.should_stop"
@@ -39,7 +39,6 @@ REFUSED_TRAINER_MEMBERS: Dict[str, Tuple[str, str]] = {
     "fit_loop": ("Lightning's loop objects (fit_loop)", _LOOPS_INSTEAD),
     "validate_loop": ("Lightning's loop objects (validate_loop)", _LOOPS_INSTEAD),
     "test_loop": ("Lightning's loop objects (test_loop)", _LOOPS_INSTEAD),
-    "predict_loop": ("Lightning's loop objects (predict_loop)", _LOOPS_INSTEAD),
     "training": ("the running-stage flag trainer.training", _STAGE_INSTEAD),
     "validating": ("the running-stage flag trainer.validating", _STAGE_INSTEAD),
     "testing": ("the running-stage flag trainer.testing", _STAGE_INSTEAD),
@@ -69,6 +68,11 @@ REFUSED_TRAINER_MEMBERS: Dict[str, Tuple[str, str]] = {
 }
 
 
+class NotSupportedAttributeError(NotSupportedError, AttributeError):
+    """Reading a refused attribute: a NotSupportedError naming the feature, and an AttributeError, so that
+    hasattr() and tools that walk a module's attributes (torch.jit, copy, inspect) see the name as absent."""
+
+
 class fallback_property:
     """A read-only property that an instance attribute of the same name replaces (no __set__): the class that
     inherits the mixin may assign the name itself and then owns it."""
@@ -79,22 +83,6 @@ class fallback_property:
 
     def __get__(self, obj: Any, owner: Any = None) -> Any:
         return self if obj is None else self.fget(obj)
-
-
-class refused_property:
-    """A property of Lightning's that fabric_lite does not have: reading or setting it raises NotSupportedError."""
-
-    def __init__(self, name: str, feature: str, instead: str) -> None:
-        self.text = message(name, feature, instead)
-        self.refusal = (feature, instead)
-
-    def __get__(self, obj: Any, owner: Any = None) -> Any:
-        if obj is None:
-            return self
-        raise NotSupportedError(self.text)
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        raise NotSupportedError(self.text)
 
 
 class fixed_property:
@@ -132,7 +120,7 @@ class TrainerLightningNames:
     def __getattr__(self, name: str) -> Any:
         refusal = REFUSED_TRAINER_MEMBERS.get(name)
         if refusal is not None:
-            raise NotSupportedError(message(f"Trainer.{name}", *refusal))
+            raise NotSupportedAttributeError(message(f"Trainer.{name}", *refusal))
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @fallback_property
@@ -238,13 +226,6 @@ REFUSED_MODULE_MEMBERS: Dict[str, Tuple[str, str]] = {
     "configure_sharded_model": ("configure_sharded_model (removed in Lightning 2)", "build the layers in "
                                 "configure_model"),
     "on_validation_model_zero_grad": ("the on_validation_model_zero_grad hook", _NO_LOOP_HOOK),
-    "on_validation_model_eval": ("the on_validation_model_eval hook (the module is put in eval mode for "
-                                 "validation)", _NO_LOOP_HOOK),
-    "on_validation_model_train": ("the on_validation_model_train hook (train mode is restored after "
-                                  "validation)", _NO_LOOP_HOOK),
-    "on_test_model_eval": ("the on_test_model_eval hook", _NO_LOOP_HOOK),
-    "on_test_model_train": ("the on_test_model_train hook", _NO_LOOP_HOOK),
-    "on_predict_model_eval": ("the on_predict_model_eval hook", _NO_LOOP_HOOK),
     "to_onnx": ("LightningModule.to_onnx", "call torch.onnx.export(module, example_input, path) yourself"),
     "to_torchscript": ("LightningModule.to_torchscript", "call torch.jit.script(module.eval()) or torch.jit.trace"),
     "load_from_checkpoint": ("LightningModule.load_from_checkpoint", "build the module (Module(**hparams)) and "
@@ -260,6 +241,10 @@ class ModuleLightningNames:
     TensorBoardLogger(log_graph=True) runs) read every one of them."""
 
     _trainer: Any
+    #: Properties torch.jit leaves alone when it scripts or traces the module (they read the Trainer).
+    __jit_unused_properties__: List[str] = ["global_rank", "local_rank", "logger", "loggers", "on_gpu", "dtype",
+                                            "fabric", "strict_loading", "hparams_initial", "prepare_data_per_node",
+                                            "allow_zero_length_dataloader_with_multiple_devices"]
 
     @fallback_property
     def fabric(self) -> None:
@@ -372,7 +357,6 @@ class ModuleLightningNames:
             accelerator.clip_grad_norm_(params, gradient_clip_val)
 
 
-_REFUSED_PROPERTIES: Tuple[str, ...] = ()
 #: Lightning's settings that hold one value here (prepare_data runs once, on the main process; a loader with no
 #: batches on some process is refused): setting the other value raises.
 _FIXED = {"prepare_data_per_node": False, "allow_zero_length_dataloader_with_multiple_devices": False,
@@ -395,8 +379,6 @@ def _add_refusals(mixin: type, owner: str, table: Dict[str, Tuple[str, str]]) ->
     for name, (feature, instead) in table.items():
         if name in _FIXED:
             member: Any = fixed_property(f"{owner}.{name}", _FIXED[name], feature, instead)
-        elif name in _REFUSED_PROPERTIES:
-            member = refused_property(f"{owner}.{name}", feature, instead)
         else:
             member = refused(f"{owner}.{name}", feature, instead)
         setattr(mixin, name, member)
@@ -417,7 +399,6 @@ REFUSED_DATAMODULE_MEMBERS: Dict[str, Tuple[str, str]] = {
     "load_state_dict": ("a DataModule's own state in checkpoints (state_dict/load_state_dict)", "keep state in a "
                         "Callback's state_dict, which checkpoints save"),
     "on_exception": ("DataModule.on_exception", "write Callback.on_exception"),
-    "hparams_initial": ("hparams_initial", "read self.hparams"),
     **_FIXED_REFUSALS,
 }
 
@@ -427,6 +408,13 @@ class DataModuleLightningNames:
 
     #: Lightning's optional name of a DataModule.
     name: Optional[str] = None
+
+    @fallback_property
+    def trainer(self) -> Any:
+        """None until a Trainer runs this DataModule (it sets itself here, as Lightning's does)."""
+        return None
+
+    hparams_initial = ModuleLightningNames.hparams_initial
 
 
 _add_refusals(DataModuleLightningNames, "LightningDataModule", REFUSED_DATAMODULE_MEMBERS)
@@ -444,7 +432,7 @@ def check_refused_overrides(*objects: Any) -> None:
             library = next(c for c in type(obj).__mro__ if c.__module__.startswith("fabric_lite."))
             for name, (feature, instead) in table.items():
                 default = getattr(library, name)
-                if getattr(default, "refusal", None) is None or name in _REFUSED_PROPERTIES or name in _FIXED:
+                if getattr(default, "refusal", None) is None or name in _FIXED:
                     continue
                 if getattr(type(obj), name) is not getattr(library, name):
                     raise NotSupportedError(message(f"{type(obj).__name__}.{name}", feature, instead))
@@ -463,6 +451,3 @@ def _map_tensors(data: Any, fn: Any) -> Any:
         return type(data)(_map_tensors(v, fn) for v in data)
     return data
 
-
-XLAProfiler = refused_class("XLAProfiler", "profiling XLA devices (TPU) with torch_xla's profiler server",
-                            "profile with the PyTorch profiler, or torch_xla.debug.profiler yourself")

@@ -1,4 +1,4 @@
-"""The Trainer's loops: fit (train epochs with validation), evaluation, prediction.
+"""The Trainer's loops: fit (train epochs with validation) and evaluation (prediction: `predict_loop.py`).
 
 A training micro-step runs through the step engine (`trainer.accelerator`, see `engine.py`), the same
 code the raw door runs; device, precision and gradient decisions go to the strategy beneath it. These
@@ -7,6 +7,7 @@ functions only decide *when* things happen.
 
 from __future__ import annotations
 
+import inspect
 import sys
 import time
 import warnings
@@ -21,8 +22,8 @@ if TYPE_CHECKING:
     from fabric_lite.trainer.profiler import Profiler
     from fabric_lite.trainer.trainer import Trainer
 
-__all__ = ["run_fit", "run_evaluation", "run_predict", "batch_limit", "loader_length", "empty_loader_warning",
-           "may_stop"]
+__all__ = ["run_fit", "run_evaluation", "batch_limit", "loader_length", "empty_loader_warning", "may_stop",
+           "takes_dataloader_idx"]
 
 
 def batch_limit(limit: Any, length: Optional[int]) -> Optional[int]:
@@ -38,6 +39,13 @@ def batch_limit(limit: Any, length: Optional[int]) -> Optional[int]:
     raise ValueError(f"Batch limit {limit!r} must be an int >= 0 or a float in [0.0, 1.0].")
 
 
+def takes_dataloader_idx(fn: Any) -> bool:
+    """Whether a step method accepts `dataloader_idx` (passed only with several loaders, and only to a step
+    that takes it: a step written for one loader still runs over several)."""
+    params = inspect.signature(fn).parameters.values()
+    return any(p.name == "dataloader_idx" or p.kind is p.VAR_POSITIONAL for p in params)
+
+
 def loader_length(loader: Any) -> Optional[int]:
     try:
         return len(loader)
@@ -48,42 +56,50 @@ def loader_length(loader: Any) -> Optional[int]:
 class _StepHooks:
     """The per-step hooks that do something, looked up once per epoch: calling the empty defaults of
     every callback and of the module on each step costs more than a tiny model's step takes to vary.
-    Under a profiler each one is timed."""
+    Under a profiler each one is timed. Callbacks run before the module at each hook, as in Lightning."""
 
     def __init__(self, trainer: "Trainer", profiler: Optional["Profiler"] = None) -> None:
         from fabric_lite.callbacks.base import Callback
 
         module = trainer.module
+        # (`callbacks.base.overrides` written out: these run for every hook of every callback, each epoch)
 
         def mine(name: str) -> Any:
-            overridden = name in vars(module) or getattr(type(module), name) is not getattr(TrainModule, name)
-            if not overridden:
+            if name not in vars(module) and getattr(type(module), name) is getattr(TrainModule, name):
                 return None
             if profiler is not None:
                 return profiler.wrap(f"[TrainModule]{type(module).__name__}.{name}", getattr(module, name))
             return getattr(module, name)
 
         def theirs(name: str) -> List[Any]:
+            default = getattr(Callback, name)
             if profiler is not None:
                 return [profiler.wrap(f"[Callback]{type(cb).__name__}.{name}", getattr(cb, name))
-                        for cb in trainer.callbacks
-                        if name in vars(cb) or getattr(type(cb), name) is not getattr(Callback, name)]
+                        for cb in trainer.callbacks if name in vars(cb) or getattr(type(cb), name) is not default]
             return [getattr(cb, name) for cb in trainer.callbacks
-                    if name in vars(cb) or getattr(type(cb), name) is not getattr(Callback, name)]
+                    if name in vars(cb) or getattr(type(cb), name) is not default]
 
-        self.batch_start, self.batch_end = mine("on_train_batch_start"), mine("on_train_batch_end")
-        self.before_backward, self.after_backward = mine("on_before_backward"), mine("on_after_backward")
-        self.cb_batch_start, self.cb_batch_end = theirs("on_train_batch_start"), theirs("on_train_batch_end")
-        # The module's and the callbacks' on_before_optimizer_step as one callable for the engine (or None).
-        own, callbacks = mine("on_before_optimizer_step"), theirs("on_before_optimizer_step")
+        def both(name: str) -> Any:
+            """The callbacks' hooks, then the module's, as one callable taking the module's arguments (or None)."""
+            own, callbacks = mine(name), theirs(name)
+            if not callbacks:
+                return own
 
-        def before_optimizer_step(optimizer: Any) -> None:
-            if own is not None:
-                own(optimizer)
-            for hook in callbacks:
-                hook(trainer, module, optimizer)
+            def call(*args: Any) -> None:
+                for hook in callbacks:
+                    hook(trainer, module, *args)
+                if own is not None:
+                    own(*args)
 
-        self.before_optimizer_step = before_optimizer_step if callbacks else own
+            return call
+
+        self.batch_start, self.cb_batch_start = mine("on_train_batch_start"), theirs("on_train_batch_start")
+        self.batch_end = both("on_train_batch_end")
+        self.before_backward, self.after_backward = both("on_before_backward"), both("on_after_backward")
+        # for the engine: called with the optimizer (or None: nothing to call)
+        self.before_optimizer_step = both("on_before_optimizer_step")
+        self.before_zero_grad = both("on_before_zero_grad")
+        self.transfer = trainer.batch_transfer  # (None: the loader placed the batch)
 
 
 def _extract_loss(out: Any, batch_idx: int) -> torch.Tensor:
@@ -112,9 +128,12 @@ def run_fit(trainer: "Trainer") -> None:
     trainer.call_hook("on_fit_start")
     if trainer.val_dataloaders and trainer.num_sanity_val_steps > 0 and trainer.global_step == 0:
         trainer.sanity_checking = True
+        trainer.call_callback_hook("on_sanity_check_start")  # (callbacks only, as in Lightning)
         with trainer.evaluation_context():
-            for loader in trainer.val_dataloaders:
-                run_evaluation(trainer, "validate", loader, limit=trainer.num_sanity_val_steps, log=False)
+            for idx, loader in enumerate(trainer.val_dataloaders):
+                run_evaluation(trainer, "validate", loader, limit=trainer.num_sanity_val_steps, log=False,
+                               dataloader_idx=idx if len(trainer.val_dataloaders) > 1 else None)
+        trainer.call_callback_hook("on_sanity_check_end")
         trainer.sanity_checking = False
         trainer.metric_store.callback_metrics.clear()
         trainer.metric_store.progress_bar_metrics.clear()
@@ -125,6 +144,7 @@ def run_fit(trainer: "Trainer") -> None:
     train_epoch = _train_epoch if profiler is None else profiler.wrap("run_training_epoch", _train_epoch)
     warned = False
     reload_every = trainer.reload_dataloaders_every_n_epochs
+    trainer.loaded_epoch = trainer.current_epoch  # (the loaders were asked for at this epoch: resumed, it is later)
     # (a stop asked for before min_epochs/min_steps are reached waits for them: may_stop)
     while not (trainer.should_stop and may_stop(trainer)) and (trainer.max_epochs == -1
                                                                 or trainer.current_epoch < trainer.max_epochs):
@@ -233,10 +253,12 @@ def _train_epoch(trainer: "Trainer") -> bool:
                                       start=start):
         if limit is not None and batch_idx >= limit:
             break
-        if hooks.batch_start is not None and hooks.batch_start(batch, batch_idx) == -1:
-            break
+        if hooks.transfer is not None:
+            batch = hooks.transfer(batch, 0)
         for hook in hooks.cb_batch_start:
             hook(trainer, module, batch, batch_idx)
+        if hooks.batch_start is not None and hooks.batch_start(batch, batch_idx) == -1:
+            break
         metrics.batch = batch  # its size weighs epoch means; read only if one is logged
         steps_before = trainer.global_step
         if module.automatic_optimization:
@@ -252,7 +274,7 @@ def _train_epoch(trainer: "Trainer") -> bool:
                     hooks.after_backward()
             if gradient_state.sync_gradients:  # the window closed: clip, step, zero_grad
                 step_optimizers(trainer.optimizers, trainer.gradient_clip_val, trainer.gradient_clip_algorithm,
-                                hooks.before_optimizer_step)
+                                hooks.before_optimizer_step, hooks.before_zero_grad)
                 trainer.global_step += 1
                 for sched in trainer.lr_scheduler_configs:
                     if sched.interval == "step" and trainer.global_step % sched.frequency == 0:
@@ -262,10 +284,9 @@ def _train_epoch(trainer: "Trainer") -> bool:
         if trainer.global_step != steps_before and (trainer.global_step % trainer.log_every_n_steps == 0
                                                     or batch_idx + 1 == limit):
             _flush_step_metrics(trainer)
-        if hooks.batch_end is not None:
-            hooks.batch_end(out, batch, batch_idx)
-        for hook in hooks.cb_batch_end:
-            hook(trainer, module, out, batch, batch_idx)
+        if hooks.batch_end is not None:  # (Lightning hands a plain loss over as {"loss": loss})
+            hooks.batch_end({"loss": out} if out.__class__ is torch.Tensor and module.automatic_optimization
+                            else out, batch, batch_idx)
         saver = trainer.accelerator.checkpoint_saver
         if trainer.preemption.should_stop(strategy, save_failed=saver.failed):
             _stop_preempted(trainer)
@@ -352,39 +373,61 @@ def _step_scheduler(trainer: "Trainer", sched: Any) -> None:
 
 
 def _validate(trainer: "Trainer") -> None:
+    several = len(trainer.val_dataloaders) > 1
     with trainer.evaluation_context():
-        for loader in trainer.val_dataloaders:
-            run_evaluation(trainer, "validate", loader)
-    trainer.module.train()
+        for idx, loader in enumerate(trainer.val_dataloaders):
+            run_evaluation(trainer, "validate", loader, dataloader_idx=idx if several else None)
 
 
 def run_evaluation(trainer: "Trainer", stage: str, loader: Any, limit: Optional[int] = None,
-                   log: bool = True) -> Dict[str, float]:
-    """Run validation or test over `loader`; returns the epoch metrics as floats."""
+                   log: bool = True, dataloader_idx: Optional[int] = None) -> Dict[str, float]:
+    """Run validation or test over `loader`; returns the epoch metrics as floats. `dataloader_idx`: the loader's
+    index when there are several (the step and batch hooks then get it), else None."""
+    from fabric_lite.callbacks.base import Callback, overrides
+
     module, model, metrics = trainer.module, trainer.eval_model, trainer.metric_store
     hook = "validation" if stage == "validate" else "test"
     limit = batch_limit(trainer.limits[stage] if limit is None else limit, loader_length(loader))
     saved_stage = metrics.stage
     metrics.reset_stage(stage)
-    module.eval()
+    modes = [(m, m.training) for m in module.modules()]  # restored after, unless the module says how
     profiler = trainer.profiler if trainer.profiler.enabled else None
     forward, callbacks, module_hooks, batches = model, trainer.callbacks, module, loader
     if profiler is not None:
         forward = profiler.wrap(f"[Strategy]{type(trainer.strategy).__name__}.{hook}_step", model)
         callbacks, module_hooks = trainer.timed_callbacks(), profiler.timed(module, "TrainModule", TrainModule)
         batches = profiler.iterate(f"{'val' if hook == 'validation' else hook}_dataloader_next", loader)
-    if hook == "validation":
-        for cb in callbacks:
-            cb.on_validation_start(trainer, module)
+    getattr(module_hooks, f"on_{hook}_model_eval")()
+    trainer.call_hook(f"on_{hook}_start")
     trainer.call_hook(f"on_{hook}_epoch_start")
+    extra = () if dataloader_idx is None else (dataloader_idx,)
+    step_extra = extra if extra and takes_dataloader_idx(getattr(module, f"{hook}_step")) else ()
+    transfer = trainer.batch_transfer
+    # the batch hooks that do something, looked up once (callbacks first, then the module, as in Lightning)
+    starts = [getattr(timed, f"on_{hook}_batch_start") for cb, timed in zip(trainer.callbacks, callbacks)
+              if overrides(cb, f"on_{hook}_batch_start", Callback)]
+    ends = [getattr(timed, f"on_{hook}_batch_end") for cb, timed in zip(trainer.callbacks, callbacks)
+            if overrides(cb, f"on_{hook}_batch_end", Callback)]
+    own_start = getattr(module_hooks, f"on_{hook}_batch_start") \
+        if overrides(module, f"on_{hook}_batch_start", TrainModule) else None
+    own_end = getattr(module_hooks, f"on_{hook}_batch_end") \
+        if overrides(module, f"on_{hook}_batch_end", TrainModule) else None
     with trainer.evaluation_context():
         for batch_idx, batch in enumerate(batches):
             if limit is not None and batch_idx >= limit:
                 break
+            if transfer is not None:
+                batch = transfer(batch, dataloader_idx or 0)
             metrics.batch = batch
-            out = forward(batch, batch_idx, stage)
-            for cb in callbacks:
-                getattr(cb, f"on_{hook}_batch_end")(trainer, module, out, batch, batch_idx)
+            for cb_hook in starts:
+                cb_hook(trainer, module, batch, batch_idx, *extra)
+            if own_start is not None:
+                own_start(batch, batch_idx, *extra)
+            out = forward(batch, batch_idx, stage, *step_extra)
+            for cb_hook in ends:
+                cb_hook(trainer, module, out, batch, batch_idx, *extra)
+            if own_end is not None:
+                own_end(out, batch, batch_idx, *extra)
     del batches  # (closes a timed loader's iterator now, as a loop that ran out or broke off does)
     metrics.in_epoch_end_hook = True
     getattr(module_hooks, f"on_{hook}_epoch_end")()
@@ -392,35 +435,15 @@ def run_evaluation(trainer: "Trainer", stage: str, loader: Any, limit: Optional[
     metrics.in_epoch_end_hook = False
     if log and not trainer.sanity_checking:
         trainer.log_metrics(values, trainer.global_step)
+        # (after the module's: the callbacks read this epoch's results in trainer.callback_metrics, which
+        # Lightning computes when they are read and this store computes at the epoch's end)
         for cb in callbacks:
             getattr(cb, f"on_{hook}_epoch_end")(trainer, module)
-    if hook == "validation":
-        for cb in callbacks:
-            cb.on_validation_end(trainer, module)
+    trainer.call_hook(f"on_{hook}_end")
+    if overrides(module, f"on_{hook}_model_train", TrainModule):
+        getattr(module_hooks, f"on_{hook}_model_train")()
+    else:
+        for m, training in modes:
+            m.training = training
     metrics.stage = saved_stage
     return {k: float(v) for k, v in values.items()}
-
-
-def run_predict(trainer: "Trainer", loaders: List[Any]) -> List[Any]:
-    module, model = trainer.module, trainer.eval_model
-    module.eval()
-    results: List[Any] = []
-    profiler = trainer.profiler if trainer.profiler.enabled else None
-    forward, callbacks = model, trainer.callbacks
-    if profiler is not None:
-        forward = profiler.wrap(f"[Strategy]{type(trainer.strategy).__name__}.predict_step", model)
-        callbacks = trainer.timed_callbacks()
-    with trainer.evaluation_context():
-        for loader in loaders:
-            limit = batch_limit(trainer.limits["predict"], loader_length(loader))
-            outputs = []
-            for batch_idx, batch in enumerate(loader if profiler is None else
-                                              profiler.iterate("predict_dataloader_next", loader)):
-                if limit is not None and batch_idx >= limit:
-                    break
-                out = forward(batch, batch_idx, "predict")
-                for cb in callbacks:
-                    cb.on_predict_batch_end(trainer, module, out, batch, batch_idx)
-                outputs.append(out)
-            results.append(outputs)
-    return results[0] if len(results) == 1 else results

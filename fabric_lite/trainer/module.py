@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, 
 import torch
 from torch import nn
 
+from fabric_lite.trainer.data_hooks import BatchTransferHooks, ModuleDataHooks
 from fabric_lite.trainer.lightning_surface import DataModuleLightningNames, ModuleLightningNames
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ class AttributeDict(Dict[str, Any]):
             raise AttributeError(name) from None
 
 
-class TrainModule(ModuleLightningNames, nn.Module):
+class TrainModule(ModuleDataHooks, ModuleLightningNames, nn.Module):
     """Subclass it, write `training_step` and `configure_optimizers`, and pass it to `Trainer.fit`.
 
     Examples:
@@ -76,7 +77,7 @@ class TrainModule(ModuleLightningNames, nn.Module):
     def test_step(self, batch: Any, batch_idx: int) -> Any:
         return None
 
-    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
         return self(batch)
 
     def configure_model(self) -> None:
@@ -90,7 +91,22 @@ class TrainModule(ModuleLightningNames, nn.Module):
             f"or {{'optimizer': ..., 'lr_scheduler': {{'scheduler': ..., 'interval': 'step'}}}}."
         )
 
-    # -- hooks (no-ops by default) -----------------------------------------------------------------
+    # -- hooks (no-ops by default; the loops call only those a subclass overrides, see callbacks.base.overrides) ---
+    def prepare_data(self) -> None:
+        """Download or write files: runs on the main process only, before `setup`."""
+
+    def setup(self, stage: str) -> None:
+        """Build what `stage` ("fit", "validate", "test", "predict") needs; runs on every process, after the
+        callbacks' `setup`."""
+
+    def teardown(self, stage: str) -> None:
+        """Free what `setup(stage)` built; runs on every process when the stage ends, after an error too."""
+
+    def configure_callbacks(self) -> Any:
+        """Callbacks this module needs (a callback or a list): they join the Trainer's at every stage, and
+        replace the Trainer's callbacks of the same type (or a parent type); checkpoint callbacks go last."""
+        return []
+
     def on_fit_start(self) -> None: ...
     def on_fit_end(self) -> None: ...
     def on_train_start(self) -> None: ...
@@ -99,13 +115,51 @@ class TrainModule(ModuleLightningNames, nn.Module):
     def on_train_epoch_end(self) -> None: ...
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> Optional[int]: ...
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None: ...
+    # (evaluation and prediction batch hooks get `dataloader_idx` only when there are several loaders)
+    def on_validation_start(self) -> None: ...
+    def on_validation_end(self) -> None: ...
     def on_validation_epoch_start(self) -> None: ...
     def on_validation_epoch_end(self) -> None: ...
+    def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_test_start(self) -> None: ...
+    def on_test_end(self) -> None: ...
     def on_test_epoch_start(self) -> None: ...
     def on_test_epoch_end(self) -> None: ...
+    def on_test_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_test_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_predict_start(self) -> None: ...
+    def on_predict_end(self) -> None: ...
+    def on_predict_epoch_start(self) -> None: ...
+    def on_predict_epoch_end(self) -> None: ...
+    def on_predict_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_predict_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+
+    def on_validation_model_eval(self) -> None:
+        """Put the module in evaluation mode before validation (override to keep some layers training)."""
+        self.eval()
+
+    def on_validation_model_train(self) -> None:
+        """Put the module back in training mode after validation (called only when overridden: otherwise each
+        layer's mode from before validation is restored)."""
+        self.train()
+
+    def on_test_model_eval(self) -> None:
+        """Put the module in evaluation mode before testing."""
+        self.eval()
+
+    def on_test_model_train(self) -> None:
+        """Called after testing only when overridden (otherwise each layer's earlier mode is restored)."""
+        self.train()
+
+    def on_predict_model_eval(self) -> None:
+        """Put the module in evaluation mode before predicting."""
+        self.eval()
+
     def on_before_backward(self, loss: torch.Tensor) -> None: ...
     def on_after_backward(self) -> None: ...
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def on_before_zero_grad(self, optimizer: torch.optim.Optimizer) -> None: ...
     def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None: ...
     def on_load_checkpoint(self, checkpoint: Dict[str, Any]) -> None: ...
 
@@ -201,11 +255,13 @@ class TrainModule(ModuleLightningNames, nn.Module):
         self.trainer.backward(loss, **kwargs)
 
 
-class DataModule(DataModuleLightningNames):
+class DataModule(BatchTransferHooks, DataModuleLightningNames):
     """Dataloaders in one place: `setup(stage)` then `train_dataloader()` / `val_dataloader()` / ..."""
 
     #: Record the caller's __init__ arguments in `self.hparams`, as TrainModule's does.
     save_hyperparameters = TrainModule.save_hyperparameters
+    #: The Trainer that last ran with this DataModule (set when fit/validate/test/predict is given it).
+    trainer: Optional["Trainer"] = None
 
     def __init__(self) -> None:
         self.hparams: AttributeDict = AttributeDict()

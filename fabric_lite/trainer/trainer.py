@@ -27,6 +27,7 @@ from fabric_lite.trainer.checkpointing import (
     LoggedAggregates, TrainerCheckpointState, load_eval_weights, ray_checkpoint, restore,
 )
 from fabric_lite.trainer.facts import TrainerFacts
+from fabric_lite.trainer.data_hooks import batch_transfer
 from fabric_lite.trainer.data_connector import (
     STAGE_LOADERS, as_list, connect_data, prepare_eval_loader, prepare_train_loader, teardown_data,
 )
@@ -65,10 +66,11 @@ class _StepRunner(nn.Module):
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
-    def forward(self, batch: Any, batch_idx: int, stage: str = "train") -> Any:
+    def forward(self, batch: Any, batch_idx: int, stage: str = "train", *dataloader_idx: int) -> Any:
+        # (`dataloader_idx` only with several evaluation or prediction loaders, as Lightning passes it)
         if stage in self.without_batch_idx:
             return getattr(self.module, _STEP_METHODS[stage])(batch)
-        return getattr(self.module, _STEP_METHODS[stage])(batch, batch_idx)
+        return getattr(self.module, _STEP_METHODS[stage])(batch, batch_idx, *dataloader_idx)
 
 
 def _takes_batch_idx(step: Callable[..., Any]) -> bool:
@@ -168,6 +170,8 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         self.barebones = settings.barebones
         #: the DataModule given to the latest fit/validate/test/predict that had one (None before any)
         self.datamodule: Optional[DataModule] = None
+        #: the batch-transfer hooks as one function (data_hooks.batch_transfer), or None: the loaders place batches
+        self.batch_transfer: Optional[Callable[[Any, int], Any]] = None
         self.min_limits_noted = False  # (the note that a stop waits for min_epochs/min_steps is printed once)
         self._add_default_callbacks(settings.enable_progress_bar, settings.enable_checkpointing,
                                     settings.enable_model_summary, settings.logger)
@@ -187,6 +191,8 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         self.configured_models: set = set()
         self.model: Optional[nn.Module] = None
         self.eval_model: Optional[nn.Module] = None
+        self.predict_loop: Any = None  # the running prediction's state (predict_loop.PredictionState)
+        self.gathers_predictions = False  # predict(gather=True) is running
 
     def _add_default_callbacks(self, progress_bar: bool, checkpointing: bool, model_summary: bool,
                                logger: Union[List[Callback], bool, None]) -> None:
@@ -268,13 +274,6 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         return self.metric_store.progress_bar_metrics
 
     @property
-    def progress_bar_callback(self) -> Optional[Callback]:
-        """The progress bar among the callbacks (TQDMProgressBar, RichProgressBar, ...), or None."""
-        from fabric_lite.callbacks.progress import ProgressBarBase
-
-        return next((c for c in self.callbacks if isinstance(c, ProgressBarBase)), None)
-
-    @property
     def accumulate_grad_batches(self) -> int:
         """Batches per optimizer step: the step engine's window, so a change between epochs (as
         GradientAccumulationScheduler makes) applies from the next batch on."""
@@ -297,15 +296,22 @@ class Trainer(TrainerFacts, TrainerLightningNames):
             cb.on_log(self, values, self.global_step if step is None else step)
 
     def call_hook(self, hook: str, *args: Any) -> None:
-        """Run a hook on the module, then on every callback (each timed, under a profiler)."""
+        """Run a hook on every callback, then on the module, as Lightning orders them (each timed, under a
+        profiler)."""
         module: Any = self.module
         callbacks: List[Any] = self.callbacks
         if self.profiler.enabled:
             module, callbacks = self.profiler.timed(module, "TrainModule", TrainModule), self.timed_callbacks()
+        for cb in callbacks:
+            getattr(cb, hook)(self, self.module, *args)
         fn = getattr(module, hook, None)
         if fn is not None:
             fn(*args)
-        for cb in callbacks:
+
+    def call_callback_hook(self, hook: str, *args: Any) -> None:
+        """Run a hook on every callback only (those the module has no counterpart of, such as
+        on_sanity_check_start)."""
+        for cb in self.callbacks if not self.profiler.enabled else self.timed_callbacks():
             getattr(cb, hook)(self, self.module, *args)
 
     def count_manual_step(self, *_: Any) -> None:
@@ -331,8 +337,10 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         if datamodule is None and isinstance(train_dataloaders, DataModule):  # Lightning's `fit(model, dm)`
             train_dataloaders, datamodule = None, train_dataloaders
         check_refused_overrides(module, datamodule)
+        self._merge_module_callbacks(module)
         self.train_source, self.val_source = connect_data(self, module, datamodule, "fit",
                                                           (train_dataloaders, val_dataloaders))
+        self.batch_transfer = batch_transfer(module, self.datamodule, self.device, self.strategy.device_feed(False))
         train = self.train_source.request()
         if train is None:
             raise ValueError("fit() needs train_dataloaders, a datamodule with train_dataloader(), or a module that "
@@ -342,8 +350,8 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         self.accelerator.registered_objects.clear()
         self.accelerator.per_process_objects.clear()
         self.train_dataloader = prepare_train_loader(self, train)
-        self.val_dataloaders = [self._prepare_eval_loader(v, "validate") for v in as_list(self.val_source.request())]
-        self.loaded_epoch = self.current_epoch
+        self.val_dataloaders = [self._prepare_eval_loader(v, "validate", i)
+                                for i, v in enumerate(as_list(self.val_source.request()))]
         self._attach(module, with_optimizers=True)
         for sched in self.lr_scheduler_configs:
             self.accelerator.register_for_checkpointing(sched.scheduler)
@@ -408,24 +416,50 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         return self._evaluate("test", module, dataloaders, datamodule, ckpt_path)
 
     def predict(self, module: Optional[TrainModule] = None, dataloaders: Any = None,
-                datamodule: Optional[DataModule] = None, ckpt_path: Optional[str] = None) -> List[Any]:
-        from fabric_lite.trainer import loops
+                datamodule: Optional[DataModule] = None, return_predictions: Optional[bool] = None,
+                ckpt_path: Optional[str] = None, gather: bool = False) -> Optional[List[Any]]:
+        """Run `predict_step` over the loaders: a list of batch outputs (on the CPU), a list of such lists for
+        several loaders; None with `return_predictions=False`. Each process predicts its own shard; `gather=True`
+        returns every process's predictions on every process, in dataset order, each sample once (batched as
+        one process would batch them). `ckpt_path`: weights to predict with ("best", "last" or a path)."""
+        from fabric_lite.trainer.predict_loop import PredictionState, run_predict
 
         module = module or self.module
         if module is None:
             raise ValueError("predict() needs a module (or a Trainer that has already fit one).")
         if datamodule is None and isinstance(dataloaders, DataModule):  # `predict(model, dm)`
             dataloaders, datamodule = None, dataloaders
+        if return_predictions is not None and not isinstance(return_predictions, bool):
+            raise TypeError(f"predict(return_predictions={return_predictions!r}): must be None (True), True or False.")
         loaders = self._eval_loaders(module, datamodule, "predict", dataloaders, ckpt_path)
+        self.predict_loop = PredictionState()
+        self.gathers_predictions = bool(gather)
         profiling = self.profiler.enabled
         if profiling:
             self._start_profile("predict")
+        callbacks = self.timed_callbacks() if profiling else self.callbacks
         try:
-            return loops.run_predict(self, loaders)
+            for cb in callbacks:
+                cb.setup(self, module, "predict")
+            return run_predict(self, loaders, return_predictions is not False)
+        except BaseException as err:
+            for cb in callbacks:
+                cb.on_exception(self, module, err)
+            raise
         finally:
+            self.gathers_predictions = False
+            for cb in callbacks:
+                cb.teardown(self, module, "predict")
             teardown_data(module, datamodule, "predict")
             if profiling:
                 self._end_profile("predict")
+
+    def _merge_module_callbacks(self, module: TrainModule) -> None:
+        """`module.configure_callbacks()` joins this Trainer's callbacks (see `merge_module_callbacks`)."""
+        from fabric_lite.trainer.module_callbacks import merge_module_callbacks
+
+        self.callbacks[:] = merge_module_callbacks(self.callbacks, module.configure_callbacks())
+        self._order_callbacks()
 
     def _evaluate(self, stage: str, module: Optional[TrainModule], dataloaders: Any,
                   datamodule: Optional[DataModule], ckpt_path: Optional[str] = None) -> List[Dict[str, float]]:
@@ -440,10 +474,21 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         profiling = self.profiler.enabled
         if profiling:
             self._start_profile(stage)
+        callbacks = self.timed_callbacks() if profiling else self.callbacks
         try:
+            for cb in callbacks:
+                cb.setup(self, module, stage)
+            several = len(loaders) > 1
             with self.evaluation_context():
-                return [loops.run_evaluation(self, stage, loader) for loader in loaders]
+                return [loops.run_evaluation(self, stage, loader, dataloader_idx=i if several else None)
+                        for i, loader in enumerate(loaders)]
+        except BaseException as err:
+            for cb in callbacks:
+                cb.on_exception(self, module, err)
+            raise
         finally:
+            for cb in callbacks:
+                cb.teardown(self, module, stage)
             teardown_data(module, datamodule, stage)
             if profiling:
                 self._end_profile(stage)
@@ -453,7 +498,9 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         if not isinstance(module, TrainModule):
             raise TypeError(f"Trainer runs TrainModule subclasses, got {type(module).__name__}.")
         check_refused_overrides(module, datamodule)
+        self._merge_module_callbacks(module)
         source, = connect_data(self, module, datamodule, stage, (dataloaders,))
+        self.batch_transfer = batch_transfer(module, self.datamodule, self.device, self.strategy.device_feed(False))
         loaders = source.request()
         if loaders is None:
             name = STAGE_LOADERS[stage][0]
@@ -463,10 +510,10 @@ class Trainer(TrainerFacts, TrainerLightningNames):
             self._attach(module)
         if ckpt_path is not None:
             load_eval_weights(self, stage, ckpt_path)
-        return [self._prepare_eval_loader(d, stage) for d in as_list(loaders)]
+        return [self._prepare_eval_loader(d, stage, i) for i, d in enumerate(as_list(loaders))]
 
-    def _prepare_eval_loader(self, loader: Any, stage: str = "validate") -> Any:
-        return prepare_eval_loader(self, loader, stage)
+    def _prepare_eval_loader(self, loader: Any, stage: str = "validate", dataloader_idx: int = 0) -> Any:
+        return prepare_eval_loader(self, loader, stage, dataloader_idx)
 
     def evaluation_context(self) -> Any:
         """What evaluation and prediction run under: torch.inference_mode (`inference_mode=True`, the default) or
