@@ -29,7 +29,8 @@ from fabric_lite.trainer.checkpointing import (
 from fabric_lite.trainer.facts import TrainerFacts
 from fabric_lite.trainer.data_hooks import batch_transfer
 from fabric_lite.trainer.data_connector import (
-    STAGE_LOADERS, as_list, connect_data, prepare_eval_loader, prepare_train_loader, teardown_data,
+    STAGE_LOADERS, as_list, connect_data, datamodule_given_as_loaders, prepare_eval_loader, prepare_train_loader,
+    teardown_data,
 )
 from fabric_lite.trainer.configure_optimizers import SchedulerConfig, parse_optimizers
 from fabric_lite.trainer.relaunch import relaunch_if_needed, xla_replicas
@@ -318,6 +319,7 @@ class Trainer(TrainerFacts, TrainerLightningNames):
 
         if not isinstance(module, TrainModule):
             raise TypeError(f"Trainer runs TrainModule subclasses, got {type(module).__name__}.")
+        train_dataloaders, datamodule = datamodule_given_as_loaders("fit", train_dataloaders, datamodule)
         check_refused_overrides(module, datamodule)
         self._merge_module_callbacks(module)
         self.train_source, self.val_source = connect_data(self, module, datamodule, "fit",
@@ -406,6 +408,7 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         one process would batch them). `ckpt_path`: weights to predict with ("best", "last" or a path)."""
         from fabric_lite.trainer.predict_loop import PredictionState, run_predict
 
+        dataloaders, datamodule = datamodule_given_as_loaders("predict", dataloaders, datamodule)
         module = module or self.module
         if module is None:
             raise ValueError("predict() needs a module (or a Trainer that has already fit one).")
@@ -445,6 +448,7 @@ class Trainer(TrainerFacts, TrainerLightningNames):
                   datamodule: Optional[DataModule], ckpt_path: Optional[str] = None) -> List[Dict[str, float]]:
         from fabric_lite.trainer import loops
 
+        dataloaders, datamodule = datamodule_given_as_loaders(stage, dataloaders, datamodule)
         module = module or self.module
         if module is None:
             raise ValueError(f"{stage}() needs a module (or a Trainer that has already fit one).")
