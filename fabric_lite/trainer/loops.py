@@ -110,11 +110,9 @@ def run_fit(trainer: "Trainer") -> None:
     trainer.call_hook("on_fit_start")
     if trainer.val_dataloaders and trainer.num_sanity_val_steps > 0 and trainer.global_step == 0:
         trainer.sanity_checking = True
-        for loader in trainer.val_dataloaders:
-            run_evaluation(trainer, "validate", loader, limit=trainer.num_sanity_val_steps, log=False)
+        run_evaluation(trainer, "validate", trainer.val_dataloaders, limit=trainer.num_sanity_val_steps, log=False)
         trainer.sanity_checking = False
-        trainer.metric_store.callback_metrics.clear()
-        trainer.metric_store.progress_bar_metrics.clear()
+        trainer.metric_store.clear_outputs()
     profiler = trainer.profiler if trainer.profiler.enabled else None
     for cb in trainer.callbacks if profiler is None else trainer.timed_callbacks():
         cb.on_hyperparameters(trainer, dict(module.hparams))
@@ -183,13 +181,10 @@ def _train_epoch(trainer: "Trainer") -> bool:
     limit = batch_limit(trainer.limits["train"], loader_length(loader))
     position = loader.state_dict()
     start = position["batches_seen"] if position["epoch"] == trainer.current_epoch else 0
-    if start == 0:
-        metrics.reset_stage("train")
-    else:  # resumed mid-epoch: the aggregates restored from the checkpoint go on
-        metrics.stage = "train"
-    metrics.in_epoch_end_hook = False
+    metrics.start_train_epoch(fresh=start == 0)  # (resumed mid-epoch: the aggregates restored from the checkpoint go on)
     module.train()
     trainer.call_hook("on_train_epoch_start")
+    metrics.fx = "training_step"  # (and the other per-batch hooks: Lightning's rules are the same for them all)
     batch_idx = start - 1
     cut_short = False
     # What each step calls, looked up once per epoch: timed wrappers under a profiler, else the calls themselves.
@@ -267,8 +262,7 @@ def _train_epoch(trainer: "Trainer") -> bool:
     if trainer.val_dataloaders and (trainer.current_epoch + 1) % trainer.check_val_every_n_epoch == 0 \
             and not isinstance(trainer.val_check_interval, int) and not cut_short:
         _validate(trainer)
-    metrics.stage = "train"
-    metrics.in_epoch_end_hook = True
+    metrics.stage, metrics.fx, metrics.batch = "train", "on_train_epoch_end", None
     module_hooks.on_train_epoch_end()
     trainer.log_metrics(metrics.epoch_end(), trainer.global_step)
     for sched in trainer.lr_scheduler_configs:  # after validation, so a monitored val metric is this epoch's
@@ -276,7 +270,8 @@ def _train_epoch(trainer: "Trainer") -> bool:
             step_scheduler(trainer, sched)
     for cb in callbacks:
         cb.on_train_epoch_end(trainer, module)
-    metrics.in_epoch_end_hook = False
+    trainer.log_metrics(metrics.epoch_end(), trainer.global_step)  # what the callbacks logged there
+    metrics.fx = None
     drew = batch_idx >= start or start > 0  # (resumed at an epoch's end: nothing more was asked of the loader)
     # every process must agree to stop, or one would wait in a collective the others never reach;
     # the same collective tells whether any process was asked to stop by a signal
@@ -329,56 +324,74 @@ def _step_scheduler(trainer: "Trainer", sched: Any) -> None:
 
 
 def _validate(trainer: "Trainer") -> None:
-    for loader in trainer.val_dataloaders:
-        run_evaluation(trainer, "validate", loader)
+    run_evaluation(trainer, "validate", trainer.val_dataloaders, in_fit=True)
     trainer.module.train()
 
 
-def run_evaluation(trainer: "Trainer", stage: str, loader: Any, limit: Optional[int] = None,
-                   log: bool = True) -> Dict[str, float]:
-    """Run validation or test over `loader`; returns the epoch metrics as floats."""
+def run_evaluation(trainer: "Trainer", stage: str, loaders: List[Any], limit: Optional[int] = None,
+                   log: bool = True, in_fit: bool = False) -> List[Dict[str, float]]:
+    """Run validation or test over `loaders` as one epoch; returns each loader's epoch metrics as floats
+    (with the values logged in the epoch-end hooks in every loader's dict, as Lightning returns them)."""
     module, model, metrics = trainer.module, trainer.eval_model, trainer.metric_store
     hook = "validation" if stage == "validate" else "test"
-    limit = batch_limit(trainer.limits[stage] if limit is None else limit, loader_length(loader))
-    saved_stage = metrics.stage
-    metrics.reset_stage(stage)
+    saved = metrics.begin_evaluation(stage, fresh_steps=not in_fit)
     module.eval()
     profiler = trainer.profiler if trainer.profiler.enabled else None
-    forward, callbacks, module_hooks, batches = model, trainer.callbacks, module, loader
+    forward, callbacks, module_hooks = model, trainer.callbacks, module
     if profiler is not None:
         forward = profiler.wrap(f"[Strategy]{type(trainer.strategy).__name__}.{hook}_step", model)
         callbacks, module_hooks = trainer.timed_callbacks(), profiler.timed(module, "TrainModule", TrainModule)
-        batches = profiler.iterate(f"{'val' if hook == 'validation' else hook}_dataloader_next", loader)
     if hook == "validation":
+        metrics.fx = "on_validation_start"
         for cb in callbacks:
             cb.on_validation_start(trainer, module)
     trainer.call_hook(f"on_{hook}_epoch_start")
+    writes_steps = log and not trainer.sanity_checking
+    outputs: List[Dict[str, torch.Tensor]] = []
     with torch.no_grad():
-        for batch_idx, batch in enumerate(batches):
-            if limit is not None and batch_idx >= limit:
-                break
-            metrics.batch = batch
-            out = forward(batch, batch_idx, stage)
-            for cb in callbacks:
-                getattr(cb, f"on_{hook}_batch_end")(trainer, module, out, batch, batch_idx)
-    del batches  # (closes a timed loader's iterator now, as a loop that ran out or broke off does)
-    metrics.in_epoch_end_hook = True
+        for dataloader_idx, loader in enumerate(loaders):
+            loader_limit = batch_limit(trainer.limits[stage] if limit is None else limit, loader_length(loader))
+            metrics.start_eval_loader(dataloader_idx if len(loaders) > 1 else None, loader_limit)
+            batches = loader if profiler is None else \
+                profiler.iterate(f"{'val' if hook == 'validation' else hook}_dataloader_next", loader)
+            for batch_idx, batch in enumerate(batches):
+                if loader_limit is not None and batch_idx >= loader_limit:
+                    break
+                metrics.batch = batch
+                out = forward(batch, batch_idx, stage)
+                for cb in callbacks:
+                    getattr(cb, f"on_{hook}_batch_end")(trainer, module, out, batch, batch_idx)
+                if writes_steps:
+                    step, values = metrics.flush_eval_step(dataloader_idx)
+                    trainer.log_metrics(values, step)  # per-step values, at this loader's own step count
+            del batches  # (closes a timed loader's iterator now, as a loop that ran out or broke off does)
+            outputs.append(metrics.epoch_end())  # this loader's epoch values
+    metrics.dataloader_idx, metrics.batch, metrics.fx = None, None, f"on_{hook}_epoch_end"
     getattr(module_hooks, f"on_{hook}_epoch_end")()
-    values = metrics.epoch_end()
-    metrics.in_epoch_end_hook = False
+    _add_to_each(outputs, metrics.epoch_end())  # logged in the epoch-end hook: part of every loader's results
     if log and not trainer.sanity_checking:
-        trainer.log_metrics(values, trainer.global_step)
+        trainer.log_metrics({k: v for out in outputs for k, v in out.items()}, trainer.global_step)
         for cb in callbacks:
             getattr(cb, f"on_{hook}_epoch_end")(trainer, module)
+        late = metrics.epoch_end()  # what the callbacks logged in their epoch-end hook
+        _add_to_each(outputs, late)
+        trainer.log_metrics(late, trainer.global_step)
     if hook == "validation":
+        metrics.fx = "on_validation_end"
         for cb in callbacks:
             cb.on_validation_end(trainer, module)
-    metrics.stage = saved_stage
-    return {k: float(v) for k, v in values.items()}
+    metrics.end_evaluation(saved)
+    return [{k: float(v) for k, v in out.items()} for out in outputs]
+
+
+def _add_to_each(outputs: List[Dict[str, Any]], values: Dict[str, Any]) -> None:
+    for out in outputs:
+        out.update(values)
 
 
 def run_predict(trainer: "Trainer", loaders: List[Any]) -> List[Any]:
     module, model = trainer.module, trainer.eval_model
+    trainer.metric_store.fx = "predict_step"  # (self.log is refused while predicting, as in Lightning)
     module.eval()
     results: List[Any] = []
     profiler = trainer.profiler if trainer.profiler.enabled else None
@@ -399,4 +412,5 @@ def run_predict(trainer: "Trainer", loaders: List[Any]) -> List[Any]:
                     cb.on_predict_batch_end(trainer, module, out, batch, batch_idx)
                 outputs.append(out)
             results.append(outputs)
+    trainer.metric_store.fx = None
     return results[0] if len(results) == 1 else results

@@ -231,7 +231,6 @@ class Trainer:
         self.sanity_checking = False
         self.epoch_finished = False
         self.metric_store = MetricStore(self.strategy)
-        self.logged_metrics: Dict[str, float] = {}
         self.optimizers: List[Any] = []
         self.lr_scheduler_configs: List[SchedulerConfig] = []
         self.start_time: Optional[float] = None
@@ -369,13 +368,21 @@ class Trainer:
 
     @property
     def callback_metrics(self) -> Dict[str, torch.Tensor]:
-        """Latest step values and epoch results, as device tensors (brought up to date when read)."""
-        self.metric_store.step_values()
+        """Every logged value for callbacks (early stopping, checkpoints): the latest training step values
+        (`name` and `name_step`) and epoch results (`name` and `name_epoch`), as device tensors."""
+        self.metric_store.refresh()
         return self.metric_store.callback_metrics
 
     @property
-    def progress_bar_metrics(self) -> Dict[str, torch.Tensor]:
-        self.metric_store.step_values()
+    def logged_metrics(self) -> Dict[str, torch.Tensor]:
+        """The latest value of each name sent to the loggers (`logger=True`), as tensors."""
+        self.metric_store.refresh()
+        return self.metric_store.logged_metrics
+
+    @property
+    def progress_bar_metrics(self) -> Dict[str, float]:
+        """The latest `prog_bar=True` values, as floats."""
+        self.metric_store.refresh()
         return self.metric_store.progress_bar_metrics
 
     @property
@@ -386,10 +393,10 @@ class Trainer:
 
     def log_metrics(self, metrics: Dict[str, Any], step: Optional[int] = None) -> None:
         """Send values to every logger callback (floats; tensors are read here, once)."""
-        values = {k: float(v) for k, v in metrics.items()}
-        if not values:
+        if not metrics:
             return
-        self.logged_metrics.update(values)
+        values = {k: float(v) for k, v in metrics.items()}
+        self.metric_store.logged_metrics.update(metrics)
         for cb in self.callbacks if not self.profiler.enabled else self.timed_callbacks():
             cb.on_log(self, values, self.global_step if step is None else step)
 
@@ -399,11 +406,14 @@ class Trainer:
         callbacks: List[Any] = self.callbacks
         if self.profiler.enabled:
             module, callbacks = self.profiler.timed(module, "TrainModule", TrainModule), self.timed_callbacks()
+        store = self.metric_store
+        running, store.fx = store.fx, hook  # (what self.log may do depends on the hook)
         fn = getattr(module, hook, None)
         if fn is not None:
             fn(*args)
         for cb in callbacks:
             getattr(cb, hook)(self, self.module, *args)
+        store.fx = running
 
     def count_manual_step(self, *_: Any) -> None:
         self.global_step += 1
@@ -526,7 +536,7 @@ class Trainer:
         if profiling:
             self._start_profile(stage)
         try:
-            return [loops.run_evaluation(self, stage, loader) for loader in loaders]
+            return loops.run_evaluation(self, stage, loaders)
         finally:
             if datamodule is not None:
                 datamodule.teardown(stage)
