@@ -252,7 +252,7 @@ class MetricStore:
             if e.logger:
                 out[e.step_name] = value
             if e.prog_bar:
-                self.progress_bar_metrics[e.step_name] = float(value)
+                self.progress_bar_metrics[e.step_name] = float(value.detach() if value.requires_grad else value)
         self.logged_metrics.update(out)
         return out
 

@@ -233,13 +233,14 @@ def _train_epoch(trainer: "Trainer") -> bool:
                         step_scheduler(trainer, sched)
         else:
             out = forward(batch, batch_idx)  # optimizer steps count themselves (Trainer._count_manual_steps)
-        if trainer.global_step != steps_before and (trainer.global_step % trainer.log_every_n_steps == 0
-                                                    or batch_idx + 1 == limit):
-            _flush_step_metrics(trainer)
         if hooks.batch_end is not None:
             hooks.batch_end(out, batch, batch_idx)
         for hook in hooks.cb_batch_end:
             hook(trainer, module, out, batch, batch_idx)
+        # (after on_train_batch_end, so what it logs is written with this step's values, as in Lightning)
+        if trainer.global_step != steps_before and (trainer.global_step % trainer.log_every_n_steps == 0
+                                                    or batch_idx + 1 == limit):
+            _flush_step_metrics(trainer)
         saver = trainer.accelerator.checkpoint_saver
         if trainer.preemption.should_stop(strategy, save_failed=saver.failed):
             _stop_preempted(trainer)

@@ -395,7 +395,8 @@ class Trainer:
         """Send values to every logger callback (floats; tensors are read here, once)."""
         if not metrics:
             return
-        values = {k: float(v) for k, v in metrics.items()}
+        values = {k: float(v.detach() if v.requires_grad else v) if isinstance(v, torch.Tensor) else float(v)
+                  for k, v in metrics.items()}
         self.metric_store.logged_metrics.update(metrics)
         for cb in self.callbacks if not self.profiler.enabled else self.timed_callbacks():
             cb.on_log(self, values, self.global_step if step is None else step)
