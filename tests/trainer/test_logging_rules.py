@@ -484,8 +484,8 @@ def test_two_processes_sync_dist_rank_zero_only_and_dataloader_idx(launch, tmp_p
     assert r0["single"] == [{**synced, "x_local": pytest.approx(18 / 5), "only0": 1.0}]
     assert r1["single"] == [{**synced, "x_local": 4.5}]                          # rank_zero_only: rank 0 only
     # per-step values are reduced on the steps both ranks run; rank 0's extra step keeps its own value
-    assert [(s, m["s"]) for s, m in r0["single_logs"] if "s" in m] == [[0, 3.0], [1, 11.0], [2, 8.0]]
-    assert [(s, m["s"]) for s, m in r1["single_logs"] if "s" in m] == [[0, 3.0], [1, 11.0]]
+    assert [(s, m["s"]) for s, m in r0["single_logs"] if "s" in m] == [(0, 3.0), (1, 11.0), (2, 8.0)]
+    assert [(s, m["s"]) for s, m in r1["single_logs"] if "s" in m] == [(0, 3.0), (1, 11.0)]
     # two loaders (the second is 10..14): suffixed keys, the epoch-end value in both results
     for r, local in ((r0, (18 / 5, 35 / 3)), (r1, (4.5, 12.5))):
         first, second = r["two"]
@@ -497,5 +497,5 @@ def test_two_processes_sync_dist_rank_zero_only_and_dataloader_idx(launch, tmp_p
             "end": 1.0}
         assert first["x_local/dataloader_idx_0"] == pytest.approx(local[0])
         assert second["x_local/dataloader_idx_1"] == pytest.approx(local[1])
-        assert [(s, m["s/dataloader_idx_1"]) for s, m in r["two_logs"] if "s/dataloader_idx_1" in m][0] == [0, 23.0]
+        assert [(s, m["s/dataloader_idx_1"]) for s, m in r["two_logs"] if "s/dataloader_idx_1" in m][0] == (0, 23.0)
     assert "only0/dataloader_idx_1" in r0["two"][1] and "only0/dataloader_idx_1" not in r1["two"][1]
