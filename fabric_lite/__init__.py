@@ -66,14 +66,29 @@ _EXPORTS = {
     "prepare_pippy": "fabric_lite.inference",
 }
 
-__all__ = ["__version__", *_EXPORTS]
+# Lightning's spellings of the trainer door's names, for code written `import lightning as L` (`L.LightningModule`)
+_ALIASES = {
+    "LightningModule": ("fabric_lite.trainer.module", "TrainModule"),
+    "LightningDataModule": ("fabric_lite.trainer.module", "DataModule"),
+}
+
+#: the subpackages `L.callbacks.EarlyStopping`-style code reaches through the package (imported on first use)
+_SUBPACKAGES = ("callbacks", "loggers", "strategies", "trainer", "accelerator", "utils", "cli", "data")
+
+__all__ = ["__version__", *_EXPORTS, *_ALIASES]
 
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
-    if module is None:
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+    elif name in _ALIASES:
+        module, target = _ALIASES[name]
+        value = getattr(importlib.import_module(module), target)
+    elif name in _SUBPACKAGES:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
         raise AttributeError(f"module 'fabric_lite' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 

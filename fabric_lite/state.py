@@ -196,6 +196,10 @@ class AcceleratorState(PartialState):
 
     use_ipex = False
 
+    def __repr__(self) -> str:
+        # (`print(accelerator.state)` shows the precision in use, as Accelerate's does)
+        return f"{super().__repr__()[:-1]}, mixed_precision={self.mixed_precision})"
+
 
 class GradientState(EngineGradientState):
     """What the step knows about gradients and the loader being iterated (Accelerate's `GradientState`):

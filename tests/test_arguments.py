@@ -55,12 +55,17 @@ TRAINER_BAD = [
       for value, exc in ((-1, ValueError), (1.5, ValueError), (-0.1, ValueError), ("all", TypeError),
                          (True, TypeError))],
     ("fast_dev_run", -1, ValueError), ("fast_dev_run", "yes", TypeError), ("fast_dev_run", 0.5, TypeError),
-    ("num_sanity_val_steps", -1, ValueError), ("num_sanity_val_steps", None, TypeError),
+    ("num_sanity_val_steps", -1, ValueError), ("num_sanity_val_steps", 1.0, TypeError),
     ("log_every_n_steps", 0, ValueError), ("log_every_n_steps", -1, ValueError),
-    ("log_every_n_steps", None, TypeError), ("log_every_n_steps", 1.5, TypeError),
+    ("log_every_n_steps", 1.5, TypeError),
     ("default_root_dir", "", ValueError), ("default_root_dir", 5, TypeError), ("default_root_dir", b"runs", TypeError),
     ("enable_progress_bar", "no", TypeError), ("enable_progress_bar", 0, TypeError),
-    ("enable_progress_bar", None, TypeError),
+    ("min_epochs", -1, ValueError), ("min_epochs", "2", TypeError), ("min_steps", -1, ValueError),
+    ("min_steps", 2.0, TypeError), ("overfit_batches", -1, ValueError), ("overfit_batches", 1.5, ValueError),
+    ("overfit_batches", "all", TypeError), ("detect_anomaly", "yes", TypeError), ("detect_anomaly", None, TypeError),
+    ("inference_mode", None, TypeError), ("reload_dataloaders_every_n_epochs", -1, ValueError),
+    ("reload_dataloaders_every_n_epochs", True, TypeError), ("use_distributed_sampler", 1, TypeError),
+    ("benchmark", "yes", TypeError), ("barebones", 1, TypeError),
     ("enable_checkpointing", 1, TypeError),
     ("deterministic", "yes", TypeError), ("deterministic", 1, TypeError),
     ("explain", "yes", TypeError), ("explain", None, TypeError),
@@ -168,7 +173,7 @@ def test_a_negative_gradient_clip_val_never_gets_to_training(monkeypatch):
         raise AssertionError("reached past the argument checks")
 
     monkeypatch.setattr(trainer_module, "Accelerator", must_not_run)
-    monkeypatch.setattr(trainer_module, "_relaunch_if_needed", must_not_run)
+    monkeypatch.setattr(trainer_module, "relaunch_if_needed", must_not_run)
     monkeypatch.setattr(torch, "use_deterministic_algorithms", must_not_run)
     with pytest.raises(ValueError, match=r"Trainer\(gradient_clip_val=-1.0\)"):
         Trainer(gradient_clip_val=-1.0, deterministic=True, max_epochs=3)

@@ -2,13 +2,28 @@
 
 from fabric_lite.callbacks.base import Callback
 from fabric_lite.callbacks.checkpoint import ModelCheckpoint
+from fabric_lite.callbacks.device_stats import DeviceStatsMonitor
 from fabric_lite.callbacks.early_stopping import EarlyStopping
+from fabric_lite.callbacks.finetuning import BackboneFinetuning, BaseFinetuning
+from fabric_lite.callbacks.gradient_accumulation import GradientAccumulationScheduler
 from fabric_lite.callbacks.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
+from fabric_lite.callbacks.on_exception import OnExceptionCheckpoint
 from fabric_lite.callbacks.lr_monitor import LearningRateMonitor
-from fabric_lite.callbacks.progress import ProgressBar, ProgressBarBase, RichProgressBar
+from fabric_lite.callbacks.pruning import ModelPruning
+from fabric_lite.callbacks.progress import (
+    ProgressBar, ProgressBarBase, RichProgressBar, RichProgressBarTheme, TQDMProgressBar,
+)
 from fabric_lite.callbacks.summary import ModelSummary
 from fabric_lite.callbacks.throughput import ThroughputMonitor
+from fabric_lite.callbacks.timer import Timer
 
 __all__ = ["Callback", "ModelCheckpoint", "EarlyStopping", "Logger", "TensorBoardLogger", "CSVLogger", "MLFlowLogger",
            "WandbLogger", "LearningRateMonitor", "ProgressBar", "ProgressBarBase", "RichProgressBar",
-           "ThroughputMonitor", "ModelSummary"]
+           "ThroughputMonitor", "ModelSummary", "GradientAccumulationScheduler",
+           "Timer", "OnExceptionCheckpoint", "BaseFinetuning", "BackboneFinetuning",
+           "DeviceStatsMonitor", "ModelPruning", "TQDMProgressBar", "RichProgressBarTheme"]
+
+# Lightning's callbacks that fabric_lite refuses (they import; building one raises NotSupportedError)
+from fabric_lite.callbacks.lightning_refused import BatchSizeFinder, Checkpoint, LearningRateFinder, RichModelSummary  # noqa: E402,E501
+
+__all__ += ["BatchSizeFinder", "LearningRateFinder", "RichModelSummary", "Checkpoint"]

@@ -1,7 +1,12 @@
-"""Progress bars on the main process (tqdm by default, or rich), with `prog_bar` metrics refreshed every few steps."""
+"""Progress bars on the main process (tqdm by default, or rich), with `prog_bar` metrics refreshed every few steps.
+
+`TQDMProgressBar` and `RichProgressBar` take Lightning's arguments; `ProgressBar` is the Trainer's default: a
+TQDMProgressBar that refreshes every 20 batches (metric values are read from the device only then) and keeps
+each epoch's bar on screen."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from fabric_lite.callbacks.base import Callback
@@ -12,33 +17,51 @@ if TYPE_CHECKING:
     from fabric_lite.trainer.module import TrainModule
     from fabric_lite.trainer.trainer import Trainer
 
-__all__ = ["ProgressBarBase", "ProgressBar", "RichProgressBar"]
+__all__ = ["ProgressBarBase", "TQDMProgressBar", "ProgressBar", "RichProgressBar", "RichProgressBarTheme"]
 
 
 class ProgressBarBase(Callback):
     """What every progress bar shares: main process only, one bar per train epoch, a refresh every
-    `refresh_rate` batches (the only time metric values are read from the device).
+    `refresh_rate` batches (the only time metric values are read from the device); `refresh_rate=0` or
+    `disable()` draws nothing.
 
     Subclasses draw: `_open_train`, `_update_train`, `_close_train`, `_close_all`, and optionally the
     evaluation counterparts `_open_eval`, `_update_eval`, `_close_eval`.
     """
 
     def __init__(self, refresh_rate: int = 20) -> None:
-        if not isinstance(refresh_rate, int) or isinstance(refresh_rate, bool) or refresh_rate < 1:
-            raise ValueError(f"{type(self).__name__}(refresh_rate={refresh_rate!r}) must be an integer >= 1.")
+        if not isinstance(refresh_rate, int) or isinstance(refresh_rate, bool) or refresh_rate < 0:
+            raise ValueError(f"{type(self).__name__}(refresh_rate={refresh_rate!r}) must be an integer >= 0: redraw "
+                             f"every N batches, 0 to draw nothing.")
         self.refresh_rate = refresh_rate
+        self._enabled = True
         self._train_shown = False
         self._eval_shown = False
         self._batches = 0
+
+    @property
+    def is_enabled(self) -> bool:
+        return self._enabled and self.refresh_rate > 0
+
+    @property
+    def is_disabled(self) -> bool:
+        return not self.is_enabled
+
+    def disable(self) -> None:
+        """Draw nothing from now on (e.g. on processes other than the main one)."""
+        self._enabled = False
+
+    def enable(self) -> None:
+        self._enabled = True
 
     # -- what subclasses draw ----------------------------------------------------------------------
     def _open_train(self, trainer: "Trainer", description: str, total: Optional[int]) -> None:
         raise NotImplementedError
 
-    def _update_train(self, completed: int, metrics: Dict[str, str]) -> None:
+    def _update_train(self, completed: int, metrics: Dict[str, float]) -> None:
         raise NotImplementedError
 
-    def _close_train(self, completed: int, metrics: Dict[str, str]) -> None:
+    def _close_train(self, completed: int, metrics: Dict[str, float]) -> None:
         raise NotImplementedError
 
     def _close_all(self) -> None:
@@ -50,9 +73,9 @@ class ProgressBarBase(Callback):
 
     # -- shared logic ------------------------------------------------------------------------------
     @staticmethod
-    def _metrics(trainer: "Trainer") -> Dict[str, str]:
-        """The `prog_bar` metrics as short strings (reads device values: call once per refresh)."""
-        return {k: f"{float(v):.4g}" for k, v in trainer.progress_bar_metrics.items()}
+    def _metrics(trainer: "Trainer") -> Dict[str, float]:
+        """The `prog_bar` metrics as floats (reads device values: call once per refresh)."""
+        return {k: float(v) for k, v in trainer.progress_bar_metrics.items()}
 
     @staticmethod
     def _train_total(trainer: "Trainer") -> Optional[int]:
@@ -62,7 +85,7 @@ class ProgressBarBase(Callback):
         return batch_limit(trainer.limits["train"], loader_length(trainer.train_dataloader))
 
     def on_train_epoch_start(self, trainer: "Trainer", module: "TrainModule") -> None:
-        if not trainer.is_global_zero:
+        if not trainer.is_global_zero or self.is_disabled:
             return
         self._batches = 0
         self._open_train(trainer, f"Epoch {trainer.current_epoch}", self._train_total(trainer))
@@ -82,7 +105,7 @@ class ProgressBarBase(Callback):
             self._close_train(self._batches, self._metrics(trainer))
 
     def _start_eval(self, trainer: "Trainer", description: str) -> None:
-        if trainer.is_global_zero:
+        if trainer.is_global_zero and self.is_enabled:
             self._open_eval(trainer, description)
             self._eval_shown = True
 
@@ -120,32 +143,92 @@ class ProgressBarBase(Callback):
         self._close_all()
 
 
-class ProgressBar(ProgressBarBase):
-    """A tqdm bar per epoch with it/s; metric values are read from the device only every `refresh_rate` steps."""
+class TQDMProgressBar(ProgressBarBase):
+    """tqdm bars (Lightning's default bar): one for training, reset at each epoch (a new one per epoch, the
+    finished ones kept on screen, with `leave`), and one below it while validating or testing.
 
-    def __init__(self, refresh_rate: int = 20) -> None:
+    `refresh_rate`: redraw every N batches (0: draw nothing); `process_position`: start that many bar pairs
+    down, to share the screen with other bars.
+    """
+
+    def __init__(self, refresh_rate: int = 1, process_position: int = 0, leave: bool = False) -> None:
         super().__init__(refresh_rate)
+        if not isinstance(process_position, int) or isinstance(process_position, bool) or process_position < 0:
+            raise ValueError(f"{type(self).__name__}(process_position={process_position!r}) must be an integer >= 0 "
+                             f"(the bars start that many bar pairs down).")
+        if not isinstance(leave, bool):
+            raise TypeError(f"{type(self).__name__}(leave={leave!r}) must be True (keep each epoch's bar) or False.")
+        self.process_position = process_position
+        self.leave = leave
         self._bar: Any = None
+        self._eval_bar: Any = None
 
-    def _open_train(self, trainer: "Trainer", description: str, total: Optional[int]) -> None:
+    @staticmethod
+    def _tqdm(**kwargs: Any) -> Any:
         from tqdm.auto import tqdm
 
-        self._close_all()
-        self._bar = tqdm(total=total, desc=description, leave=True, dynamic_ncols=True)
+        return tqdm(dynamic_ncols=True, **kwargs)
 
-    def _update_train(self, completed: int, metrics: Dict[str, str]) -> None:
-        self._bar.update(completed - self._bar.n)
-        self._bar.set_postfix(metrics, refresh=False)
-
-    def _close_train(self, completed: int, metrics: Dict[str, str]) -> None:
-        self._bar.update(completed - self._bar.n)
-        self._bar.set_postfix(metrics)
+    def _open_train(self, trainer: "Trainer", description: str, total: Optional[int]) -> None:
+        if self._bar is not None and not self.leave:
+            self._bar.reset(total=total)
+            self._bar.set_description(description, refresh=False)
+            return
         self._close_all()
+        self._bar = self._tqdm(total=total, desc=description, leave=True, position=2 * self.process_position)
+
+    def _update_train(self, completed: int, metrics: Dict[str, float]) -> None:
+        self._bar.update(completed - self._bar.n)
+        self._bar.set_postfix(_short(metrics), refresh=False)
+
+    def _close_train(self, completed: int, metrics: Dict[str, float]) -> None:
+        self._bar.update(completed - self._bar.n)
+        self._bar.set_postfix(_short(metrics))
+        if self.leave:  # this epoch's bar stays as it is; the next epoch draws a new one
+            self._close_all()
+
+    def _open_eval(self, trainer: "Trainer", description: str) -> None:
+        below = self._bar is not None  # (validation inside fit: under the training bar, gone when done)
+        self._eval_bar = self._tqdm(total=None, desc=description, leave=not below,
+                                    position=2 * self.process_position + int(below))
+
+    def _update_eval(self, completed: int) -> None:
+        self._eval_bar.update(completed - self._eval_bar.n)
+
+    def _close_eval(self) -> None:
+        if self._eval_bar is not None:
+            self._eval_bar.close()
+            self._eval_bar = None
 
     def _close_all(self) -> None:
+        self._close_eval()
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+class ProgressBar(TQDMProgressBar):
+    """The Trainer's default bar: a TQDMProgressBar redrawn (and its metrics read) every 20 batches, keeping each
+    epoch's bar on screen."""
+
+    def __init__(self, refresh_rate: int = 20, process_position: int = 0, leave: bool = True) -> None:
+        super().__init__(refresh_rate, process_position, leave)
+
+
+@dataclass
+class RichProgressBarTheme:
+    """The styles RichProgressBar draws with (rich style strings), and how it writes metrics."""
+
+    description: str = ""
+    progress_bar: str = "#6206E0"
+    progress_bar_finished: str = "#6206E0"
+    progress_bar_pulse: str = "#6206E0"
+    batch_progress: str = ""
+    time: str = "dim"
+    processing_speed: str = "dim underline"
+    metrics: str = "italic"
+    metrics_text_delimiter: str = ", "
+    metrics_format: str = ".4g"
 
 
 class RichProgressBar(ProgressBarBase):
@@ -156,14 +239,19 @@ class RichProgressBar(ProgressBarBase):
     Needs rich: ``pip install 'fabric-lite[rich]'``.
     """
 
-    def __init__(self, refresh_rate: int = 20, console: Optional["Console"] = None, leave: bool = True) -> None:
+    def __init__(self, refresh_rate: int = 20, leave: bool = True, theme: Optional[RichProgressBarTheme] = None,
+                 console_kwargs: Optional[Dict[str, Any]] = None, console: Optional["Console"] = None) -> None:
         try:
             import rich  # noqa: F401
         except ImportError as err:
             raise ImportError("RichProgressBar needs rich: pip install 'fabric-lite[rich]'") from err
         super().__init__(refresh_rate)
+        if theme is not None and not isinstance(theme, RichProgressBarTheme):
+            raise TypeError(f"RichProgressBar(theme={theme!r}) must be a RichProgressBarTheme.")
         self.console = console
+        self.console_kwargs = dict(console_kwargs or {})
         self.leave = leave
+        self.theme = theme or RichProgressBarTheme()
         self._progress: Any = None
         self._train_task: Any = None
         self._eval_task: Any = None
@@ -175,8 +263,8 @@ class RichProgressBar(ProgressBarBase):
         if self.console is None:
             from rich.console import Console
 
-            self.console = Console(stderr=True)
-        progress = Progress(*_rich_columns(), console=self.console, auto_refresh=False, transient=transient)
+            self.console = Console(**{"stderr": True, **self.console_kwargs})
+        progress = Progress(*_rich_columns(self.theme), console=self.console, auto_refresh=False, transient=transient)
         progress.start()
         return progress
 
@@ -186,12 +274,12 @@ class RichProgressBar(ProgressBarBase):
         self._train_task = self._progress.add_task(description, total=total, metrics="")
         self._progress.refresh()
 
-    def _update_train(self, completed: int, metrics: Dict[str, str]) -> None:
-        self._progress.update(self._train_task, completed=completed, metrics=_join(metrics), refresh=True)
+    def _update_train(self, completed: int, metrics: Dict[str, float]) -> None:
+        self._progress.update(self._train_task, completed=completed, metrics=self._join(metrics), refresh=True)
 
-    def _close_train(self, completed: int, metrics: Dict[str, str]) -> None:
+    def _close_train(self, completed: int, metrics: Dict[str, float]) -> None:
         if self._progress is not None and self._train_task is not None:
-            self._progress.update(self._train_task, completed=completed, metrics=_join(metrics))
+            self._progress.update(self._train_task, completed=completed, metrics=self._join(metrics))
         self._close_all()
 
     def _open_eval(self, trainer: "Trainer", description: str) -> None:
@@ -215,6 +303,11 @@ class RichProgressBar(ProgressBarBase):
         else:
             self._progress.refresh()
 
+    def _join(self, metrics: Dict[str, float]) -> str:
+        """`key=value` pairs in the theme's number format, joined by its delimiter."""
+        spec = self.theme.metrics_format
+        return self.theme.metrics_text_delimiter.join(f"{k}={format(v, spec)}" for k, v in metrics.items())
+
     def _close_all(self) -> None:
         if self._progress is not None:
             if self._progress.live.transient:
@@ -225,11 +318,11 @@ class RichProgressBar(ProgressBarBase):
         self._eval_owns_progress = False
 
 
-def _join(metrics: Dict[str, str]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in metrics.items())
+def _short(metrics: Dict[str, float]) -> Dict[str, str]:
+    return {k: f"{v:.4g}" for k, v in metrics.items()}
 
 
-def _rich_columns() -> List[Any]:
+def _rich_columns(theme: RichProgressBarTheme) -> List[Any]:
     from rich.progress import (
         BarColumn, MofNCompleteColumn, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
     )
@@ -243,10 +336,14 @@ def _rich_columns() -> List[Any]:
             speed = task.speed
             if speed is None and task.elapsed:
                 speed = task.completed / task.elapsed
-            return Text("? it/s" if not speed else f"{speed:.2f} it/s", style="progress.data.speed")
+            return Text("? it/s" if not speed else f"{speed:.2f} it/s", style=theme.processing_speed)
 
     return [
-        TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TimeElapsedColumn(), TimeRemainingColumn(), RateColumn(table_column=Column(no_wrap=True)),
-        TextColumn("{task.fields[metrics]}", markup=False),
+        TextColumn("[progress.description]{task.description}", style=theme.description),
+        BarColumn(style="bar.back", complete_style=theme.progress_bar, finished_style=theme.progress_bar_finished,
+                  pulse_style=theme.progress_bar_pulse),
+        MofNCompleteColumn(table_column=Column(style=theme.batch_progress)),
+        TimeElapsedColumn(table_column=Column(style=theme.time)),
+        TimeRemainingColumn(table_column=Column(style=theme.time)), RateColumn(table_column=Column(no_wrap=True)),
+        TextColumn("{task.fields[metrics]}", markup=False, style=theme.metrics),
     ]

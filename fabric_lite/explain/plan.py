@@ -142,7 +142,7 @@ def planned_layout(accelerator: "Accelerator", trainer: Optional["Trainer"] = No
         t_given = given_arguments(trainer) or {}
         t_devices, num_nodes = t_given.get("devices", "auto"), t_given.get("num_nodes", 1)
         if isinstance(t_devices, int) and not isinstance(t_devices, bool) and t_devices > 1 and layout.world == 1:
-            # Trainer._relaunch_if_needed: the script starts itself again under torch.distributed.run
+            # trainer.relaunch.relaunch_if_needed: the script starts itself again under torch.distributed.run
             return _Layout(t_devices * num_nodes, t_devices, num_nodes,
                            f"torch.distributed.run, started by Trainer(devices={t_devices}) itself "
                            f"(the launcher started one process)", True)

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, ContextManager, List, Mapping, Optional, Seque
 import torch
 from torch import nn
 
-from fabric_lite.strategies.base import Strategy
+from fabric_lite.strategies.parallel import ParallelStrategy
 from fabric_lite.strategies.comm_hooks import CommHook
 
 __all__ = ["DDPStrategy"]
@@ -63,7 +63,7 @@ def refuse_shared_gpus(store: Any, rank: int, world_size: int, gpu: Optional[str
         )
 
 
-class DDPStrategy(Strategy):
+class DDPStrategy(ParallelStrategy):
     """One process per device; gradients are averaged with an all-reduce during backward.
 
     ``DDPStrategy(find_unused_parameters=True, timeout=timedelta(minutes=5))``; any keyword of

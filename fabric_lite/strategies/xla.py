@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from fabric_lite._tree import tree_map
-from fabric_lite.strategies.base import Strategy
+from fabric_lite.strategies.parallel import ParallelStrategy
 from fabric_lite.strategies.environments import ProcessInfo, detect_xla_process, read_xla_settings
 from fabric_lite.strategies.moved_params import MovedParameters
 
@@ -97,7 +97,7 @@ def _check_devices(devices: Any, process: ProcessInfo, runtime: Any, spmd: bool)
                          f"replicas. Drop `devices` or make them match.")
 
 
-class XLAStrategy(Strategy):
+class XLAStrategy(ParallelStrategy):
     """One replica per XLA device (a TPU core, or XLA's CPU device); gradients averaged by XLA's all-reduce.
 
     ``XLAStrategy(sync_module_states=True)``: every replica starts from replica 0's weights, as under DDP.

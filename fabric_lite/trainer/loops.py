@@ -14,13 +14,15 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 
+from fabric_lite.trainer.data_connector import reload_loaders
 from fabric_lite.trainer.module import TrainModule
 
 if TYPE_CHECKING:
     from fabric_lite.trainer.profiler import Profiler
     from fabric_lite.trainer.trainer import Trainer
 
-__all__ = ["run_fit", "run_evaluation", "run_predict", "batch_limit", "loader_length", "empty_loader_warning"]
+__all__ = ["run_fit", "run_evaluation", "run_predict", "batch_limit", "loader_length", "empty_loader_warning",
+           "may_stop"]
 
 
 def batch_limit(limit: Any, length: Optional[int]) -> Optional[int]:
@@ -110,7 +112,9 @@ def run_fit(trainer: "Trainer") -> None:
     trainer.call_hook("on_fit_start")
     if trainer.val_dataloaders and trainer.num_sanity_val_steps > 0 and trainer.global_step == 0:
         trainer.sanity_checking = True
-        run_evaluation(trainer, "validate", trainer.val_dataloaders, limit=trainer.num_sanity_val_steps, log=False)
+        with trainer.evaluation_context():
+            run_evaluation(trainer, "validate", trainer.val_dataloaders, limit=trainer.num_sanity_val_steps,
+                           log=False)
         trainer.sanity_checking = False
         trainer.metric_store.clear_outputs()
     profiler = trainer.profiler if trainer.profiler.enabled else None
@@ -119,9 +123,14 @@ def run_fit(trainer: "Trainer") -> None:
     trainer.call_hook("on_train_start")
     train_epoch = _train_epoch if profiler is None else profiler.wrap("run_training_epoch", _train_epoch)
     warned = False
-    while not trainer.should_stop and (trainer.max_epochs == -1 or trainer.current_epoch < trainer.max_epochs):
+    reload_every = trainer.reload_dataloaders_every_n_epochs
+    # (a stop asked for before min_epochs/min_steps are reached waits for them: may_stop)
+    while not (trainer.should_stop and may_stop(trainer)) and (trainer.max_epochs == -1
+                                                                or trainer.current_epoch < trainer.max_epochs):
         if 0 <= trainer.max_steps <= trainer.global_step:
             break
+        if reload_every and trainer.current_epoch - trainer.loaded_epoch >= reload_every:
+            reload_loaders(trainer)
         if not train_epoch(trainer) and not warned:
             warnings.warn(empty_loader_warning(trainer), UserWarning, stacklevel=3)
             warned = True
@@ -131,6 +140,19 @@ def run_fit(trainer: "Trainer") -> None:
         trainer.epoch_finished = False
     trainer.call_hook("on_train_end")
     trainer.call_hook("on_fit_end")
+
+
+def may_stop(trainer: "Trainer") -> bool:
+    """Whether `min_epochs`/`min_steps` let training stop now: a stop asked for before waits for them."""
+    if (trainer.min_epochs is None or trainer.current_epoch >= trainer.min_epochs) and \
+            (trainer.min_steps is None or trainer.global_step >= trainer.min_steps):
+        return True
+    if not trainer.min_limits_noted and trainer.is_global_zero:
+        trainer.min_limits_noted = True
+        print(f"fabric_lite: a stop was asked for at epoch {trainer.current_epoch}, step {trainer.global_step}, before "
+              f"min_epochs={trainer.min_epochs} / min_steps={trainer.min_steps}; training goes on until they are "
+              f"reached.", file=sys.stderr, flush=True)
+    return False
 
 
 def _should_validate_in_epoch(trainer: "Trainer", batch_idx: int, limit: Optional[int]) -> bool:
@@ -250,7 +272,9 @@ def _train_epoch(trainer: "Trainer") -> bool:
             _validate(trainer)
         if 0 <= trainer.max_steps <= trainer.global_step or trainer.time_is_up():
             trainer.should_stop = True
-        if trainer.should_stop:
+            cut_short = limit is None or batch_idx + 1 < limit
+            break
+        if trainer.should_stop and may_stop(trainer):  # (a callback asked; min_epochs/min_steps may hold it)
             cut_short = limit is None or batch_idx + 1 < limit
             break
     else:
@@ -325,7 +349,8 @@ def _step_scheduler(trainer: "Trainer", sched: Any) -> None:
 
 
 def _validate(trainer: "Trainer") -> None:
-    run_evaluation(trainer, "validate", trainer.val_dataloaders, in_fit=True)
+    with trainer.evaluation_context():
+        run_evaluation(trainer, "validate", trainer.val_dataloaders, in_fit=True)
     trainer.module.train()
 
 
@@ -349,7 +374,7 @@ def run_evaluation(trainer: "Trainer", stage: str, loaders: List[Any], limit: Op
     trainer.call_hook(f"on_{hook}_epoch_start")
     writes_steps = log and not trainer.sanity_checking
     outputs: List[Dict[str, torch.Tensor]] = []
-    with torch.no_grad():
+    with trainer.evaluation_context():
         for dataloader_idx, loader in enumerate(loaders):
             loader_limit = batch_limit(trainer.limits[stage] if limit is None else limit, loader_length(loader))
             metrics.start_eval_loader(dataloader_idx if len(loaders) > 1 else None, loader_limit)
@@ -400,7 +425,7 @@ def run_predict(trainer: "Trainer", loaders: List[Any]) -> List[Any]:
     if profiler is not None:
         forward = profiler.wrap(f"[Strategy]{type(trainer.strategy).__name__}.predict_step", model)
         callbacks = trainer.timed_callbacks()
-    with torch.no_grad():
+    with trainer.evaluation_context():
         for loader in loaders:
             limit = batch_limit(trainer.limits["predict"], loader_length(loader))
             outputs = []

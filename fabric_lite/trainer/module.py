@@ -6,6 +6,7 @@ in which precision and how gradients move.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import sys
 import warnings
@@ -13,6 +14,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, 
 
 import torch
 from torch import nn
+
+from fabric_lite.trainer.lightning_surface import DataModuleLightningNames, ModuleLightningNames
 
 if TYPE_CHECKING:
     from fabric_lite.trainer.trainer import Trainer
@@ -40,7 +43,7 @@ class AttributeDict(Dict[str, Any]):
             raise AttributeError(name) from None
 
 
-class TrainModule(nn.Module):
+class TrainModule(ModuleLightningNames, nn.Module):
     """Subclass it, write `training_step` and `configure_optimizers`, and pass it to `Trainer.fit`.
 
     Examples:
@@ -203,6 +206,10 @@ class TrainModule(nn.Module):
         if names:
             args = {k: v for k, v in args.items() if k in names}
         self.hparams.update({k: v for k, v in args.items() if k not in set(ignore)})
+        try:  # (Lightning's hparams_initial: a copy, which later changes to hparams leave as it is)
+            self.hparams_initial = AttributeDict(copy.deepcopy(dict(self.hparams)))
+        except Exception:  # an argument that cannot be copied (an open file, a lock) is kept as it is
+            self.hparams_initial = AttributeDict(self.hparams)
 
     # -- manual optimization -----------------------------------------------------------------------
     def optimizers(self) -> Union[torch.optim.Optimizer, List[torch.optim.Optimizer]]:
@@ -220,8 +227,11 @@ class TrainModule(nn.Module):
         self.trainer.backward(loss, **kwargs)
 
 
-class DataModule:
+class DataModule(DataModuleLightningNames):
     """Dataloaders in one place: `setup(stage)` then `train_dataloader()` / `val_dataloader()` / ..."""
+
+    #: Record the caller's __init__ arguments in `self.hparams`, as TrainModule's does.
+    save_hyperparameters = TrainModule.save_hyperparameters
 
     def __init__(self) -> None:
         self.hparams: AttributeDict = AttributeDict()

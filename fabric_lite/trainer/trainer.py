@@ -8,9 +8,7 @@ logging, checkpoints, callbacks) and nothing else.
 
 from __future__ import annotations
 
-import difflib
 import inspect
-import os
 import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
@@ -22,16 +20,26 @@ from fabric_lite.accelerator.accelerator import Accelerator
 from fabric_lite.arguments import ArgumentCheck, is_int
 from fabric_lite.callbacks.base import Callback, is_logger
 from fabric_lite.strategies.environments import detect_process, read_launch_settings, records_explain_arguments
+from fabric_lite.trainer.barebones import BarebonesMetricStore
 from fabric_lite.trainer.logged_metrics import MetricStore
 from fabric_lite.trainer.module import DataModule, TrainModule
+from fabric_lite.trainer.checkpointing import (
+    LoggedAggregates, TrainerCheckpointState, load_eval_weights, ray_checkpoint, restore,
+)
+from fabric_lite.trainer.facts import TrainerFacts
+from fabric_lite.trainer.data_connector import (
+    STAGE_LOADERS, as_list, connect_data, prepare_eval_loader, prepare_train_loader, teardown_data,
+)
 from fabric_lite.trainer.configure_optimizers import SchedulerConfig, parse_optimizers
-from fabric_lite.trainer.profiler import PassThroughProfiler, Profiler, SimpleProfiler
+from fabric_lite.trainer.relaunch import relaunch_if_needed, xla_replicas
+from fabric_lite.trainer.sync_batchnorm import SYNC_BATCHNORM_DEVICES, convert_sync_batchnorm
+from fabric_lite.trainer.settings import apply_torch_settings, check_unknown, default_logger, resolve_settings
+from fabric_lite.profilers import Profiler, resolve_profiler
+from fabric_lite.trainer.lightning_surface import TrainerLightningNames, check_refused_arguments, \
+    check_refused_overrides
 from fabric_lite.launch.preemption import PreemptionWatch
 
 __all__ = ["Trainer", "convert_sync_batchnorm", "SYNC_BATCHNORM_DEVICES"]
-
-#: The device types torch's SyncBatchNorm synchronizes across processes (it refuses CPU tensors).
-SYNC_BATCHNORM_DEVICES = ("cuda", "xpu", "hpu")
 
 
 _STEP_METHODS = {"train": "training_step", "validate": "validation_step", "test": "test_step",
@@ -57,51 +65,7 @@ class _StepRunner(nn.Module):
         return getattr(self.module, _STEP_METHODS[stage])(batch, batch_idx)
 
 
-class _TrainerState:
-    """The Trainer's part of a checkpoint: counters, callback states, hyperparameters."""
-
-    def __init__(self, trainer: "Trainer") -> None:
-        self.trainer = trainer
-
-    def state_dict(self) -> Dict[str, Any]:
-        t = self.trainer
-        extra: Dict[str, Any] = {}
-        t.module.on_save_checkpoint(extra)
-        for cb in t.callbacks:
-            cb.on_save_checkpoint(t, t.module, extra)
-        return {
-            "epoch": t.current_epoch, "global_step": t.global_step, "epoch_finished": t.epoch_finished,
-            "callbacks": {cb.state_key: cb.state_dict() for cb in t.callbacks},
-            "hyper_parameters": dict(t.module.hparams), "extra": extra,
-        }
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        t = self.trainer
-        t.current_epoch = int(state["epoch"]) + (1 if state.get("epoch_finished") else 0)
-        t.global_step = int(state["global_step"])
-        for cb in t.callbacks:
-            if cb.state_key in state["callbacks"]:
-                cb.load_state_dict(state["callbacks"][cb.state_key])
-        extra = state.get("extra", {})
-        t.module.on_load_checkpoint(extra)
-        for cb in t.callbacks:
-            cb.on_load_checkpoint(t, t.module, extra)
-
-
-class _LoggedAggregates:
-    """Each process's unfinished epoch aggregates of `self.log` (saved per rank: they differ between ranks)."""
-
-    def __init__(self, trainer: "Trainer") -> None:
-        self.trainer = trainer
-
-    def state_dict(self) -> Dict[str, Any]:
-        return self.trainer.metric_store.state_dict(self.trainer.module)
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.trainer.metric_store.load_state_dict(state, self.trainer.module)
-
-
-class Trainer:
+class Trainer(TrainerFacts, TrainerLightningNames):
     """Fit a TrainModule: `Trainer(max_epochs=3, precision="bf16-mixed").fit(module, train_loader, val_loader)`."""
 
     #: Under `fabric-lite explain`, the arguments this Trainer was given; None otherwise.
@@ -119,78 +83,36 @@ class Trainer:
         check_val_every_n_epoch: int = 1, limit_train_batches: Union[int, float, None] = None,
         limit_val_batches: Union[int, float, None] = None, limit_test_batches: Union[int, float, None] = None,
         limit_predict_batches: Union[int, float, None] = None, fast_dev_run: Union[bool, int] = False,
-        num_sanity_val_steps: int = 2, log_every_n_steps: int = 50, default_root_dir: Optional[str] = None,
-        enable_progress_bar: bool = True, enable_checkpointing: bool = True, enable_model_summary: bool = True,
+        num_sanity_val_steps: Optional[int] = None, log_every_n_steps: Optional[int] = None,
+        default_root_dir: Optional[str] = None, enable_progress_bar: Optional[bool] = None,
+        enable_checkpointing: Optional[bool] = None, enable_model_summary: Optional[bool] = None,
         deterministic: Union[bool, str, None] = False, profiler: Any = None, sync_batchnorm: bool = False,
-        explain: bool = False,
+        min_epochs: Optional[int] = None, min_steps: Optional[int] = None, overfit_batches: Union[int, float] = 0.0,
+        detect_anomaly: bool = False, inference_mode: bool = True, reload_dataloaders_every_n_epochs: int = 0,
+        use_distributed_sampler: bool = True, benchmark: Optional[bool] = None, barebones: bool = False,
+        plugins: Any = None, explain: bool = False,
         **unknown: Any,
     ) -> None:
-        if unknown:
-            known = list(inspect.signature(Trainer.__init__).parameters)[1:-1]
-            hints = {k: difflib.get_close_matches(k, known, n=1) for k in unknown}
-            detail = ", ".join(f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in hints.items())
-            raise TypeError(f"Unknown Trainer argument(s): {detail}. Known arguments: {', '.join(known)}.")
+        check_refused_arguments(unknown)  # Lightning's arguments fabric_lite refuses, in one table
+        given = {name: value for name, value in locals().items() if name not in ("self", "unknown", "__class__")}
+        check_unknown(list(inspect.signature(Trainer.__init__).parameters)[1:-1], unknown)
         # Every argument is checked here, before anything starts (a relaunch, the strategy, torch's settings).
         check = ArgumentCheck("Trainer")
-        max_epochs = check.int("max_epochs", max_epochs, minimum=-1, allow_none=True, hint="-1: no epoch limit")
-        max_steps = check.int("max_steps", max_steps, minimum=-1, hint="-1: no step limit")
-        max_time = check.number("max_time", max_time, minimum=0, above=True, allow_none=True,
-                                hint="seconds of training; None: no time limit")
-        accelerator = check.accelerator("accelerator", accelerator)
-        devices = check.devices("devices", devices)
-        num_nodes = check.int("num_nodes", num_nodes, minimum=1)
-        strategy = check.strategy("strategy", strategy)
-        precision = check.precision("precision", precision)
-        callbacks = check.instances("callbacks", callbacks, Callback, what="fabric_lite Callback instances",
-                                    single=True)
-        logger = _check_logger(check, logger)
-        # (0 turns clipping off, as in Lightning; clipping to a norm of 0 would zero every gradient)
-        gradient_clip_val = check.number("gradient_clip_val", gradient_clip_val, minimum=0, allow_none=True,
-                                         hint="0 or None turns clipping off") or None
-        gradient_clip_algorithm = check.choice("gradient_clip_algorithm", gradient_clip_algorithm, ("norm", "value"))
-        accumulate_grad_batches = check.int("accumulate_grad_batches", accumulate_grad_batches, minimum=1)
-        val_check_interval = _check_val_check_interval(check, val_check_interval)
-        check_val_every_n_epoch = check.int("check_val_every_n_epoch", check_val_every_n_epoch, minimum=1,
-                                            hint="validate at the end of every N-th epoch")
-        limit_train_batches, limit_val_batches, limit_test_batches, limit_predict_batches = (
-            _check_batch_limit(check, name, value) for name, value in (
-                ("limit_train_batches", limit_train_batches), ("limit_val_batches", limit_val_batches),
-                ("limit_test_batches", limit_test_batches), ("limit_predict_batches", limit_predict_batches)))
-        if not isinstance(fast_dev_run, bool):
-            fast_dev_run = check.int("fast_dev_run", fast_dev_run, minimum=0,
-                                     hint="or True/False: True runs 1 batch, N runs N batches of each stage")
-        num_sanity_val_steps = check.int("num_sanity_val_steps", num_sanity_val_steps, minimum=0,
-                                         hint="0 skips the sanity check")
-        log_every_n_steps = check.int("log_every_n_steps", log_every_n_steps, minimum=1,
-                                      hint="step metrics are written every N optimizer steps and at epoch ends")
-        default_root_dir = check.path("default_root_dir", default_root_dir)
-        enable_progress_bar = check.bool("enable_progress_bar", enable_progress_bar)
-        enable_checkpointing = check.bool("enable_checkpointing", enable_checkpointing)
-        enable_model_summary = check.bool("enable_model_summary", enable_model_summary,
-                                          hint="the layer and parameter table printed when fit starts")
-        if deterministic is not None and deterministic != "warn":
-            check.bool("deterministic", deterministic, allow_none=True,
-                       hint="or 'warn': deterministic kernels, warning where torch has none")
-        profiler = _check_profiler(check, profiler)
-        sync_batchnorm = check.bool("sync_batchnorm", sync_batchnorm,
-                                    hint="BatchNorm statistics over every process's batch under DDP")
-        explain = check.bool("explain", explain)
-        if fast_dev_run:
-            n = 1 if fast_dev_run is True else int(fast_dev_run)
-            max_epochs, max_steps, num_sanity_val_steps = 1, n, 0
-            limit_train_batches = limit_val_batches = limit_test_batches = limit_predict_batches = n
-            enable_checkpointing = False
-        if deterministic:
-            torch.use_deterministic_algorithms(True, warn_only=deterministic == "warn")
+        settings = resolve_settings(check, given)
+        profiler = resolve_profiler(profiler)
+        apply_torch_settings(settings)
+        devices, num_nodes = settings.devices, settings.num_nodes
         if read_launch_settings().explain_dry_run:  # one process stands in for the planned launch
             num_nodes = 1  # the plan compares the requested nodes with the launch
         else:
-            _relaunch_if_needed(devices, num_nodes, _xla_replicas(accelerator, strategy))
+            relaunch_if_needed(devices, num_nodes, xla_replicas(settings.accelerator, settings.strategy))
         # The Trainer's micro-steps run through the Accelerator's step engine; a short last window of an
         # epoch averages over its real length (divide_loss_by="window", see engine.py).
+        self.settings = settings
         self.accelerator = Accelerator(
-            strategy=strategy, devices=None if devices == "auto" else devices, mixed_precision=str(precision),
-            accelerator=accelerator, gradient_accumulation_steps=accumulate_grad_batches, divide_loss_by="window",
+            strategy=settings.strategy, devices=None if devices == "auto" else devices,
+            mixed_precision=str(settings.precision), accelerator=settings.accelerator,
+            gradient_accumulation_steps=settings.accumulate_grad_batches, divide_loss_by="window",
         )
         self.strategy = self.accelerator.strategy
         if num_nodes != self.strategy.process.num_nodes:
@@ -198,6 +120,7 @@ class Trainer:
                 f"num_nodes={num_nodes} disagrees with the launch environment, which has "
                 f"{self.strategy.process.num_nodes} node(s). Launch with `fabric-lite launch --nnodes {num_nodes}`."
             )
+        sync_batchnorm = settings.sync_batchnorm
         if sync_batchnorm and self.strategy.world_size > 1 and self.device.type not in SYNC_BATCHNORM_DEVICES:
             check.fail("sync_batchnorm", sync_batchnorm,
                        f"torch's SyncBatchNorm synchronizes {'/'.join(SYNC_BATCHNORM_DEVICES)} tensors only, and "
@@ -205,32 +128,39 @@ class Trainer:
                        f"'SyncBatchNorm expected input tensor to be on GPU' at the first training step). Train on "
                        f"GPUs, or drop sync_batchnorm: each process then normalizes over its own batch.")
         self.sync_batchnorm = sync_batchnorm
-        #: Times the hooks and steps when given one (`profiler="simple"`); a PassThroughProfiler otherwise.
+        #: Profiles the hooks and steps when given one (`profiler="simple"`, "advanced", "pytorch"); a
+        #: PassThroughProfiler otherwise.
         self.profiler: Profiler = profiler
-        self.max_epochs = max_epochs if max_epochs is not None else (1000 if max_steps == -1 else -1)
-        self.max_steps = max_steps
-        self.max_time = max_time
-        self.gradient_clip_val = gradient_clip_val
-        self.gradient_clip_algorithm = gradient_clip_algorithm
-        self.accumulate_grad_batches = accumulate_grad_batches
-        self.val_check_interval = val_check_interval
-        self.check_val_every_n_epoch = check_val_every_n_epoch
-        self.limits = {"train": limit_train_batches, "validate": limit_val_batches, "test": limit_test_batches,
-                       "predict": limit_predict_batches}
-        self.num_sanity_val_steps = num_sanity_val_steps
-        self.log_every_n_steps = log_every_n_steps
-        self.default_root_dir = os.fspath(default_root_dir) if default_root_dir is not None else os.getcwd()
-        self.fast_dev_run = fast_dev_run
-        self.explain = explain  # fit() prints the plan (explain.py) and returns without training
-        self.callbacks: List[Callback] = callbacks  # (a new list: the checks above copied it)
-        self.enable_model_summary = enable_model_summary
-        self._add_default_callbacks(enable_progress_bar, enable_checkpointing, enable_model_summary, logger)
+        self.max_epochs = settings.max_epochs
+        self.max_steps = settings.max_steps
+        self.max_time = settings.max_time
+        self.gradient_clip_val = settings.gradient_clip_val
+        self.gradient_clip_algorithm = settings.gradient_clip_algorithm
+        self.val_check_interval = settings.val_check_interval
+        self.check_val_every_n_epoch = settings.check_val_every_n_epoch
+        self.limits = dict(settings.limits)
+        self.num_sanity_val_steps = settings.num_sanity_val_steps
+        self.log_every_n_steps = settings.log_every_n_steps
+        self.default_root_dir = settings.default_root_dir
+        self.fast_dev_run = settings.fast_dev_run
+        self.explain = settings.explain  # fit() prints the plan (explain.py) and returns without training
+        self.callbacks: List[Callback] = settings.callbacks  # (a new list: the checks copied it)
+        self.enable_model_summary = settings.enable_model_summary
+        self.min_epochs, self.min_steps = settings.min_epochs, settings.min_steps
+        self.overfit_batches = settings.overfit_batches
+        self.reload_dataloaders_every_n_epochs = settings.reload_dataloaders_every_n_epochs
+        self.barebones = settings.barebones
+        #: the DataModule given to the latest fit/validate/test/predict that had one (None before any)
+        self.datamodule: Optional[DataModule] = None
+        self.min_limits_noted = False  # (the note that a stop waits for min_epochs/min_steps is printed once)
+        self._add_default_callbacks(settings.enable_progress_bar, settings.enable_checkpointing,
+                                    settings.enable_model_summary, settings.logger)
         self.current_epoch = 0
         self.global_step = 0
         self.should_stop = False
         self.sanity_checking = False
         self.epoch_finished = False
-        self.metric_store = MetricStore(self.strategy)
+        self.metric_store = (BarebonesMetricStore if self.barebones else MetricStore)(self.strategy)
         self.optimizers: List[Any] = []
         self.lr_scheduler_configs: List[SchedulerConfig] = []
         self.start_time: Optional[float] = None
@@ -255,7 +185,7 @@ class Trainer:
                 raise ValueError(f"logger=False, but a {type(given).__name__} is in callbacks; drop one of them.")
         elif logger is True:
             if not any(is_logger(c) for c in self.callbacks):
-                self.callbacks.insert(0, _default_logger(self.default_root_dir))
+                self.callbacks.insert(0, default_logger(self.default_root_dir))
         elif logger is not None:  # (in the order given, ahead of the other callbacks; each once)
             given = {id(c) for c in logger}
             self.callbacks[:] = [*logger, *(c for c in self.callbacks if id(c) not in given)]
@@ -296,7 +226,9 @@ class Trainer:
         return [self.profiler.timed(cb, "Callback", Callback) for cb in self.callbacks]
 
     def _start_profile(self, stage: str) -> None:
-        self.profiler.setup(stage, rank=self.global_rank if self.world_size > 1 else None)
+        self.profiler.module = self.module  # (for profilers that label its layers)
+        # (positional: a profiler written for Lightning names the second argument local_rank)
+        self.profiler.setup(stage, self.global_rank if self.world_size > 1 else None, self.log_dir)
 
     def _end_profile(self, stage: str) -> None:
         """Print the stage's report on the main process (each process writes its report file, if it has one)."""
@@ -307,65 +239,6 @@ class Trainer:
         self.profiler.teardown(stage)
 
     # -- what callbacks and modules read -----------------------------------------------------------
-    @property
-    def device(self) -> torch.device:
-        return self.accelerator.device
-
-    @property
-    def is_global_zero(self) -> bool:
-        return self.strategy.is_global_zero
-
-    @property
-    def world_size(self) -> int:
-        """Processes in the job (Lightning's `world_size`)."""
-        return self.strategy.world_size
-
-    @property
-    def global_rank(self) -> int:
-        """This process's rank in the job (0 on the main process)."""
-        return self.strategy.global_rank
-
-    @property
-    def local_rank(self) -> int:
-        """This process's rank on its node."""
-        return self.strategy.local_rank
-
-    @property
-    def node_rank(self) -> int:
-        """The rank of this process's node."""
-        return self.strategy.node_rank
-
-    @property
-    def num_nodes(self) -> int:
-        return self.strategy.process.num_nodes
-
-    @property
-    def num_devices(self) -> int:
-        """Devices this node trains on: one per process, or under SPMD (one process driving every device) the
-        devices of its mesh."""
-        if self.strategy.drives_all_devices:
-            devices = getattr(getattr(self.strategy, "mesh", None), "device_ids", None)
-            if devices is not None:
-                return max(1, len(devices) // self.num_nodes)
-        return self.strategy.process.local_world_size
-
-    @property
-    def loggers(self) -> List[Callback]:
-        """The logger callbacks (from `logger=` and `callbacks=`), in the order they run."""
-        return [c for c in self.callbacks if is_logger(c)]
-
-    @property
-    def logger(self) -> Optional[Callback]:
-        """The first logger callback, or None."""
-        return next((c for c in self.callbacks if is_logger(c)), None)
-
-    @property
-    def log_dir(self) -> str:
-        """The first logger's directory (its save_dir until it has chosen its version), else default_root_dir."""
-        logger = self.logger
-        found = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
-        return os.fspath(found) if found is not None else self.default_root_dir
-
     @property
     def callback_metrics(self) -> Dict[str, torch.Tensor]:
         """Every logged value for callbacks (early stopping, checkpoints): the latest training step values
@@ -386,10 +259,24 @@ class Trainer:
         return self.metric_store.progress_bar_metrics
 
     @property
-    def checkpoint_callback(self) -> Optional[Callback]:
-        from fabric_lite.callbacks.checkpoint import ModelCheckpoint
+    def progress_bar_callback(self) -> Optional[Callback]:
+        """The progress bar among the callbacks (TQDMProgressBar, RichProgressBar, ...), or None."""
+        from fabric_lite.callbacks.progress import ProgressBarBase
 
-        return next((c for c in self.callbacks if isinstance(c, ModelCheckpoint)), None)
+        return next((c for c in self.callbacks if isinstance(c, ProgressBarBase)), None)
+
+    @property
+    def accumulate_grad_batches(self) -> int:
+        """Batches per optimizer step: the step engine's window, so a change between epochs (as
+        GradientAccumulationScheduler makes) applies from the next batch on."""
+        return self.accelerator.gradient_accumulation_steps
+
+    @accumulate_grad_batches.setter
+    def accumulate_grad_batches(self, value: int) -> None:
+        if not is_int(value) or value < 1:
+            raise ValueError(f"trainer.accumulate_grad_batches={value!r} must be an integer >= 1 (batches per "
+                             f"optimizer step; 1: no accumulation).")
+        self.accelerator.gradient_accumulation_steps = value
 
     def log_metrics(self, metrics: Dict[str, Any], step: Optional[int] = None) -> None:
         """Send values to every logger callback (floats; tensors are read here, once)."""
@@ -430,21 +317,26 @@ class Trainer:
     # -- entry points ------------------------------------------------------------------------------
     def fit(self, module: TrainModule, train_dataloaders: Any = None, val_dataloaders: Any = None,
             datamodule: Optional[DataModule] = None, ckpt_path: Optional[str] = None) -> None:
-        """Train `module`; `ckpt_path="last"` resumes from the newest checkpoint if there is one."""
+        """Train `module`; `ckpt_path="last"` resumes from the newest checkpoint if there is one. Without loaders or
+        a datamodule, the module's own train_dataloader()/val_dataloader() give them."""
         from fabric_lite.trainer import loops
 
-        train, val = self._loaders(module, datamodule, "fit", train_dataloaders, val_dataloaders)
+        if not isinstance(module, TrainModule):
+            raise TypeError(f"Trainer runs TrainModule subclasses, got {type(module).__name__}.")
+        check_refused_overrides(module, datamodule)
+        self.train_source, self.val_source = connect_data(self, module, datamodule, "fit",
+                                                          (train_dataloaders, val_dataloaders))
+        train = self.train_source.request()
         if train is None:
-            raise ValueError("fit() needs train_dataloaders, or a datamodule with train_dataloader().")
+            raise ValueError("fit() needs train_dataloaders, a datamodule with train_dataloader(), or a module that "
+                             "defines train_dataloader().")
         # A second fit() on this Trainer starts from clean registrations (no duplicate checkpoint entries).
         self.accelerator.free_memory()
         self.accelerator.registered_objects.clear()
         self.accelerator.per_process_objects.clear()
-        self.train_dataloader = self.accelerator.prepare_data_loader(train)
-        # the user's loader and where it came from, named if it yields no batches (loops.empty_loader_warning)
-        self.train_dataloader_source = (train, "given to fit()" if datamodule is None
-                                        else f"from {type(datamodule).__name__}.train_dataloader()")
-        self.val_dataloaders = [self._prepare_eval_loader(v) for v in _as_list(val)]
+        self.train_dataloader = prepare_train_loader(self, train)
+        self.val_dataloaders = [self._prepare_eval_loader(v, "validate") for v in as_list(self.val_source.request())]
+        self.loaded_epoch = self.current_epoch
         self._attach(module, with_optimizers=True)
         for sched in self.lr_scheduler_configs:
             self.accelerator.register_for_checkpointing(sched.scheduler)
@@ -459,8 +351,8 @@ class Trainer:
 
             explain_trainer(self, module, ckpt_path)  # exits 0 under `fabric-lite explain`
             return
-        self.accelerator.register_for_checkpointing(_TrainerState(self))
-        self.accelerator.register_for_checkpointing(_LoggedAggregates(self), per_process=True)
+        self.accelerator.register_for_checkpointing(TrainerCheckpointState(self))
+        self.accelerator.register_for_checkpointing(LoggedAggregates(self), per_process=True)
         if self.enable_model_summary:
             self._add_model_summary()
         profiling = self.profiler.enabled
@@ -471,18 +363,19 @@ class Trainer:
             cb.setup(self, module, "fit")
         process = detect_process()
         if ckpt_path in (None, "last") and process.started_by_ray:
-            ckpt_path = self._ray_checkpoint(ckpt_path)
+            ckpt_path = ray_checkpoint(self, ckpt_path)
         if ckpt_path is None and process.restart_count > 0:
             ckpt_path = "last"  # restarted by torch elastic: go on from the newest whole checkpoint
             if self.is_global_zero:
                 print(f"fabric_lite: restart {process.restart_count}: resuming from the newest checkpoint "
                       f"under {self.checkpoint_dir()}", file=sys.stderr, flush=True)
         if ckpt_path is not None:
-            self._restore(ckpt_path)
+            restore(self, ckpt_path)
         self.preemption = PreemptionWatch()
         self.preemption.install()
         try:
-            loops.run_fit(self)
+            with torch.autograd.set_detect_anomaly(self.settings.detect_anomaly):
+                loops.run_fit(self)
             self.accelerator.wait_for_checkpoint()  # the last save is published (or its failure raised) on return
         except BaseException as err:
             for cb in callbacks:
@@ -493,90 +386,88 @@ class Trainer:
             self.preemption.uninstall()
             for cb in callbacks:
                 cb.teardown(self, module, "fit")
-            if datamodule is not None:  # after a failure too, as its setup ran
-                datamodule.teardown("fit")
+            teardown_data(module, datamodule, "fit")  # after a failure too, as their setup ran
             if profiling:
                 self._end_profile("fit")
 
     def validate(self, module: Optional[TrainModule] = None, dataloaders: Any = None,
-                 datamodule: Optional[DataModule] = None) -> List[Dict[str, float]]:
-        return self._evaluate("validate", module, dataloaders, datamodule)
+                 datamodule: Optional[DataModule] = None, ckpt_path: Optional[str] = None) -> List[Dict[str, float]]:
+        """Run validation; `ckpt_path` ("best", "last" or a path) loads those weights first."""
+        return self._evaluate("validate", module, dataloaders, datamodule, ckpt_path)
 
     def test(self, module: Optional[TrainModule] = None, dataloaders: Any = None,
-             datamodule: Optional[DataModule] = None) -> List[Dict[str, float]]:
-        return self._evaluate("test", module, dataloaders, datamodule)
+             datamodule: Optional[DataModule] = None, ckpt_path: Optional[str] = None) -> List[Dict[str, float]]:
+        """Run the test loop; `ckpt_path` ("best", "last" or a path) loads those weights first."""
+        return self._evaluate("test", module, dataloaders, datamodule, ckpt_path)
 
     def predict(self, module: Optional[TrainModule] = None, dataloaders: Any = None,
-                datamodule: Optional[DataModule] = None) -> List[Any]:
+                datamodule: Optional[DataModule] = None, ckpt_path: Optional[str] = None) -> List[Any]:
         from fabric_lite.trainer import loops
 
         module = module or self.module
         if module is None:
             raise ValueError("predict() needs a module (or a Trainer that has already fit one).")
-        loaders = self._eval_loaders(module, datamodule, "predict", dataloaders)
+        loaders = self._eval_loaders(module, datamodule, "predict", dataloaders, ckpt_path)
         profiling = self.profiler.enabled
         if profiling:
             self._start_profile("predict")
         try:
             return loops.run_predict(self, loaders)
         finally:
-            if datamodule is not None:
-                datamodule.teardown("predict")
+            teardown_data(module, datamodule, "predict")
             if profiling:
                 self._end_profile("predict")
 
     def _evaluate(self, stage: str, module: Optional[TrainModule], dataloaders: Any,
-                  datamodule: Optional[DataModule]) -> List[Dict[str, float]]:
+                  datamodule: Optional[DataModule], ckpt_path: Optional[str] = None) -> List[Dict[str, float]]:
         from fabric_lite.trainer import loops
 
         module = module or self.module
         if module is None:
             raise ValueError(f"{stage}() needs a module (or a Trainer that has already fit one).")
-        loaders = self._eval_loaders(module, datamodule, stage, dataloaders)
+        loaders = self._eval_loaders(module, datamodule, stage, dataloaders, ckpt_path)
         profiling = self.profiler.enabled
         if profiling:
             self._start_profile(stage)
         try:
-            return loops.run_evaluation(self, stage, loaders)
+            with self.evaluation_context():
+                return loops.run_evaluation(self, stage, loaders)
         finally:
-            if datamodule is not None:
-                datamodule.teardown(stage)
+            teardown_data(module, datamodule, stage)
             if profiling:
                 self._end_profile(stage)
 
     def _eval_loaders(self, module: TrainModule, datamodule: Optional[DataModule], stage: str,
-                      dataloaders: Any) -> List[Any]:
-        loaders, _ = self._loaders(module, datamodule, stage, dataloaders, None)
+                      dataloaders: Any, ckpt_path: Optional[str] = None) -> List[Any]:
+        if not isinstance(module, TrainModule):
+            raise TypeError(f"Trainer runs TrainModule subclasses, got {type(module).__name__}.")
+        check_refused_overrides(module, datamodule)
+        source, = connect_data(self, module, datamodule, stage, (dataloaders,))
+        loaders = source.request()
         if loaders is None:
-            raise ValueError(f"{stage}() needs dataloaders, or a datamodule with {stage}_dataloader().")
+            name = STAGE_LOADERS[stage][0]
+            raise ValueError(f"{stage}() needs dataloaders, a datamodule with {name}(), or a module that defines "
+                             f"{name}().")
         if self.module is not module:
             self._attach(module)
-        return [self._prepare_eval_loader(d) for d in _as_list(loaders)]
+        if ckpt_path is not None:
+            load_eval_weights(self, stage, ckpt_path)
+        return [self._prepare_eval_loader(d, stage) for d in as_list(loaders)]
 
-    def _prepare_eval_loader(self, loader: Any) -> Any:
-        # Every sample exactly once (no even-batch padding), so metrics over the whole set are exact;
-        # unless each forward is a collective (ZeRO-3), where a process that ran out would hang the rest:
-        # then the last step is padded as in training, and its repeated samples count in epoch means.
-        return self.accelerator.prepare_data_loader(loader, even_batches=self.strategy.forward_is_collective)
+    def _prepare_eval_loader(self, loader: Any, stage: str = "validate") -> Any:
+        return prepare_eval_loader(self, loader, stage)
+
+    def evaluation_context(self) -> Any:
+        """What evaluation and prediction run under: torch.inference_mode (`inference_mode=True`, the default) or
+        torch.no_grad; no_grad on XLA and over a gloo process group, where inference tensors are not supported."""
+        import torch.distributed as dist
+
+        if not self.settings.inference_mode or self.device.type == "xla" or (
+                dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo"):
+            return torch.no_grad()
+        return torch.inference_mode()
 
     # -- plumbing ----------------------------------------------------------------------------------
-    def _loaders(self, module: TrainModule, datamodule: Optional[DataModule], stage: str, first: Any,
-                 second: Any) -> tuple:
-        if datamodule is None:
-            return first, second
-        if first is not None or second is not None:
-            raise ValueError(f"Pass dataloaders or a datamodule to {stage}(), not both.")
-        with self.accelerator.main_process_first():
-            if self.is_global_zero:
-                datamodule.prepare_data()
-        datamodule.setup(stage)
-        if datamodule.hparams:
-            module.hparams.setdefault("datamodule", dict(datamodule.hparams))
-        if stage == "fit":
-            return datamodule.train_dataloader(), datamodule.val_dataloader()
-        name = {"validate": "val_dataloader", "test": "test_dataloader", "predict": "predict_dataloader"}[stage]
-        return getattr(datamodule, name)(), None
-
     def _attach(self, module: TrainModule, with_optimizers: bool = False) -> None:
         if not isinstance(module, TrainModule):
             raise TypeError(f"Trainer runs TrainModule subclasses, got {type(module).__name__}.")
@@ -638,189 +529,3 @@ class Trainer:
             callback.setup(self, self.module, "fit")  # type: ignore[arg-type]
             return callback.dirpath  # type: ignore[attr-defined]
         return f"{self.default_root_dir.rstrip('/')}/checkpoints"
-
-    def _ray_checkpoint(self, ckpt_path: Optional[str]) -> Optional[str]:
-        """Under Ray: the checkpoint Ray hands this run (a restarted worker group, a new driver on the same storage
-        and run name) for "last"; for None too when it is a fabric_lite checkpoint (one RayReportCallback reported),
-        so a run Ray restarts resumes by itself, as under torch elastic."""
-        from fabric_lite.ray import get_checkpoint
-
-        found = get_checkpoint()
-        if found is None:
-            return ckpt_path
-        if ckpt_path is None:
-            from fabric_lite.checkpoint import files as checkpoint_io
-
-            try:
-                checkpoint_io.read_manifest(found)
-            except checkpoint_io.CheckpointError:
-                return None  # the script's own kind of checkpoint: its business
-        if self.is_global_zero:
-            print(f"fabric_lite: resuming from the checkpoint Ray handed this run: {found}", file=sys.stderr, flush=True)
-        return found
-
-    def _restore(self, ckpt_path: str) -> None:
-        if ckpt_path == "last":
-            from fabric_lite.checkpoint import files as checkpoint_io
-
-            root = self.checkpoint_dir()
-            found = checkpoint_io.newest_whole_checkpoint(root) if self.is_global_zero else None
-            found = self.strategy.broadcast_object(found)
-            if found is None:
-                return  # nothing saved yet: a fresh start, as Lightning does
-            ckpt_path = found
-        self.accelerator.load_state(ckpt_path)
-
-
-def convert_sync_batchnorm(module: nn.Module) -> int:
-    """Replace the BatchNorm layers inside `module` by SyncBatchNorm layers, in place, and return how many.
-
-    The new layers hold the same parameters and running statistics (optimizers built before still step them);
-    SyncBatchNorm layers already there are left as they are (with their process group). What `Trainer(
-    sync_batchnorm=True)` does to the module before it is prepared, when several processes train."""
-    from torch.nn.modules.batchnorm import _BatchNorm
-
-    replaced = 0
-    for name, child in list(module.named_children()):
-        if isinstance(child, _BatchNorm) and not isinstance(child, nn.SyncBatchNorm):
-            module.add_module(name, nn.SyncBatchNorm.convert_sync_batchnorm(child))
-            replaced += 1
-        else:
-            replaced += convert_sync_batchnorm(child)
-    return replaced
-
-
-def _check_logger(check: ArgumentCheck, value: Any) -> Union[List[Callback], bool, None]:
-    """None (only the loggers in callbacks), True (a default logger, unless callbacks hold one), False (no
-    logger), or a logger callback or a list of them (returned as a new list)."""
-    if value is None or isinstance(value, bool):
-        return value
-    rule = ("must be a logger callback (TensorBoardLogger, CSVLogger, or another Callback that implements "
-            "on_log), a list of them, True (a default logger) or False/None")
-    if isinstance(value, Callback):
-        items = [value]
-    elif isinstance(value, (list, tuple)):
-        items = list(value)
-    else:
-        check.fail("logger", value, f"{rule}; got {type(value).__name__}.", TypeError)
-    for i, item in enumerate(items):
-        if not is_logger(item):
-            where = "" if item is value else f"item {i} "
-            why = ("a Callback that logs nothing (no on_log): pass it in callbacks=[...]"
-                   if isinstance(item, Callback) else "not a Callback")
-            check.fail("logger", value, f"{rule}; {where}{type(item).__name__} is {why}.", TypeError)
-    return items
-
-
-def _check_profiler(check: ArgumentCheck, value: Any) -> Profiler:
-    """None (no profiling: a PassThroughProfiler), "simple" (a SimpleProfiler) or a Profiler instance."""
-    if value is None:
-        return PassThroughProfiler()
-    if isinstance(value, Profiler):
-        return value
-    rule = "must be 'simple', a Profiler instance such as SimpleProfiler(filename='perf'), or None"
-    if not isinstance(value, str):
-        check.fail("profiler", value, f"{rule}; got {type(value).__name__}.", TypeError)
-    if value.lower() != "simple":
-        other = value.lower() in ("advanced", "pytorch", "xla")
-        check.fail("profiler", value, rule + (" (Lightning's cProfile and torch.profiler profilers are not "
-                                              "available here)." if other else "."))
-    return SimpleProfiler()
-
-
-def _default_logger(root: str) -> Callback:
-    """`logger=True`: a TensorBoardLogger under default_root_dir/lightning_logs where tensorboard is installed,
-    else a CSVLogger there (as Lightning chooses)."""
-    import importlib.util
-
-    from fabric_lite.callbacks.loggers import CSVLogger, TensorBoardLogger
-
-    if importlib.util.find_spec("tensorboard") is not None:
-        return TensorBoardLogger(root, name="lightning_logs")
-    return CSVLogger(root, name="lightning_logs")
-
-
-def _check_val_check_interval(check: ArgumentCheck, value: Any) -> Union[int, float]:
-    """An int >= 1 (validate every N training batches) or a float in (0, 1] (a fraction of the epoch)."""
-    if is_int(value):
-        return check.int("val_check_interval", value, minimum=1,
-                         hint="validate every N training batches; or a float in (0.0, 1.0]: a fraction of the epoch")
-    return check.number("val_check_interval", value, minimum=0.0, maximum=1.0, above=True,
-                        hint="a fraction of the epoch, 1.0: at its end; or an integer >= 1: every N training batches")
-
-
-def _check_batch_limit(check: ArgumentCheck, name: str, value: Any) -> Union[int, float, None]:
-    """None (every batch), an int >= 0 (that many batches) or a float in [0, 1] (that fraction of the loader)."""
-    if value is None or is_int(value):
-        return check.int(name, value, minimum=0, allow_none=True,
-                         hint="that many batches; or a float in [0.0, 1.0]: that fraction of the loader")
-    return check.number(name, value, minimum=0.0, maximum=1.0, allow_none=True,
-                        hint="a fraction of the loader; or an integer >= 0: that many batches; None: all of them")
-
-
-def _xla_replicas(accelerator: str, strategy: Any) -> Optional[bool]:
-    """Whether this Trainer trains XLA replicas (True), one process over every device (None: SPMD), or neither
-    (False), from what it was given: the launcher to start differs."""
-    from fabric_lite.strategies import Strategy, strategy_class
-    from fabric_lite.strategies.environments import read_xla_settings
-
-    if isinstance(strategy, Strategy):
-        cls: Any = type(strategy)
-    else:
-        cls = None if str(strategy).lower() == "auto" else strategy_class(str(strategy))
-    if cls is not None and cls.drives_all_devices:
-        return None
-    name = str(accelerator).lower()
-    return bool((cls is not None and cls.runtime_device_type == "xla") or name in ("tpu", "xla")
-                or (name == "auto" and read_xla_settings().wants_xla))
-
-
-def _relaunch_if_needed(devices: Union[int, str], num_nodes: int, xla: Optional[bool] = False) -> None:
-    """`Trainer(devices=N)` in a script started with plain `python train.py`: start the script again
-    under torch's elastic launcher on N processes, or as N XLA replicas under torch_xla's launcher (`xla`)
-    (this process waits for them and exits with their code)."""
-    import sys
-
-    from fabric_lite.strategies.environments import detect_process, read_launch_settings
-
-    process = detect_process()
-    if not isinstance(devices, int) or devices <= 1 or process.is_distributed or xla is None:
-        return
-    if process.started_by_ray:  # Ray starts, places and restarts the processes: never a second launcher under it
-        raise RuntimeError(
-            f"Trainer(devices={devices}) in a single Ray process ({process.source}): under Ray, Ray starts the "
-            f"processes. Run the training function in Ray Train's TorchTrainer(train_fn, scaling_config="
-            f"ScalingConfig(num_workers={devices})) and leave `devices` out (or 'auto'), or pass devices=1.")
-    if xla and read_launch_settings().accelerator == "xla":
-        return  # a replica that torch_xla's launcher started (replicas that are threads share one environment)
-    main = sys.modules.get("__main__")
-    script = getattr(main, "__file__", None)
-    if script is None or not script.endswith(".py") or os.path.basename(sys.argv[0]) != os.path.basename(script):
-        raise RuntimeError(
-            f"Trainer(devices={devices}) needs {devices} processes, and this process was not started from a script "
-            f"it can start again (a notebook or an interactive session). Use notebook_launcher(fn, "
-            f"num_processes={devices}), or run `fabric-lite launch{' --tpu' if xla else ''} --nproc-per-node {devices} "
-            f"train.py`."
-        )
-    if not os.path.isfile(script):  # moved or deleted since it started: every worker would fail to open it
-        raise RuntimeError(
-            f"Trainer(devices={devices}) starts this script again on {devices} processes, but {script} no longer "
-            f"exists (moved or deleted while it ran). Put it back, or start it with `fabric-lite launch"
-            f"{' --tpu' if xla else ''} --nproc-per-node {devices} PATH/TO/SCRIPT.py`.")
-    import subprocess
-
-    from fabric_lite.launch.launcher import torchrun_command
-
-    if xla:  # (torch_xla's launcher, without `fabric-lite launch`'s config file: as torchrun below)
-        cmd = [sys.executable, "-m", "fabric_lite.launch.xla_launch", str(devices), script, *sys.argv[1:]]
-    else:  # (the script's own arguments pass through untouched)
-        cmd = torchrun_command(devices, num_nodes, script, sys.argv[1:])
-    raise SystemExit(subprocess.call(cmd))
-
-
-def _as_list(loaders: Any) -> List[Any]:
-    if loaders is None:
-        return []
-    if isinstance(loaders, (list, tuple)):
-        return list(loaders)
-    return [loaders]

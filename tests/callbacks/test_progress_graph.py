@@ -159,8 +159,8 @@ def test_enable_progress_bar_false_with_a_bar_in_callbacks_is_a_clear_error(tmp_
         make_trainer(tmp_path, [bar()], enable_progress_bar=False)
 
 
-def test_refresh_rate_must_be_a_positive_integer():
-    for bad in (0, -1, 2.5):
+def test_refresh_rate_must_be_a_non_negative_integer():
+    for bad in (-1, 2.5, True):
         with pytest.raises(ValueError, match="refresh_rate"):
             RichProgressBar(refresh_rate=bad)
         with pytest.raises(ValueError, match="refresh_rate"):

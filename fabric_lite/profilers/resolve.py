@@ -1,0 +1,33 @@
+"""`resolve_profiler`: what `Trainer(profiler=...)` accepts, a name or a Profiler, as the Profiler it runs."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict
+
+from fabric_lite.arguments import fail
+from fabric_lite.profilers.advanced import AdvancedProfiler
+from fabric_lite.profilers.profiler import PassThroughProfiler, Profiler
+from fabric_lite.profilers.pytorch import PyTorchProfiler
+from fabric_lite.profilers.simple import SimpleProfiler
+from fabric_lite.profilers.xla import XLAProfiler
+
+__all__ = ["resolve_profiler", "PROFILERS"]
+
+#: The names `Trainer(profiler=...)` takes (Lightning's), each with the profiler it builds with its defaults.
+PROFILERS: Dict[str, Callable[[], Profiler]] = {"simple": SimpleProfiler, "advanced": AdvancedProfiler,
+                                                 "pytorch": PyTorchProfiler, "xla": XLAProfiler}
+
+
+def resolve_profiler(value: Any, owner: str = "Trainer") -> Profiler:
+    """None (no profiling: a PassThroughProfiler), a name among `PROFILERS` (any case), or a Profiler instance."""
+    if value is None:
+        return PassThroughProfiler()
+    if isinstance(value, Profiler):
+        return value
+    rule = (f"must be one of {', '.join(map(repr, PROFILERS))}, a Profiler instance such as "
+            f"PyTorchProfiler(filename='perf'), or None")
+    if not isinstance(value, str):
+        fail(owner, "profiler", value, f"{rule}; got {type(value).__name__}.", TypeError)
+    if value.lower() not in PROFILERS:
+        fail(owner, "profiler", value, rule + ".")
+    return PROFILERS[value.lower()]()

@@ -1,0 +1,123 @@
+"""The Trainer's checkpoint glue: its own part of a checkpoint, where a resumed fit starts from, and the weights
+validate/test/predict load for `ckpt_path`. The files themselves are written and read by `fabric_lite.checkpoint`."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import TYPE_CHECKING, Any, Dict, Optional
+
+if TYPE_CHECKING:
+    from fabric_lite.trainer.trainer import Trainer
+
+__all__ = ["TrainerCheckpointState", "LoggedAggregates", "ray_checkpoint", "restore", "load_eval_weights"]
+
+
+class TrainerCheckpointState:
+    """The Trainer's part of a checkpoint: counters, callback states, hyperparameters."""
+
+    def __init__(self, trainer: "Trainer") -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> Dict[str, Any]:
+        t = self.trainer
+        extra: Dict[str, Any] = {}
+        t.module.on_save_checkpoint(extra)
+        for cb in t.callbacks:
+            cb.on_save_checkpoint(t, t.module, extra)
+        return {
+            "epoch": t.current_epoch, "global_step": t.global_step, "epoch_finished": t.epoch_finished,
+            "callbacks": {cb.state_key: cb.state_dict() for cb in t.callbacks},
+            "hyper_parameters": dict(t.module.hparams), "extra": extra,
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        t = self.trainer
+        t.current_epoch = int(state["epoch"]) + (1 if state.get("epoch_finished") else 0)
+        t.global_step = int(state["global_step"])
+        for cb in t.callbacks:
+            if cb.state_key in state["callbacks"]:
+                cb.load_state_dict(state["callbacks"][cb.state_key])
+        extra = state.get("extra", {})
+        t.module.on_load_checkpoint(extra)
+        for cb in t.callbacks:
+            cb.on_load_checkpoint(t, t.module, extra)
+
+
+class LoggedAggregates:
+    """Each process's unfinished epoch aggregates of `self.log` (saved per rank: they differ between ranks)."""
+
+    def __init__(self, trainer: "Trainer") -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.trainer.metric_store.state_dict(self.trainer.module)
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.trainer.metric_store.load_state_dict(state, self.trainer.module)
+
+
+def ray_checkpoint(trainer: "Trainer", ckpt_path: Optional[str]) -> Optional[str]:
+    """Under Ray: the checkpoint Ray hands this run (a restarted worker group, a new driver on the same storage
+    and run name) for "last"; for None too when it is a fabric_lite checkpoint (one RayReportCallback reported),
+    so a run Ray restarts resumes by itself, as under torch elastic."""
+    from fabric_lite.ray import get_checkpoint
+
+    found = get_checkpoint()
+    if found is None:
+        return ckpt_path
+    if ckpt_path is None:
+        from fabric_lite.checkpoint import files as checkpoint_io
+
+        try:
+            checkpoint_io.read_manifest(found)
+        except checkpoint_io.CheckpointError:
+            return None  # the script's own kind of checkpoint: its business
+    if trainer.is_global_zero:
+        print(f"fabric_lite: resuming from the checkpoint Ray handed this run: {found}", file=sys.stderr, flush=True)
+    return found
+
+
+def restore(trainer: "Trainer", ckpt_path: str) -> None:
+    """Load a whole checkpoint to go on training: a path, or "last" (the newest whole one; none: a fresh start)."""
+    if ckpt_path == "last":
+        from fabric_lite.checkpoint import files as checkpoint_io
+
+        root = trainer.checkpoint_dir()
+        found = checkpoint_io.newest_whole_checkpoint(root) if trainer.is_global_zero else None
+        found = trainer.strategy.broadcast_object(found)
+        if found is None:
+            return  # nothing saved yet: a fresh start, as Lightning does
+        ckpt_path = found
+    trainer.accelerator.load_state(ckpt_path)
+
+
+def load_eval_weights(trainer: "Trainer", stage: str, ckpt_path: str) -> None:
+    """validate/test/predict(ckpt_path=...): the weights of "best" (the checkpoint callback's best model),
+    "last" (its newest checkpoint) or a path, into the module (Lightning's rules, its errors)."""
+    path: Optional[str] = ckpt_path
+    callback: Any = trainer.checkpoint_callback
+    if ckpt_path == "best":
+        path = callback.best_model_path if callback is not None else ""
+        if not path and trainer.fast_dev_run:
+            raise ValueError(f'{stage}(ckpt_path="best") with fast_dev_run: fast_dev_run saves no checkpoints. '
+                             f'Pass a checkpoint path to {stage}(ckpt_path=...).')
+        if callback is None:
+            raise ValueError(f'{stage}(ckpt_path="best") needs a ModelCheckpoint, and this Trainer has none '
+                             f'(enable_checkpointing=False). Pass a checkpoint path instead.')
+        if not path:
+            raise ValueError(f'{stage}(ckpt_path="best"): the ModelCheckpoint has no best model: no checkpoint '
+                             f'has been saved yet (fit() first, or the monitored metric was never logged). Pass a '
+                             f'checkpoint path to {stage}(ckpt_path=...).')
+    elif ckpt_path == "last":
+        from fabric_lite.checkpoint import files as checkpoint_io
+
+        path = callback.last_model_path if callback is not None else ""
+        if not path:
+            found = checkpoint_io.newest_whole_checkpoint(trainer.checkpoint_dir()) if trainer.is_global_zero else None
+            path = trainer.strategy.broadcast_object(found)
+        if not path:
+            warnings.warn(f'{stage}(ckpt_path="last"): there is no checkpoint yet; the module runs with the '
+                          f'weights it has.', UserWarning, stacklevel=4)
+            return
+    trainer.accelerator.load_model_weights(trainer.model, path)

@@ -1,0 +1,90 @@
+"""What callbacks and modules read from a Trainer: where this process is (ranks, devices), its loggers and log
+directory, its checkpoint callback. A base class of `Trainer`, over its accelerator, strategy and callbacks."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any, List, Optional
+
+import torch
+
+from fabric_lite.callbacks.base import Callback, is_logger
+
+if TYPE_CHECKING:
+    from fabric_lite.accelerator.accelerator import Accelerator
+
+__all__ = ["TrainerFacts"]
+
+
+class TrainerFacts:
+    """The read-only facts of a Trainer (Lightning's Trainer properties of the same names)."""
+
+    accelerator: "Accelerator"
+    strategy: Any
+    callbacks: List[Callback]
+    default_root_dir: str
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.strategy.is_global_zero
+
+    @property
+    def world_size(self) -> int:
+        """Processes in the job (Lightning's `world_size`)."""
+        return self.strategy.world_size
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the job (0 on the main process)."""
+        return self.strategy.global_rank
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node."""
+        return self.strategy.local_rank
+
+    @property
+    def node_rank(self) -> int:
+        """The rank of this process's node."""
+        return self.strategy.node_rank
+
+    @property
+    def num_nodes(self) -> int:
+        return self.strategy.process.num_nodes
+
+    @property
+    def num_devices(self) -> int:
+        """Devices this node trains on: one per process, or under SPMD (one process driving every device) the
+        devices of its mesh."""
+        if self.strategy.drives_all_devices:
+            devices = getattr(getattr(self.strategy, "mesh", None), "device_ids", None)
+            if devices is not None:
+                return max(1, len(devices) // self.num_nodes)
+        return self.strategy.process.local_world_size
+
+    @property
+    def loggers(self) -> List[Callback]:
+        """The logger callbacks (from `logger=` and `callbacks=`), in the order they run."""
+        return [c for c in self.callbacks if is_logger(c)]
+
+    @property
+    def logger(self) -> Optional[Callback]:
+        """The first logger callback, or None."""
+        return next((c for c in self.callbacks if is_logger(c)), None)
+
+    @property
+    def log_dir(self) -> str:
+        """The first logger's directory (its save_dir until it has chosen its version), else default_root_dir."""
+        logger = self.logger
+        found = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
+        return os.fspath(found) if found is not None else self.default_root_dir
+
+    @property
+    def checkpoint_callback(self) -> Optional[Callback]:
+        from fabric_lite.callbacks.checkpoint import ModelCheckpoint
+
+        return next((c for c in self.callbacks if isinstance(c, ModelCheckpoint)), None)
