@@ -132,7 +132,8 @@ def as_scalar_tensor(name: str, value: Any, device: torch.device, enable_graph: 
     if isinstance(value, dict):
         raise ValueError(f"self.log({name!r}) got a dict; log several values with self.log_dict({{...}}).")
     raise ValueError(
-        f"self.log({name!r}) got a {type(value).__name__}; log a number, a one-element tensor or a torchmetrics Metric.")
+        f"self.log({name!r}) got a {type(value).__name__}; log a number, a one-element tensor or a torchmetrics "
+        f"Metric.")
 
 
 def infer_batch_size(name: str, batch: Any) -> int:

@@ -9,7 +9,6 @@ value is logged both ways, `/dataloader_idx_N` when several evaluation loaders r
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -19,6 +18,7 @@ from fabric_lite.trainer.log_rules import (
     DATALOADER_SUFFIX, STEP_HOOKS, as_scalar_tensor, check_levels, hook_rule, infer_batch_size, is_metric,
     parse_reduce_fx,
 )
+from fabric_lite.trainer.log_sync import check_same_sync_names, reduce_value
 
 __all__ = ["MetricStore"]
 
@@ -281,29 +281,17 @@ class MetricStore:
 
     def _sync_steps(self, entries: List[_Entry]) -> None:
         pending = [e for e in entries if e.synced and not e.last_synced]
-        self._check_same_sync_keys([e.step_name for e in pending], "per-step ")
+        check_same_sync_names(self.strategy, self.stage, [e.step_name for e in pending], "per-step ")
         for e in pending:
-            e.last = self._reduce(e.last, e.reduce_fx, e.group)
+            e.last = reduce_value(self.strategy, e.last, e.reduce_fx, e.group)
             e.last_synced = True
-
-    def _reduce(self, tensor: torch.Tensor, op: str, group: Any) -> torch.Tensor:
-        if self.strategy.world_size == 1:
-            return tensor
-        if group is None:
-            return self.strategy.all_reduce(tensor, op)
-        import torch.distributed as dist
-
-        out = tensor.detach().clone()
-        dist.all_reduce(out, op={"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}.get(op, dist.ReduceOp.SUM),
-                        group=group)
-        return out / dist.get_world_size(group) if op == "mean" else out
 
     # -- epoch values ------------------------------------------------------------------------------
     def epoch_end(self) -> Dict[str, torch.Tensor]:
         """Reduce the running loop's epoch values logged from the current dataloader (syncing where asked),
         publish them, reset them, and return the ones for the loggers."""
         items = [e for e in self._collections[self.stage].values() if e.fresh and e.source_idx == self.dataloader_idx]
-        self._check_same_sync_keys([e.epoch_name for e in items if e.on_epoch and e.synced])
+        check_same_sync_names(self.strategy, self.stage, [e.epoch_name for e in items if e.on_epoch and e.synced])
         out: Dict[str, torch.Tensor] = {}
         for e in items:
             value = self._epoch_value(e) if e.on_epoch else None
@@ -327,18 +315,18 @@ class MetricStore:
             if isinstance(value, (int, float)):
                 return torch.tensor(float(value), device=self.strategy.root_device)
             raise ValueError(f"The torchmetrics {type(e.metric).__name__} logged as {e.name!r} computed "
-                             f"{type(value).__name__} {getattr(value, 'shape', '')}; self.log takes metrics that compute "
-                             f"one number. Log a MetricCollection with self.log_dict, or log the parts by name.")
+                             f"{type(value).__name__} {getattr(value, 'shape', '')}; self.log takes metrics that "
+                             f"compute one number. Log a MetricCollection with self.log_dict, or log the parts by name.")
         if e.total is None:
             return None
         total = e.total
         if e.synced:
-            total = self._reduce(total, "sum" if e.reduce_fx == "mean" else e.reduce_fx, e.group)
+            total = reduce_value(self.strategy, total, "sum" if e.reduce_fx == "mean" else e.reduce_fx, e.group)
         if e.reduce_fx != "mean":
             return total
         weight = torch.tensor(e.weight, device=total.device, dtype=total.dtype)
         if e.synced:
-            weight = self._reduce(weight, "sum", e.group)
+            weight = reduce_value(self.strategy, weight, "sum", e.group)
         return total / weight
 
     # -- checkpoints: a mid-epoch checkpoint carries the epoch aggregates logged so far ------------
@@ -350,7 +338,8 @@ class MetricStore:
             if not e.fresh or not e.on_epoch or (e.total is None and e.metric is None):
                 continue
             options = list(e.options)
-            options[_OPTION_NAMES.index("sync_dist_group")] = None  # (a process group is not saved: the next log sets it)
+            # (a process group is not saved: the next log call sets it)
+            options[_OPTION_NAMES.index("sync_dist_group")] = None
             saved: Dict[str, Any] = {"fx": e.fx, "name": e.name, "options": options, "total": e.total,
                                      "weight": e.weight}
             if e.metric is not None:
@@ -379,23 +368,3 @@ class MetricStore:
                     setattr(entry.metric, attr, moved)
             self._collections["train"][(entry.fx, entry.name, None)] = entry
         self._checked.clear()
-
-    def _check_same_sync_keys(self, names: List[str], kind: str = "") -> None:
-        if self.strategy.world_size == 1:
-            return
-        # One tiny all-reduce compares a fingerprint of each process's names (max and -min at once);
-        # only when they differ are the names themselves gathered, to say which process logged what.
-        digest = hashlib.blake2b("\0".join(sorted(names)).encode(), digest_size=8).digest()
-        fingerprint = int.from_bytes(digest, "little") >> 1  # 63 bits: -fingerprint fits an int64 too
-        spread = self.strategy.all_reduce(
-            torch.tensor([fingerprint, -fingerprint], dtype=torch.long, device=self.strategy.root_device), "max")
-        highest, minus_lowest = spread.tolist()
-        if highest == -minus_lowest:
-            return
-        everyone = self.strategy.all_gather_object(sorted(names))
-        if any(keys != everyone[0] for keys in everyone):
-            detail = "; ".join(f"rank {r}: {keys}" for r, keys in enumerate(everyone))
-            raise RuntimeError(
-                f"self.log(..., sync_dist=True) was called for different {kind}names on different processes in "
-                f"stage {self.stage!r} ({detail}). Every process must log the same synced names, or a collective "
-                f"would hang. A value only one process has is logged with rank_zero_only=True (without sync_dist).")

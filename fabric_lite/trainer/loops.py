@@ -203,7 +203,8 @@ def _train_epoch(trainer: "Trainer") -> bool:
     limit = batch_limit(trainer.limits["train"], loader_length(loader))
     position = loader.state_dict()
     start = position["batches_seen"] if position["epoch"] == trainer.current_epoch else 0
-    metrics.start_train_epoch(fresh=start == 0)  # (resumed mid-epoch: the aggregates restored from the checkpoint go on)
+    # (resumed mid-epoch: the aggregates restored from the checkpoint go on)
+    metrics.start_train_epoch(fresh=start == 0)
     module.train()
     trainer.call_hook("on_train_epoch_start")
     metrics.fx = "training_step"  # (and the other per-batch hooks: Lightning's rules are the same for them all)
