@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from fabric_lite.trainer.trainer import Trainer
 
 __all__ = ["STAGE_LOADERS", "LoaderSource", "connect_data", "teardown_data", "as_list", "sequential_loader",
-           "prepare_unsharded", "prepare_train_loader", "prepare_eval_loader", "reload_loaders"]
+           "datamodule_given_as_loaders", "prepare_unsharded", "prepare_train_loader", "prepare_eval_loader",
+           "reload_loaders"]
 
 #: the loader methods each stage asks for, in order
 STAGE_LOADERS = {"fit": ("train_dataloader", "val_dataloader"), "validate": ("val_dataloader",),
@@ -43,6 +44,18 @@ class LoaderSource:
         return self.method() if self.method is not None else self.given
 
 
+
+
+def datamodule_given_as_loaders(stage: str, loaders: Any, datamodule: Any) -> Tuple[Any, Any]:
+    """Lightning's `trainer.fit(model, dm)`: a DataModule passed where the loaders go is the datamodule."""
+    from fabric_lite.trainer.module import DataModule
+
+    if not isinstance(loaders, DataModule):
+        return loaders, datamodule
+    if datamodule is not None:
+        raise ValueError(f"{stage}() got a {type(loaders).__name__} in place of the dataloaders and datamodule="
+                         f"{type(datamodule).__name__}; pass one DataModule.")
+    return None, loaders
 
 
 def connect_data(trainer: "Trainer", module: "TrainModule", datamodule: Optional["DataModule"], stage: str,

@@ -29,7 +29,8 @@ from fabric_lite.trainer.checkpointing import (
 from fabric_lite.trainer.facts import TrainerFacts
 from fabric_lite.trainer.data_hooks import batch_transfer
 from fabric_lite.trainer.data_connector import (
-    STAGE_LOADERS, as_list, connect_data, prepare_eval_loader, prepare_train_loader, teardown_data,
+    STAGE_LOADERS, as_list, connect_data, datamodule_given_as_loaders, prepare_eval_loader, prepare_train_loader,
+    teardown_data,
 )
 from fabric_lite.trainer.configure_optimizers import SchedulerConfig, parse_optimizers
 from fabric_lite.trainer.relaunch import relaunch_if_needed, xla_replicas
@@ -181,7 +182,6 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         self.sanity_checking = False
         self.epoch_finished = False
         self.metric_store = (BarebonesMetricStore if self.barebones else MetricStore)(self.strategy)
-        self.logged_metrics: Dict[str, float] = {}
         self.optimizers: List[Any] = []
         self.lr_scheduler_configs: List[SchedulerConfig] = []
         self.start_time: Optional[float] = None
@@ -264,13 +264,21 @@ class Trainer(TrainerFacts, TrainerLightningNames):
     # -- what callbacks and modules read -----------------------------------------------------------
     @property
     def callback_metrics(self) -> Dict[str, torch.Tensor]:
-        """Latest step values and epoch results, as device tensors (brought up to date when read)."""
-        self.metric_store.step_values()
+        """Every logged value for callbacks (early stopping, checkpoints): the latest training step values
+        (`name` and `name_step`) and epoch results (`name` and `name_epoch`), as device tensors."""
+        self.metric_store.refresh()
         return self.metric_store.callback_metrics
 
     @property
-    def progress_bar_metrics(self) -> Dict[str, torch.Tensor]:
-        self.metric_store.step_values()
+    def logged_metrics(self) -> Dict[str, torch.Tensor]:
+        """The latest value of each name sent to the loggers (`logger=True`), as tensors."""
+        self.metric_store.refresh()
+        return self.metric_store.logged_metrics
+
+    @property
+    def progress_bar_metrics(self) -> Dict[str, float]:
+        """The latest `prog_bar=True` values, as floats."""
+        self.metric_store.refresh()
         return self.metric_store.progress_bar_metrics
 
     @property
@@ -288,10 +296,11 @@ class Trainer(TrainerFacts, TrainerLightningNames):
 
     def log_metrics(self, metrics: Dict[str, Any], step: Optional[int] = None) -> None:
         """Send values to every logger callback (floats; tensors are read here, once)."""
-        values = {k: float(v) for k, v in metrics.items()}
-        if not values:
+        if not metrics:
             return
-        self.logged_metrics.update(values)
+        values = {k: float(v.detach() if v.requires_grad else v) if isinstance(v, torch.Tensor) else float(v)
+                  for k, v in metrics.items()}
+        self.metric_store.logged_metrics.update(metrics)
         for cb in self.callbacks if not self.profiler.enabled else self.timed_callbacks():
             cb.on_log(self, values, self.global_step if step is None else step)
 
@@ -302,17 +311,23 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         callbacks: List[Any] = self.callbacks
         if self.profiler.enabled:
             module, callbacks = self.profiler.timed(module, "TrainModule", TrainModule), self.timed_callbacks()
+        store = self.metric_store
+        running, store.fx = store.fx, hook  # (what self.log may do depends on the hook)
         for cb in callbacks:
             getattr(cb, hook)(self, self.module, *args)
         fn = getattr(module, hook, None)
         if fn is not None:
             fn(*args)
+        store.fx = running
 
     def call_callback_hook(self, hook: str, *args: Any) -> None:
         """Run a hook on every callback only (those the module has no counterpart of, such as
         on_sanity_check_start)."""
+        store = self.metric_store
+        running, store.fx = store.fx, hook
         for cb in self.callbacks if not self.profiler.enabled else self.timed_callbacks():
             getattr(cb, hook)(self, self.module, *args)
+        store.fx = running
 
     def count_manual_step(self, *_: Any) -> None:
         self.global_step += 1
@@ -334,8 +349,7 @@ class Trainer(TrainerFacts, TrainerLightningNames):
 
         if not isinstance(module, TrainModule):
             raise TypeError(f"Trainer runs TrainModule subclasses, got {type(module).__name__}.")
-        if datamodule is None and isinstance(train_dataloaders, DataModule):  # Lightning's `fit(model, dm)`
-            train_dataloaders, datamodule = None, train_dataloaders
+        train_dataloaders, datamodule = datamodule_given_as_loaders("fit", train_dataloaders, datamodule)
         check_refused_overrides(module, datamodule)
         self._merge_module_callbacks(module)
         self.train_source, self.val_source = connect_data(self, module, datamodule, "fit",
@@ -424,11 +438,10 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         one process would batch them). `ckpt_path`: weights to predict with ("best", "last" or a path)."""
         from fabric_lite.trainer.predict_loop import PredictionState, run_predict
 
+        dataloaders, datamodule = datamodule_given_as_loaders("predict", dataloaders, datamodule)
         module = module or self.module
         if module is None:
             raise ValueError("predict() needs a module (or a Trainer that has already fit one).")
-        if datamodule is None and isinstance(dataloaders, DataModule):  # `predict(model, dm)`
-            dataloaders, datamodule = None, dataloaders
         if return_predictions is not None and not isinstance(return_predictions, bool):
             raise TypeError(f"predict(return_predictions={return_predictions!r}): must be None (True), True or False.")
         loaders = self._eval_loaders(module, datamodule, "predict", dataloaders, ckpt_path)
@@ -465,11 +478,10 @@ class Trainer(TrainerFacts, TrainerLightningNames):
                   datamodule: Optional[DataModule], ckpt_path: Optional[str] = None) -> List[Dict[str, float]]:
         from fabric_lite.trainer import loops
 
+        dataloaders, datamodule = datamodule_given_as_loaders(stage, dataloaders, datamodule)
         module = module or self.module
         if module is None:
             raise ValueError(f"{stage}() needs a module (or a Trainer that has already fit one).")
-        if datamodule is None and isinstance(dataloaders, DataModule):  # `test(model, dm)`, as Lightning takes it
-            dataloaders, datamodule = None, dataloaders
         loaders = self._eval_loaders(module, datamodule, stage, dataloaders, ckpt_path)
         profiling = self.profiler.enabled
         if profiling:
@@ -478,10 +490,8 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         try:
             for cb in callbacks:
                 cb.setup(self, module, stage)
-            several = len(loaders) > 1
             with self.evaluation_context():
-                return [loops.run_evaluation(self, stage, loader, dataloader_idx=i if several else None)
-                        for i, loader in enumerate(loaders)]
+                return loops.run_evaluation(self, stage, loaders)
         except BaseException as err:
             for cb in callbacks:
                 cb.on_exception(self, module, err)

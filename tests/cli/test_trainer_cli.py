@@ -341,6 +341,8 @@ def test_validate_and_predict_subcommands_run_the_built_module(tmp_path):
     assert cli.subcommand == "validate" and cli.trainer.global_step == 0
     assert float(cli.trainer.callback_metrics["val_loss"]) == pytest.approx(expected, rel=1e-5)
 
+    # (a run of its own: each writes its config.yaml where its logs go, and refuses to overwrite another run's)
+    args[args.index(str(tmp_path))] = str(tmp_path / "predict")
     cli = TrainerCLI(Regressor, Data, args=["predict", *args])
     assert cli.model.predicted == 32 // 8
 
