@@ -123,7 +123,8 @@ class _StepHooks:
             return call
 
         self.batch_start, self.cb_batch_start = mine("on_train_batch_start"), theirs("on_train_batch_start")
-        self.batch_end = both("on_train_batch_end")
+        # (kept apart, not joined by `both`: progress bars and checkpoints hear every batch end, one call each)
+        self.batch_end, self.cb_batch_end = mine("on_train_batch_end"), theirs("on_train_batch_end")
         self.before_backward, self.after_backward = both("on_before_backward"), both("on_after_backward")
         # for the engine: called with the optimizer (or None: nothing to call)
         self.before_optimizer_step = both("on_before_optimizer_step")
@@ -312,9 +313,12 @@ def _train_epoch(trainer: "Trainer") -> bool:
         if trainer.global_step != steps_before and (trainer.global_step % trainer.log_every_n_steps == 0
                                                     or batch_idx + 1 == limit):
             _flush_step_metrics(trainer)
-        if hooks.batch_end is not None:  # (Lightning hands a plain loss over as {"loss": loss})
-            hooks.batch_end({"loss": out} if out.__class__ is torch.Tensor and module.automatic_optimization
-                            else out, batch, batch_idx)
+        if hooks.cb_batch_end or hooks.batch_end is not None:  # (Lightning hands a plain loss over as {"loss": loss})
+            outputs = {"loss": out} if out.__class__ is torch.Tensor and module.automatic_optimization else out
+            for hook in hooks.cb_batch_end:
+                hook(trainer, module, outputs, batch, batch_idx)
+            if hooks.batch_end is not None:
+                hooks.batch_end(outputs, batch, batch_idx)
         saver = trainer.accelerator.checkpoint_saver
         if trainer.preemption.should_stop(strategy, save_failed=saver.failed):
             _stop_preempted(trainer)
