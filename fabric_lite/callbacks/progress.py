@@ -7,7 +7,7 @@ each epoch's bar on screen."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
 
 from fabric_lite.callbacks.base import Callback
 
@@ -26,7 +26,8 @@ class ProgressBarBase(Callback):
     `disable()` draws nothing.
 
     Subclasses draw: `_open_train`, `_update_train`, `_close_train`, `_close_all`, and optionally the
-    evaluation counterparts `_open_eval`, `_update_eval`, `_close_eval`.
+    evaluation counterparts `_open_eval`, `_update_eval`, `_close_eval`. Override `get_metrics` to change what
+    the bar shows (as in Lightning).
     """
 
     def __init__(self, refresh_rate: int = 20) -> None:
@@ -35,6 +36,7 @@ class ProgressBarBase(Callback):
                              f"every N batches, 0 to draw nothing.")
         self.refresh_rate = refresh_rate
         self._enabled = True
+        self._trainer: Optional["Trainer"] = None
         self._train_shown = False
         self._eval_shown = False
         self._batches = 0
@@ -54,14 +56,26 @@ class ProgressBarBase(Callback):
     def enable(self) -> None:
         self._enabled = True
 
+    @property
+    def trainer(self) -> "Trainer":
+        """The Trainer this bar draws for (once a stage has started)."""
+        if self._trainer is None:
+            raise RuntimeError(f"{type(self).__name__} has no trainer yet: it is attached when fit, validate or test "
+                               f"starts.")
+        return self._trainer
+
+    def get_metrics(self, trainer: "Trainer", pl_module: "TrainModule") -> Dict[str, Union[int, float, str]]:
+        """The values the bar shows: the `prog_bar` metrics (override to add, rename or hide some)."""
+        return {k: float(v) for k, v in trainer.progress_bar_metrics.items()}
+
     # -- what subclasses draw ----------------------------------------------------------------------
     def _open_train(self, trainer: "Trainer", description: str, total: Optional[int]) -> None:
         raise NotImplementedError
 
-    def _update_train(self, completed: int, metrics: Dict[str, float]) -> None:
+    def _update_train(self, completed: int, metrics: Dict[str, Any]) -> None:
         raise NotImplementedError
 
-    def _close_train(self, completed: int, metrics: Dict[str, float]) -> None:
+    def _close_train(self, completed: int, metrics: Dict[str, Any]) -> None:
         raise NotImplementedError
 
     def _close_all(self) -> None:
@@ -72,10 +86,10 @@ class ProgressBarBase(Callback):
     def _close_eval(self) -> None: ...
 
     # -- shared logic ------------------------------------------------------------------------------
-    @staticmethod
-    def _metrics(trainer: "Trainer") -> Dict[str, float]:
-        """The `prog_bar` metrics as floats (reads device values: call once per refresh)."""
-        return {k: float(v) for k, v in trainer.progress_bar_metrics.items()}
+    def _metrics(self, trainer: "Trainer") -> Dict[str, Any]:
+        """What `get_metrics` gives, numbers as floats (reads device values: call once per refresh)."""
+        values = self.get_metrics(trainer, trainer.module)  # type: ignore[arg-type]
+        return {k: v if isinstance(v, str) else float(v) for k, v in values.items()}
 
     @staticmethod
     def _train_total(trainer: "Trainer") -> Optional[int]:
@@ -87,6 +101,7 @@ class ProgressBarBase(Callback):
     def on_train_epoch_start(self, trainer: "Trainer", module: "TrainModule") -> None:
         if not trainer.is_global_zero or self.is_disabled:
             return
+        self._trainer = trainer
         self._batches = 0
         self._open_train(trainer, f"Epoch {trainer.current_epoch}", self._train_total(trainer))
         self._train_shown = True
@@ -106,6 +121,7 @@ class ProgressBarBase(Callback):
 
     def _start_eval(self, trainer: "Trainer", description: str) -> None:
         if trainer.is_global_zero and self.is_enabled:
+            self._trainer = trainer
             self._open_eval(trainer, description)
             self._eval_shown = True
 
@@ -169,28 +185,48 @@ class TQDMProgressBar(ProgressBarBase):
 
         return tqdm(dynamic_ncols=True, **kwargs)
 
-    def _open_train(self, trainer: "Trainer", description: str, total: Optional[int]) -> None:
-        if self._bar is not None and not self.leave:
-            self._bar.reset(total=total)
-            self._bar.set_description(description, refresh=False)
-            return
-        self._close_all()
-        self._bar = self._tqdm(total=total, desc=description, leave=True, position=2 * self.process_position)
+    # Lightning's customization points: override one, call super() and change the bar it returns.
+    def init_train_tqdm(self) -> Any:
+        """The training bar (its total and description are set at each epoch start)."""
+        return self._tqdm(desc="Training", leave=True, position=2 * self.process_position)
 
-    def _update_train(self, completed: int, metrics: Dict[str, float]) -> None:
+    def init_sanity_tqdm(self) -> Any:
+        """The bar of the sanity check before training."""
+        return self._tqdm(desc="Sanity checking", leave=False, position=2 * self.process_position)
+
+    def init_validation_tqdm(self) -> Any:
+        """The validation bar: under the training bar during fit (cleared when done), alone otherwise."""
+        below = self._bar is not None
+        return self._tqdm(desc="Validation", leave=not below, position=2 * self.process_position + int(below))
+
+    def init_test_tqdm(self) -> Any:
+        """The bar of trainer.test()."""
+        return self._tqdm(desc="Testing", leave=True, position=2 * self.process_position)
+
+    def _open_train(self, trainer: "Trainer", description: str, total: Optional[int]) -> None:
+        if self._bar is None or self.leave:
+            self._close_all()
+            self._bar = self.init_train_tqdm()
+        self._bar.set_description(description, refresh=False)
+        self._bar.reset(total=total)
+
+    def _update_train(self, completed: int, metrics: Dict[str, Any]) -> None:
         self._bar.update(completed - self._bar.n)
         self._bar.set_postfix(_short(metrics), refresh=False)
 
-    def _close_train(self, completed: int, metrics: Dict[str, float]) -> None:
+    def _close_train(self, completed: int, metrics: Dict[str, Any]) -> None:
         self._bar.update(completed - self._bar.n)
         self._bar.set_postfix(_short(metrics))
         if self.leave:  # this epoch's bar stays as it is; the next epoch draws a new one
             self._close_all()
 
     def _open_eval(self, trainer: "Trainer", description: str) -> None:
-        below = self._bar is not None  # (validation inside fit: under the training bar, gone when done)
-        self._eval_bar = self._tqdm(total=None, desc=description, leave=not below,
-                                    position=2 * self.process_position + int(below))
+        if trainer.sanity_checking:
+            self._eval_bar = self.init_sanity_tqdm()
+        elif description == "Testing":
+            self._eval_bar = self.init_test_tqdm()
+        else:
+            self._eval_bar = self.init_validation_tqdm()
 
     def _update_eval(self, completed: int) -> None:
         self._eval_bar.update(completed - self._eval_bar.n)
@@ -274,10 +310,10 @@ class RichProgressBar(ProgressBarBase):
         self._train_task = self._progress.add_task(description, total=total, metrics="")
         self._progress.refresh()
 
-    def _update_train(self, completed: int, metrics: Dict[str, float]) -> None:
+    def _update_train(self, completed: int, metrics: Dict[str, Any]) -> None:
         self._progress.update(self._train_task, completed=completed, metrics=self._join(metrics), refresh=True)
 
-    def _close_train(self, completed: int, metrics: Dict[str, float]) -> None:
+    def _close_train(self, completed: int, metrics: Dict[str, Any]) -> None:
         if self._progress is not None and self._train_task is not None:
             self._progress.update(self._train_task, completed=completed, metrics=self._join(metrics))
         self._close_all()
@@ -303,10 +339,11 @@ class RichProgressBar(ProgressBarBase):
         else:
             self._progress.refresh()
 
-    def _join(self, metrics: Dict[str, float]) -> str:
+    def _join(self, metrics: Dict[str, Any]) -> str:
         """`key=value` pairs in the theme's number format, joined by its delimiter."""
         spec = self.theme.metrics_format
-        return self.theme.metrics_text_delimiter.join(f"{k}={format(v, spec)}" for k, v in metrics.items())
+        return self.theme.metrics_text_delimiter.join(
+            f"{k}={v if isinstance(v, str) else format(v, spec)}" for k, v in metrics.items())
 
     def _close_all(self) -> None:
         if self._progress is not None:
@@ -318,8 +355,8 @@ class RichProgressBar(ProgressBarBase):
         self._eval_owns_progress = False
 
 
-def _short(metrics: Dict[str, float]) -> Dict[str, str]:
-    return {k: f"{v:.4g}" for k, v in metrics.items()}
+def _short(metrics: Dict[str, Any]) -> Dict[str, str]:
+    return {k: v if isinstance(v, str) else f"{v:.4g}" for k, v in metrics.items()}
 
 
 def _rich_columns(theme: RichProgressBarTheme) -> List[Any]:

@@ -91,7 +91,8 @@ class ModelPruning(Callback):
             self._method_name = pruning_fn.__name__
             method = pruning_fn
         else:
-            raise TypeError(f"ModelPruning(pruning_fn={pruning_fn!r}) must be one of {', '.join(map(repr, _FUNCTIONS))} "
+            raise TypeError(f"ModelPruning(pruning_fn={pruning_fn!r}) must be one of "
+                            f"{', '.join(map(repr, _FUNCTIONS))} "
                             f"or a prune.BasePruningMethod subclass (the class, not an instance).")
         if use_global_unstructured and getattr(method, "PRUNING_TYPE", None) != "unstructured":
             raise ValueError(f"ModelPruning(pruning_fn={self._method_name!r}, use_global_unstructured=True): global "
@@ -213,7 +214,8 @@ class ModelPruning(Callback):
 
     def on_validation_epoch_end(self, trainer: "Trainer", module: "TrainModule") -> None:
         if not trainer.sanity_checking and not self._prune_on_train_epoch_end:
-            self._run(trainer.current_epoch)
+            with torch.inference_mode(False):  # validation may run under inference mode: masks must train on
+                self._run(trainer.current_epoch)
 
     def on_train_end(self, trainer: "Trainer", module: "TrainModule") -> None:
         if self._make_pruning_permanent:

@@ -17,6 +17,9 @@ _TRAINER_CLI = {
     "OptimizerCallable": "fabric_lite.cli.trainer_cli",
     "LRSchedulerCallable": "fabric_lite.cli.trainer_cli",
     "ArgsType": "fabric_lite.cli.trainer_cli",
+    "LRSchedulerTypeTuple": "fabric_lite.cli.trainer_cli",
+    "LRSchedulerTypeUnion": "fabric_lite.cli.trainer_cli",
+    "LRSchedulerType": "fabric_lite.cli.trainer_cli",
     "TrainerArgumentParser": "fabric_lite.cli.trainer_parser",
     "LightningArgumentParser": "fabric_lite.cli.trainer_parser",
 }

@@ -14,7 +14,6 @@ import inspect
 import os
 import random
 import re
-import sys
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Type, Union
 
@@ -28,7 +27,8 @@ if TYPE_CHECKING:
     from fabric_lite.cli.trainer_parser import Namespace, TrainerArgumentParser
 
 __all__ = ["TrainerCLI", "LightningCLI", "SaveConfigCallback", "ReduceLROnPlateau", "instantiate_class",
-           "OptimizerCallable", "LRSchedulerCallable", "LR_SCHEDULER_CLASSES", "ArgsType"]
+           "OptimizerCallable", "LRSchedulerCallable", "LR_SCHEDULER_CLASSES", "LRSchedulerTypeTuple",
+           "LRSchedulerTypeUnion", "LRSchedulerType", "ArgsType"]
 
 #: The seed a TrainerCLI chose at random (`--seed_everything true`), handed to the processes the Trainer starts
 #: again under torchrun (`devices=N`) so that every rank draws the same one.
@@ -37,7 +37,6 @@ SEED_VARIABLE = "FABRIC_LITE_CLI_SEED"
 ArgsType = Optional[Union[List[str], Dict[str, Any], "Namespace"]]
 #: Type hints for a module's __init__ that takes an optimizer or scheduler to build later (dependency injection).
 OptimizerCallable = Callable[[Iterable], torch.optim.Optimizer]
-LRSchedulerCallable = Callable[[torch.optim.Optimizer], Any]
 
 
 class ReduceLROnPlateau(torch.optim.lr_scheduler.ReduceLROnPlateau):
@@ -50,6 +49,11 @@ class ReduceLROnPlateau(torch.optim.lr_scheduler.ReduceLROnPlateau):
 
 #: The scheduler classes the automatic `--lr_scheduler` group accepts (torch's ReduceLROnPlateau has no metric).
 LR_SCHEDULER_CLASSES = (torch.optim.lr_scheduler.LRScheduler, ReduceLROnPlateau)
+#: Lightning's names for the same: the scheduler classes as a tuple, a Union, and a Union of their types.
+LRSchedulerTypeTuple = LR_SCHEDULER_CLASSES
+LRSchedulerTypeUnion = Union[torch.optim.lr_scheduler.LRScheduler, ReduceLROnPlateau]
+LRSchedulerType = Union[Type[torch.optim.lr_scheduler.LRScheduler], Type[ReduceLROnPlateau]]
+LRSchedulerCallable = Callable[[torch.optim.Optimizer], LRSchedulerTypeUnion]
 
 
 def load_jsonargparse_parser() -> Type["TrainerArgumentParser"]:
@@ -120,6 +124,22 @@ class TrainerCLI:
     `--trainer.*`/`--model.*`/`--data.*` options, `--optimizer`/`--lr_scheduler` class paths, `--print_config`.
 
     `run=False` builds without a subcommand: `cli.model`, `cli.datamodule`, `cli.trainer`, `cli.config`.
+
+    Args:
+        model_class: the TrainModule class (or a function returning one); None: any, named by `--model`.
+        datamodule_class: the DataModule class (or a function returning one); None: optional, named by `--data`.
+        save_config_callback: the callback that writes config.yaml into the log dir; None: none.
+        save_config_kwargs: its arguments (`{"overwrite": True}`, `{"config_filename": "run.yaml"}`).
+        trainer_class: the Trainer class (or a function returning one).
+        trainer_defaults: Trainer arguments that replace its defaults; callbacks given here are always added.
+        seed_everything_default: `--seed_everything`'s default: an int, True (a random seed) or False.
+        parser_kwargs: arguments of the parsers; under a subcommand's name, of that subcommand's parser only.
+        subclass_mode_model: accept any subclass of `model_class`, named on the command line.
+        subclass_mode_data: accept any subclass of `datamodule_class`, named on the command line.
+        args: what to parse instead of `sys.argv[1:]`: a list of strings, a dict or a config namespace.
+        run: run the subcommand given (fit, validate, test, predict); False: build only, no subcommands.
+        auto_configure_optimizers: add `--optimizer` and `--lr_scheduler`, which replace configure_optimizers.
+        parser_class: the parser class (a TrainerArgumentParser subclass).
     """
 
     def __init__(
@@ -188,14 +208,14 @@ class TrainerCLI:
             return
         subcommands = self.parser.add_subcommands()
         self.parser.subcommand_names = list(self.subcommands())
+        trainer_type = self.trainer_class if isinstance(self.trainer_class, type) else Trainer
         for name, skip in self.subcommands().items():
-            method = getattr(self.trainer_class if isinstance(self.trainer_class, type) else Trainer, name)
+            method = getattr(trainer_type, name)
             doc = (inspect.getdoc(method) or "").split("\n", 1)[0] or None
             kwargs = dict(sub_kwargs.get(name, {}))
             kwargs.setdefault("description", doc)
             parser = self.init_parser(**kwargs)
             self.add_all_arguments(parser)
-            trainer_type = self.trainer_class if isinstance(self.trainer_class, type) else Trainer
             self.subcommand_method_arguments[name] = parser.add_method_arguments(trainer_type, name, skip=set(skip))
             self.subcommand_parsers[name] = parser
             subcommands.add_subcommand(name, parser, help=doc)
@@ -291,7 +311,8 @@ class TrainerCLI:
         parser = self.subcommand_parser(self.subcommand)
         extra = [self.section(self.config_init).get(key) for key in parser.callback_keys]
         section = self.section(self.config_init).get("trainer")
-        config = {**(vars(section) if section is not None else {}), **kwargs}
+        given = vars(section) if section is not None else {}
+        config = {**{k: v for k, v in given.items() if not k.startswith("__")}, **kwargs}  # (not `__path__`)
         callbacks = config.get("callbacks")
         callbacks = [] if callbacks is None else list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
         callbacks.extend(c for c in extra if c is not None)

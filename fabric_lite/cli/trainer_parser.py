@@ -6,7 +6,7 @@ from __future__ import annotations
 import difflib
 import re
 import sys
-from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple, Type, Union
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple, Union
 
 import torch
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, class_from_function
@@ -27,7 +27,7 @@ class TrainerArgumentParser(ArgumentParser):
     schedulers (Lightning's `LightningArgumentParser`)."""
 
     def __init__(self, *args: Any, description: str = "fabric_lite Trainer command line",
-                 env_prefix: str = "FL", default_env: bool = False, **kwargs: Any) -> None:
+                 env_prefix: str = "FABRIC_LITE", default_env: bool = False, **kwargs: Any) -> None:
         # A misspelt option must be refused, not read as the option it abbreviates.
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, description=description, env_prefix=env_prefix, default_env=default_env, **kwargs)
@@ -135,6 +135,12 @@ def one_line_error(message: str, options: List[str] = ()) -> str:
         hints = [h for f in flags for h in difflib.get_close_matches(f, list(options), n=1)]
         hint = f"; did you mean {', '.join(hints)}?" if hints else ""
         return f"unknown option(s): {unknown.group(1)}{hint}"
+    refused = re.match(r"(?:Subcommand|Group) '([\w.-]+)' does not accept option '([\w.]+)'", first)
+    if refused:  # (a key in a config file, or a dict given as args)
+        group, key = refused.groups()
+        flag = f"--{key}" if first.startswith("Subcommand") else f"--{group}.{key}"
+        hints = difflib.get_close_matches(flag, list(options), n=1)
+        return f"unknown option {flag} (in a --config file?)" + (f"; did you mean {hints[0]}?" if hints else "")
     required = re.match(r'Key "([^"]+)" is required', first) or re.match(
         r"the following arguments are required: ([\w.]+)", first)
     if required:

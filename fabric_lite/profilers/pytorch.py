@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import warnings
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -109,7 +110,7 @@ class PyTorchProfiler(Profiler):
     - `profiler_kwargs`: torch.profiler.profile's own (`schedule`, `activities` (default: the CPU, plus CUDA where
       a GPU is available), `record_shapes`, `profile_memory`, `with_stack`, `with_flops`, `with_modules`,
       `on_trace_ready` (replaces the Chrome export), ...), and Lightning's `export_to_flame_graph` / `metric`
-      (``{stem}-{step action}.{cycle}.stack``, for flamegraph.pl).
+      (``{stem}-{step action}.{cycle}.stack``, for flamegraph.pl). The report covers every cycle of the stage.
     """
 
     def __init__(self, dirpath: Optional[str] = None, filename: Optional[str] = None,
@@ -129,6 +130,8 @@ class PyTorchProfiler(Profiler):
         self.metric = kwargs.pop("metric", "self_cpu_time_total")
         if self.export_to_flame_graph:
             kwargs["with_stack"] = True  # (the stacks are what a flame graph draws)
+            # torch keeps the Python frames of the stacks only in verbose mode (its export_stacks docs say so)
+            kwargs.setdefault("experimental_config", torch.profiler._ExperimentalConfig(verbose=True))
         if group_by_input_shapes:
             if kwargs.get("record_shapes") is False:
                 raise ValueError("PyTorchProfiler(group_by_input_shapes=True, record_shapes=False): grouping by input "
@@ -163,8 +166,10 @@ class PyTorchProfiler(Profiler):
         self.profiler_kwargs = kwargs
         #: The torch profiler of the running stage (None between stages).
         self.profiler: Optional[torch.profiler.profile] = None
-        #: The events of the stage's last recorded cycle, read after the stage (None before).
-        self.function_events: Any = None
+        #: The events of the stage's recorded cycles, in order, read after the stage (None before).
+        self.function_events: Optional[List[Any]] = None
+        self.cycle_events: List[Any] = []
+        self.cycle_averages: List[Any] = []  # each cycle's key_averages(), summed in the report
         self.nvtx: List[Any] = []
         self.labels: Optional[RegisterRecordFunction] = None
         self.recording: Dict[str, List[Any]] = {}
@@ -180,6 +185,7 @@ class PyTorchProfiler(Profiler):
         self.close()
         super().setup(stage, rank, log_dir)
         self.function_events = None
+        self.cycle_events, self.cycle_averages = [], []
         self.counts = {}
         self.owner = self.last_step_action = None
         self.cycles = 0
@@ -216,8 +222,8 @@ class PyTorchProfiler(Profiler):
         profiler, self.profiler = self.profiler, None
         if profiler is not None:
             profiler.__exit__(None, None, None)  # (a cycle still recording is handed to trace_ready here)
-            if profiler.profiler is not None:
-                self.function_events = profiler.events()
+            if self.cycle_events:
+                self.function_events = list(self.cycle_events)
 
     # -- actions -----------------------------------------------------------------------------------
     def start(self, action: str) -> None:
@@ -244,7 +250,11 @@ class PyTorchProfiler(Profiler):
         if self.user_schedule is not None:
             self.next_action = self.user_schedule(count)
             self.owner = None if self.next_action == torch.profiler.ProfilerAction.NONE else kind
-        self.profiler.step()
+        with warnings.catch_warnings():
+            # (torch says a new cycle drops the last one's events: trace_ready has kept them for the report;
+            # torch's own acc_events=True, which would keep them, crashes the process now and then)
+            warnings.filterwarnings("ignore", message="Warning: Profiler clears events", category=UserWarning)
+            self.profiler.step()
 
     def scheduled_action(self, step: int) -> Any:
         """The schedule torch asks at each step: the user's, at the count of the kind of step that just ended
@@ -252,8 +262,12 @@ class PyTorchProfiler(Profiler):
         return self.next_action
 
     def trace_ready(self, profiler: torch.profiler.profile) -> None:
-        """A cycle was recorded: hand it to the user's `on_trace_ready`, or write its Chrome trace (and stacks)."""
+        """A cycle was recorded: keep its events for the report; hand it to the user's `on_trace_ready`, or write
+        its Chrome trace (and stacks)."""
         self.cycles += 1
+        events = profiler.events()
+        self.cycle_events.extend(events)
+        self.cycle_averages.append(events.key_averages(group_by_input_shapes=self.group_by_input_shapes))
         if self.user_on_trace_ready is not None:
             self.user_on_trace_ready(profiler)
             return
@@ -276,9 +290,25 @@ class PyTorchProfiler(Profiler):
                 return ""
             return (f"{title}\nNothing recorded: the stage ran {steps} step(s) and the schedule recorded none of "
                     f"them; pass schedule=None to PyTorchProfiler to record every step, or run more steps.")
-        averages = self.function_events.key_averages(group_by_input_shapes=self.group_by_input_shapes)
+        averages = self.summed_averages()
         table = averages.table(sort_by=self.sort_by_key, row_limit=self.row_limit, **self.table_kwargs)
         return f"{title}\nProfile stats for: records{rank}\n{table}"
+
+    def summed_averages(self) -> Any:
+        """The operators' averages over every cycle of the stage (torch's EventList of FunctionEventAvg)."""
+        averages = self.cycle_averages[0]
+        if len(self.cycle_averages) > 1:
+            merged: Dict[Any, Any] = {}
+            for cycle in self.cycle_averages:
+                for average in cycle:
+                    key = (average.key, str(average.input_shapes) if self.group_by_input_shapes else None)
+                    if key in merged:
+                        merged[key].add(average)
+                    else:
+                        merged[key] = average
+            averages[:] = list(merged.values())
+            self.cycle_averages = [averages]
+        return averages
 
     def teardown(self, stage: Optional[str] = None) -> None:
         self.close()

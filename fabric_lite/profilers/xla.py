@@ -11,7 +11,7 @@ import importlib.util
 from typing import Any, Dict, List, Optional
 
 from fabric_lite.profilers.profiler import Profiler
-from fabric_lite.utils.refusals import NotSupportedError
+from fabric_lite.utils.refusals import NotSupportedError, message
 
 __all__ = ["XLAProfiler"]
 
@@ -23,9 +23,10 @@ class XLAProfiler(Profiler):
 
     def __init__(self, port: int = 9012) -> None:
         if importlib.util.find_spec("torch_xla") is None:
-            raise NotSupportedError(
-                "XLAProfiler: profiling XLA devices (TPUs) needs torch_xla, which is not installed here; install "
-                "torch_xla on the TPU host, or profile CPU and GPU runs with profiler='pytorch' (PyTorchProfiler).")
+            raise NotSupportedError(message(
+                "XLAProfiler", "profiling XLA devices (TPU) with torch_xla's profiler server",
+                "it needs torch_xla, which is not installed here: install torch_xla on the TPU host, or profile CPU "
+                "and GPU runs with profiler='pytorch' (PyTorchProfiler)"))
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
             raise ValueError(f"XLAProfiler(port={port!r}): pass a TCP port number, 1 to 65535.")
         super().__init__()

@@ -12,12 +12,15 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
+from fabric_lite.trainer.data_hooks import defines_loader
+
 if TYPE_CHECKING:
     from fabric_lite.trainer.module import DataModule, TrainModule
     from fabric_lite.trainer.trainer import Trainer
 
 __all__ = ["STAGE_LOADERS", "LoaderSource", "connect_data", "teardown_data", "as_list", "sequential_loader",
-           "prepare_unsharded", "prepare_train_loader", "prepare_eval_loader", "reload_loaders"]
+           "datamodule_given_as_loaders", "prepare_unsharded", "prepare_train_loader", "prepare_eval_loader",
+           "reload_loaders"]
 
 #: the loader methods each stage asks for, in order
 STAGE_LOADERS = {"fit": ("train_dataloader", "val_dataloader"), "validate": ("val_dataloader",),
@@ -41,10 +44,18 @@ class LoaderSource:
         return self.method() if self.method is not None else self.given
 
 
-def user_hook(module: Any, name: str) -> Optional[Callable[..., Any]]:
-    """The module's own `name` method (Lightning's optional data hooks), or None where it defines none."""
-    hook = getattr(module, name, None)
-    return hook if callable(hook) else None
+
+
+def datamodule_given_as_loaders(stage: str, loaders: Any, datamodule: Any) -> Tuple[Any, Any]:
+    """Lightning's `trainer.fit(model, dm)`: a DataModule passed where the loaders go is the datamodule."""
+    from fabric_lite.trainer.module import DataModule
+
+    if not isinstance(loaders, DataModule):
+        return loaders, datamodule
+    if datamodule is not None:
+        raise ValueError(f"{stage}() got a {type(loaders).__name__} in place of the dataloaders and datamodule="
+                         f"{type(datamodule).__name__}; pass one DataModule.")
+    return None, loaders
 
 
 def connect_data(trainer: "Trainer", module: "TrainModule", datamodule: Optional["DataModule"], stage: str,
@@ -59,16 +70,12 @@ def connect_data(trainer: "Trainer", module: "TrainModule", datamodule: Optional
         if trainer.is_global_zero:
             if datamodule is not None:
                 datamodule.prepare_data()
-            prepare = user_hook(module, "prepare_data")
-            if prepare is not None:
-                prepare()
+            module.prepare_data()
     if datamodule is not None:
         datamodule.setup(stage)
         if datamodule.hparams:
             module.hparams.setdefault("datamodule", dict(datamodule.hparams))
-    setup = user_hook(module, "setup")
-    if setup is not None:
-        setup(stage)
+    module.setup(stage)
     sources = []
     for name, value in zip(STAGE_LOADERS[stage], given):
         if datamodule is not None:
@@ -77,7 +84,7 @@ def connect_data(trainer: "Trainer", module: "TrainModule", datamodule: Optional
         elif value is not None:
             sources.append(LoaderSource(given=value, origin=f"given to {stage}()"))
         else:
-            own = user_hook(module, name)
+            own = getattr(module, name) if defines_loader(module, name) else None
             sources.append(LoaderSource(method=own, origin=f"from {type(module).__name__}.{name}()"))
     return sources
 
@@ -86,9 +93,8 @@ def teardown_data(module: Optional["TrainModule"], datamodule: Optional["DataMod
     """`teardown(stage)` on the DataModule, then on the module (after a failure too: their setup ran)."""
     if datamodule is not None:
         datamodule.teardown(stage)
-    hook = user_hook(module, "teardown") if module is not None else None
-    if hook is not None:
-        hook(stage)
+    if module is not None:
+        module.teardown(stage)
 
 
 def as_list(loaders: Any) -> List[Any]:
@@ -128,14 +134,15 @@ def sequential_loader(loader: Any, stage: str, overfit_batches: Any) -> Any:
     return DataLoader(loader.dataset, sampler=SequentialSampler(loader.dataset), **kwargs)
 
 
-def prepare_unsharded(trainer: "Trainer", loader: Any, even_batches: Optional[bool] = None) -> Any:
+def prepare_unsharded(trainer: "Trainer", loader: Any, even_batches: Optional[bool] = None,
+                      place: Optional[bool] = None) -> Any:
     """`use_distributed_sampler=False`: every process reads `loader` whole, in its own order (the user shards it,
     e.g. with their own DistributedSampler); batches are still placed on the device and the position is kept."""
     from fabric_lite.data.loader import shard_dataloader
 
     acc = trainer.accelerator
     config = acc.dataloader_config
-    place = acc.device_placement if trainer.batch_placement is None else trainer.batch_placement
+    place = acc.device_placement if place is None else place
     prepared = shard_dataloader(
         loader, num_replicas=1, rank=0, device=acc.device if place and acc.device.type != "cpu" else None,
         gradient_state=acc.gradient_state, split_batches=config.split_batches,
@@ -153,22 +160,25 @@ def prepare_train_loader(trainer: "Trainer", loader: Any) -> Any:
         loader = sequential_loader(loader, "training", trainer.overfit_batches)
     # the user's loader and where it came from, named if it yields no batches (loops.empty_loader_warning)
     trainer.train_dataloader_source = (loader, trainer.train_source.origin)
+    return _prepared(trainer, loader, None, 0)
+
+
+def _prepared(trainer: "Trainer", loader: Any, even: Optional[bool], dataloader_idx: int) -> Any:
+    # (with batch-transfer hooks the loops move each batch through them, and the loader leaves it where it loads it)
+    place = None if trainer.batch_transfer is None else False
     if not trainer.settings.use_distributed_sampler:
-        return prepare_unsharded(trainer, loader)
-    return trainer.accelerator.prepare_data_loader(loader, device_placement=trainer.batch_placement)
+        return prepare_unsharded(trainer, loader, even_batches=even, place=place)
+    return trainer.accelerator.prepare_data_loader(loader, device_placement=place, even_batches=even)
 
 
-def prepare_eval_loader(trainer: "Trainer", loader: Any, stage: str = "validate") -> Any:
+def prepare_eval_loader(trainer: "Trainer", loader: Any, stage: str = "validate", dataloader_idx: int = 0) -> Any:
     """An evaluation loader as the Trainer reads it: every sample once (see below), in order under overfit_batches."""
     if trainer.overfit_batches and stage == "validate":
         loader = sequential_loader(loader, "validation", trainer.overfit_batches)
     # Every sample exactly once (no even-batch padding), so metrics over the whole set are exact;
     # unless each forward is a collective (ZeRO-3), where a process that ran out would hang the rest:
     # then the last step is padded as in training, and its repeated samples count in epoch means.
-    even = trainer.strategy.forward_is_collective
-    if not trainer.settings.use_distributed_sampler:
-        return prepare_unsharded(trainer, loader, even_batches=even)
-    return trainer.accelerator.prepare_data_loader(loader, even_batches=even, device_placement=trainer.batch_placement)
+    return _prepared(trainer, loader, trainer.strategy.forward_is_collective, dataloader_idx)
 
 
 def reload_loaders(trainer: "Trainer") -> None:
@@ -176,12 +186,15 @@ def reload_loaders(trainer: "Trainer") -> None:
     acc = trainer.accelerator
     if trainer.train_source.reloadable:
         old, new = trainer.train_dataloader, prepare_train_loader(trainer, trainer.train_source.request())
-        acc.dataloaders.remove(new)  # the new loader takes the old one's place (its checkpoint slot)
-        acc.dataloaders[acc.dataloaders.index(old)] = new
+        # the new loader takes the old one's place (its checkpoint slot)
+        old_inner, new_inner = old, new
+        acc.dataloaders.remove(new_inner)
+        acc.dataloaders[acc.dataloaders.index(old_inner)] = new_inner
         new.set_epoch(trainer.current_epoch)
         trainer.train_dataloader = new
     if trainer.val_source.reloadable:
         for old in trainer.val_dataloaders:
             acc.dataloaders.remove(old)
-        trainer.val_dataloaders = [prepare_eval_loader(trainer, v) for v in as_list(trainer.val_source.request())]
+        trainer.val_dataloaders = [prepare_eval_loader(trainer, v, "validate", i)
+                                   for i, v in enumerate(as_list(trainer.val_source.request()))]
     trainer.loaded_epoch = trainer.current_epoch

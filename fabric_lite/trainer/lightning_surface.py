@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, 
 
 import torch
 
-from fabric_lite.utils.refusals import NotSupportedError, message, refused, refused_class
+from fabric_lite.utils.refusals import NotSupportedError, message, refused
 
 if TYPE_CHECKING:
     from fabric_lite.callbacks.base import Callback
 
-__all__ = ["TrainerLightningNames", "ModuleLightningNames", "DataModuleLightningNames", "REFUSED_TRAINER_ARGUMENTS",
-           "REFUSED_TRAINER_MEMBERS", "check_refused_arguments", "check_refused_overrides", "XLAProfiler"]
+__all__ = ["NotSupportedAttributeError", "TrainerLightningNames", "ModuleLightningNames", "DataModuleLightningNames",
+           "REFUSED_TRAINER_ARGUMENTS", "REFUSED_TRAINER_MEMBERS", "check_refused_arguments", "check_refused_overrides"]
 
 _STAGE_INSTEAD = "know the stage from the hook you are in (on_train_*, on_validation_*, on_test_*, on_predict_*)"
 _LOOPS_INSTEAD = "read trainer.current_epoch, trainer.global_step and trainer.should_stop"
@@ -68,6 +68,11 @@ REFUSED_TRAINER_MEMBERS: Dict[str, Tuple[str, str]] = {
 }
 
 
+class NotSupportedAttributeError(NotSupportedError, AttributeError):
+    """Reading a refused attribute: a NotSupportedError naming the feature, and an AttributeError, so that
+    hasattr() and tools that walk a module's attributes (torch.jit, copy, inspect) see the name as absent."""
+
+
 class fallback_property:
     """A read-only property that an instance attribute of the same name replaces (no __set__): the class that
     inherits the mixin may assign the name itself and then owns it."""
@@ -78,22 +83,6 @@ class fallback_property:
 
     def __get__(self, obj: Any, owner: Any = None) -> Any:
         return self if obj is None else self.fget(obj)
-
-
-class refused_property:
-    """A property of Lightning's that fabric_lite does not have: reading or setting it raises NotSupportedError."""
-
-    def __init__(self, name: str, feature: str, instead: str) -> None:
-        self.text = message(name, feature, instead)
-        self.refusal = (feature, instead)
-
-    def __get__(self, obj: Any, owner: Any = None) -> Any:
-        if obj is None:
-            return self
-        raise NotSupportedError(self.text)
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        raise NotSupportedError(self.text)
 
 
 class fixed_property:
@@ -131,7 +120,7 @@ class TrainerLightningNames:
     def __getattr__(self, name: str) -> Any:
         refusal = REFUSED_TRAINER_MEMBERS.get(name)
         if refusal is not None:
-            raise NotSupportedError(message(f"Trainer.{name}", *refusal))
+            raise NotSupportedAttributeError(message(f"Trainer.{name}", *refusal))
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @fallback_property
@@ -252,6 +241,10 @@ class ModuleLightningNames:
     TensorBoardLogger(log_graph=True) runs) read every one of them."""
 
     _trainer: Any
+    #: Properties torch.jit leaves alone when it scripts or traces the module (they read the Trainer).
+    __jit_unused_properties__: List[str] = ["global_rank", "local_rank", "logger", "loggers", "on_gpu", "dtype",
+                                            "fabric", "strict_loading", "hparams_initial", "prepare_data_per_node",
+                                            "allow_zero_length_dataloader_with_multiple_devices"]
 
     @fallback_property
     def fabric(self) -> None:
@@ -364,7 +357,6 @@ class ModuleLightningNames:
             accelerator.clip_grad_norm_(params, gradient_clip_val)
 
 
-_REFUSED_PROPERTIES: Tuple[str, ...] = ()
 #: Lightning's settings that hold one value here (prepare_data runs once, on the main process; a loader with no
 #: batches on some process is refused): setting the other value raises.
 _FIXED = {"prepare_data_per_node": False, "allow_zero_length_dataloader_with_multiple_devices": False,
@@ -387,8 +379,6 @@ def _add_refusals(mixin: type, owner: str, table: Dict[str, Tuple[str, str]]) ->
     for name, (feature, instead) in table.items():
         if name in _FIXED:
             member: Any = fixed_property(f"{owner}.{name}", _FIXED[name], feature, instead)
-        elif name in _REFUSED_PROPERTIES:
-            member = refused_property(f"{owner}.{name}", feature, instead)
         else:
             member = refused(f"{owner}.{name}", feature, instead)
         setattr(mixin, name, member)
@@ -409,7 +399,6 @@ REFUSED_DATAMODULE_MEMBERS: Dict[str, Tuple[str, str]] = {
     "load_state_dict": ("a DataModule's own state in checkpoints (state_dict/load_state_dict)", "keep state in a "
                         "Callback's state_dict, which checkpoints save"),
     "on_exception": ("DataModule.on_exception", "write Callback.on_exception"),
-    "hparams_initial": ("hparams_initial", "read self.hparams"),
     **_FIXED_REFUSALS,
 }
 
@@ -419,6 +408,13 @@ class DataModuleLightningNames:
 
     #: Lightning's optional name of a DataModule.
     name: Optional[str] = None
+
+    @fallback_property
+    def trainer(self) -> Any:
+        """None until a Trainer runs this DataModule (it sets itself here, as Lightning's does)."""
+        return None
+
+    hparams_initial = ModuleLightningNames.hparams_initial
 
 
 _add_refusals(DataModuleLightningNames, "LightningDataModule", REFUSED_DATAMODULE_MEMBERS)
@@ -436,7 +432,7 @@ def check_refused_overrides(*objects: Any) -> None:
             library = next(c for c in type(obj).__mro__ if c.__module__.startswith("fabric_lite."))
             for name, (feature, instead) in table.items():
                 default = getattr(library, name)
-                if getattr(default, "refusal", None) is None or name in _REFUSED_PROPERTIES or name in _FIXED:
+                if getattr(default, "refusal", None) is None or name in _FIXED:
                     continue
                 if getattr(type(obj), name) is not getattr(library, name):
                     raise NotSupportedError(message(f"{type(obj).__name__}.{name}", feature, instead))
@@ -455,6 +451,3 @@ def _map_tensors(data: Any, fn: Any) -> Any:
         return type(data)(_map_tensors(v, fn) for v in data)
     return data
 
-
-XLAProfiler = refused_class("XLAProfiler", "profiling XLA devices (TPU) with torch_xla's profiler server",
-                            "profile with the PyTorch profiler, or torch_xla.debug.profiler yourself")

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from fabric_lite.trainer.trainer import Trainer
 
 __all__ = ["run_fit", "run_evaluation", "batch_limit", "loader_length", "empty_loader_warning", "may_stop",
-           "takes_dataloader_idx", "moves_batches", "batch_transfer"]
+           "takes_dataloader_idx"]
 
 
 def batch_limit(limit: Any, length: Optional[int]) -> Optional[int]:
@@ -44,35 +44,6 @@ def takes_dataloader_idx(fn: Any) -> bool:
     that takes it: a step written for one loader still runs over several)."""
     params = inspect.signature(fn).parameters.values()
     return any(p.name == "dataloader_idx" or p.kind is p.VAR_POSITIONAL for p in params)
-
-
-_TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
-
-
-def moves_batches(module: TrainModule) -> bool:
-    """Whether the module overrides a batch-transfer hook: its loaders then leave batches where they load them."""
-    from fabric_lite.callbacks.base import overrides
-
-    return any(overrides(module, name, TrainModule) for name in _TRANSFER_HOOKS)
-
-
-def batch_transfer(trainer: "Trainer") -> Any:
-    """The module's batch-transfer hooks as one call `(batch, dataloader_idx) -> batch` (None where it overrides
-    none: the loaders placed the batch). Without its own transfer_batch_to_device the strategy's feed moves it."""
-    from fabric_lite.callbacks.base import overrides
-
-    module = trainer.module
-    if not moves_batches(module):
-        return None
-    device = trainer.device
-    feed = None if overrides(module, "transfer_batch_to_device", TrainModule) else trainer.strategy.device_feed(False)
-
-    def transfer(batch: Any, dataloader_idx: int) -> Any:
-        batch = module.on_before_batch_transfer(batch, dataloader_idx)
-        batch = feed(batch) if feed is not None else module.transfer_batch_to_device(batch, device, dataloader_idx)
-        return module.on_after_batch_transfer(batch, dataloader_idx)
-
-    return transfer
 
 
 def loader_length(loader: Any) -> Optional[int]:
@@ -129,7 +100,7 @@ class _StepHooks:
         # for the engine: called with the optimizer (or None: nothing to call)
         self.before_optimizer_step = both("on_before_optimizer_step")
         self.before_zero_grad = both("on_before_zero_grad")
-        self.transfer = batch_transfer(trainer) if any(mine(name) for name in _TRANSFER_HOOKS) else None
+        self.transfer = trainer.batch_transfer  # (None: the loader placed the batch)
 
 
 def _extract_loss(out: Any, batch_idx: int) -> torch.Tensor:
@@ -174,6 +145,7 @@ def run_fit(trainer: "Trainer") -> None:
     train_epoch = _train_epoch if profiler is None else profiler.wrap("run_training_epoch", _train_epoch)
     warned = False
     reload_every = trainer.reload_dataloaders_every_n_epochs
+    trainer.loaded_epoch = trainer.current_epoch  # (the loaders were asked for at this epoch: resumed, it is later)
     # (a stop asked for before min_epochs/min_steps are reached waits for them: may_stop)
     while not (trainer.should_stop and may_stop(trainer)) and (trainer.max_epochs == -1
                                                                 or trainer.current_epoch < trainer.max_epochs):
@@ -434,7 +406,7 @@ def run_evaluation(trainer: "Trainer", stage: str, loader: Any, limit: Optional[
     trainer.call_hook(f"on_{hook}_epoch_start")
     extra = () if dataloader_idx is None else (dataloader_idx,)
     step_extra = extra if extra and takes_dataloader_idx(getattr(module, f"{hook}_step")) else ()
-    transfer = batch_transfer(trainer)
+    transfer = trainer.batch_transfer
     # the batch hooks that do something, looked up once (callbacks first, then the module, as in Lightning)
     starts = [getattr(timed, f"on_{hook}_batch_start") for cb, timed in zip(trainer.callbacks, callbacks)
               if overrides(cb, f"on_{hook}_batch_start", Callback)]

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, 
 import torch
 from torch import nn
 
+from fabric_lite.trainer.data_hooks import BatchTransferHooks, ModuleDataHooks
 from fabric_lite.trainer.lightning_surface import DataModuleLightningNames, ModuleLightningNames
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ class AttributeDict(Dict[str, Any]):
             raise AttributeError(name) from None
 
 
-class TrainModule(ModuleLightningNames, nn.Module):
+class TrainModule(ModuleDataHooks, ModuleLightningNames, nn.Module):
     """Subclass it, write `training_step` and `configure_optimizers`, and pass it to `Trainer.fit`.
 
     Examples:
@@ -105,22 +106,6 @@ class TrainModule(ModuleLightningNames, nn.Module):
         """Callbacks this module needs (a callback or a list): they join the Trainer's at every stage, and
         replace the Trainer's callbacks of the same type (or a parent type); checkpoint callbacks go last."""
         return []
-
-    # Overriding any of the three batch-transfer hooks makes the loops move each batch through them (the
-    # prepared loaders then leave batches where they load them); otherwise the loaders place batches themselves.
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Change a batch before it moves to the device (on the host)."""
-        return batch
-
-    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        """Move a batch to `device` (tensors in lists, tuples, dicts and dataclasses); override for other types."""
-        from fabric_lite.data.transfer import move_to_device
-
-        return move_to_device(batch, device)
-
-    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Change a batch once it is on the device (e.g. augment on the GPU)."""
-        return batch
 
     def on_fit_start(self) -> None: ...
     def on_fit_end(self) -> None: ...
@@ -270,11 +255,13 @@ class TrainModule(ModuleLightningNames, nn.Module):
         self.trainer.backward(loss, **kwargs)
 
 
-class DataModule(DataModuleLightningNames):
+class DataModule(BatchTransferHooks, DataModuleLightningNames):
     """Dataloaders in one place: `setup(stage)` then `train_dataloader()` / `val_dataloader()` / ..."""
 
     #: Record the caller's __init__ arguments in `self.hparams`, as TrainModule's does.
     save_hyperparameters = TrainModule.save_hyperparameters
+    #: The Trainer that last ran with this DataModule (set when fit/validate/test/predict is given it).
+    trainer: Optional["Trainer"] = None
 
     def __init__(self) -> None:
         self.hparams: AttributeDict = AttributeDict()

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional
 
 import torch
 
-from fabric_lite.trainer.loops import batch_limit, batch_transfer, loader_length, takes_dataloader_idx
+from fabric_lite.trainer.loops import batch_limit, loader_length, takes_dataloader_idx
 from fabric_lite.trainer.module import TrainModule
 
 if TYPE_CHECKING:
@@ -66,7 +66,7 @@ def run_predict(trainer: "Trainer", loaders: List[Any], return_predictions: bool
         else None
     own_end = module_hooks.on_predict_batch_end if overrides(module, "on_predict_batch_end", TrainModule) else None
     step_takes_idx = len(loaders) > 1 and takes_dataloader_idx(module.predict_step)
-    transfer = batch_transfer(trainer)
+    transfer = trainer.batch_transfer
     state.epoch_batch_indices = [[] for _ in loaders]
     state.outputs = [[] for _ in loaders]
     modes = [(m, m.training) for m in module.modules()]

@@ -27,8 +27,10 @@ from fabric_lite.trainer.checkpointing import (
     LoggedAggregates, TrainerCheckpointState, load_eval_weights, ray_checkpoint, restore,
 )
 from fabric_lite.trainer.facts import TrainerFacts
+from fabric_lite.trainer.data_hooks import batch_transfer
 from fabric_lite.trainer.data_connector import (
-    STAGE_LOADERS, as_list, connect_data, prepare_eval_loader, prepare_train_loader, teardown_data,
+    STAGE_LOADERS, as_list, connect_data, datamodule_given_as_loaders, prepare_eval_loader, prepare_train_loader,
+    teardown_data,
 )
 from fabric_lite.trainer.configure_optimizers import SchedulerConfig, parse_optimizers
 from fabric_lite.trainer.relaunch import relaunch_if_needed, xla_replicas
@@ -153,6 +155,8 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         self.barebones = settings.barebones
         #: the DataModule given to the latest fit/validate/test/predict that had one (None before any)
         self.datamodule: Optional[DataModule] = None
+        #: the batch-transfer hooks as one function (data_hooks.batch_transfer), or None: the loaders place batches
+        self.batch_transfer: Optional[Callable[[Any, int], Any]] = None
         self.min_limits_noted = False  # (the note that a stop waits for min_epochs/min_steps is printed once)
         self._add_default_callbacks(settings.enable_progress_bar, settings.enable_checkpointing,
                                     settings.enable_model_summary, settings.logger)
@@ -174,8 +178,6 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         self.eval_model: Optional[nn.Module] = None
         self.predict_loop: Any = None  # the running prediction's state (predict_loop.PredictionState)
         self.gathers_predictions = False  # predict(gather=True) is running
-        #: False while the module moves its own batches (its batch-transfer hooks): the loaders then leave them.
-        self.batch_placement: Optional[bool] = None
 
     def _add_default_callbacks(self, progress_bar: bool, checkpointing: bool, model_summary: bool,
                                logger: Union[List[Callback], bool, None]) -> None:
@@ -257,13 +259,6 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         return self.metric_store.progress_bar_metrics
 
     @property
-    def progress_bar_callback(self) -> Optional[Callback]:
-        """The progress bar among the callbacks (TQDMProgressBar, RichProgressBar, ...), or None."""
-        from fabric_lite.callbacks.progress import ProgressBarBase
-
-        return next((c for c in self.callbacks if isinstance(c, ProgressBarBase)), None)
-
-    @property
     def accumulate_grad_batches(self) -> int:
         """Batches per optimizer step: the step engine's window, so a change between epochs (as
         GradientAccumulationScheduler makes) applies from the next batch on."""
@@ -324,11 +319,12 @@ class Trainer(TrainerFacts, TrainerLightningNames):
 
         if not isinstance(module, TrainModule):
             raise TypeError(f"Trainer runs TrainModule subclasses, got {type(module).__name__}.")
+        train_dataloaders, datamodule = datamodule_given_as_loaders("fit", train_dataloaders, datamodule)
         check_refused_overrides(module, datamodule)
         self._merge_module_callbacks(module)
-        self.batch_placement = _placement(module)
         self.train_source, self.val_source = connect_data(self, module, datamodule, "fit",
                                                           (train_dataloaders, val_dataloaders))
+        self.batch_transfer = batch_transfer(module, self.datamodule, self.device, self.strategy.device_feed(False))
         train = self.train_source.request()
         if train is None:
             raise ValueError("fit() needs train_dataloaders, a datamodule with train_dataloader(), or a module that "
@@ -338,8 +334,8 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         self.accelerator.registered_objects.clear()
         self.accelerator.per_process_objects.clear()
         self.train_dataloader = prepare_train_loader(self, train)
-        self.val_dataloaders = [self._prepare_eval_loader(v, "validate") for v in as_list(self.val_source.request())]
-        self.loaded_epoch = self.current_epoch
+        self.val_dataloaders = [self._prepare_eval_loader(v, "validate", i)
+                                for i, v in enumerate(as_list(self.val_source.request()))]
         self._attach(module, with_optimizers=True)
         for sched in self.lr_scheduler_configs:
             self.accelerator.register_for_checkpointing(sched.scheduler)
@@ -412,6 +408,7 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         one process would batch them). `ckpt_path`: weights to predict with ("best", "last" or a path)."""
         from fabric_lite.trainer.predict_loop import PredictionState, run_predict
 
+        dataloaders, datamodule = datamodule_given_as_loaders("predict", dataloaders, datamodule)
         module = module or self.module
         if module is None:
             raise ValueError("predict() needs a module (or a Trainer that has already fit one).")
@@ -451,6 +448,7 @@ class Trainer(TrainerFacts, TrainerLightningNames):
                   datamodule: Optional[DataModule], ckpt_path: Optional[str] = None) -> List[Dict[str, float]]:
         from fabric_lite.trainer import loops
 
+        dataloaders, datamodule = datamodule_given_as_loaders(stage, dataloaders, datamodule)
         module = module or self.module
         if module is None:
             raise ValueError(f"{stage}() needs a module (or a Trainer that has already fit one).")
@@ -483,8 +481,8 @@ class Trainer(TrainerFacts, TrainerLightningNames):
             raise TypeError(f"Trainer runs TrainModule subclasses, got {type(module).__name__}.")
         check_refused_overrides(module, datamodule)
         self._merge_module_callbacks(module)
-        self.batch_placement = _placement(module)
         source, = connect_data(self, module, datamodule, stage, (dataloaders,))
+        self.batch_transfer = batch_transfer(module, self.datamodule, self.device, self.strategy.device_feed(False))
         loaders = source.request()
         if loaders is None:
             name = STAGE_LOADERS[stage][0]
@@ -494,10 +492,10 @@ class Trainer(TrainerFacts, TrainerLightningNames):
             self._attach(module)
         if ckpt_path is not None:
             load_eval_weights(self, stage, ckpt_path)
-        return [self._prepare_eval_loader(d, stage) for d in as_list(loaders)]
+        return [self._prepare_eval_loader(d, stage, i) for i, d in enumerate(as_list(loaders))]
 
-    def _prepare_eval_loader(self, loader: Any, stage: str = "validate") -> Any:
-        return prepare_eval_loader(self, loader, stage)
+    def _prepare_eval_loader(self, loader: Any, stage: str = "validate", dataloader_idx: int = 0) -> Any:
+        return prepare_eval_loader(self, loader, stage, dataloader_idx)
 
     def evaluation_context(self) -> Any:
         """What evaluation and prediction run under: torch.inference_mode (`inference_mode=True`, the default) or
@@ -571,11 +569,3 @@ class Trainer(TrainerFacts, TrainerLightningNames):
             callback.setup(self, self.module, "fit")  # type: ignore[arg-type]
             return callback.dirpath  # type: ignore[attr-defined]
         return f"{self.default_root_dir.rstrip('/')}/checkpoints"
-
-
-def _placement(module: Optional[TrainModule]) -> Optional[bool]:
-    """False where the module moves its batches itself (its batch-transfer hooks, run by the loops), else None:
-    the prepared loaders place them."""
-    from fabric_lite.trainer.loops import moves_batches
-
-    return False if module is not None and moves_batches(module) else None

@@ -72,8 +72,8 @@ def test_cpu_stats_false_logs_nothing_on_a_cpu_and_filter_keys_keeps_the_named()
     assert stats_rows(logger) == []
     logger = Collect()
     fit([DeviceStatsMonitor(filter_keys={"cpu_percent"})], [logger], log_every_n_steps=3)
-    assert [sorted(m) for _, m in stats_rows(logger)] == [
-        ["DeviceStatsMonitor.on_train_batch_start/cpu_percent"], ["DeviceStatsMonitor.on_train_batch_end/cpu_percent"]] * 2
+    assert [sorted(m) for _, m in stats_rows(logger)] == [["DeviceStatsMonitor.on_train_batch_start/cpu_percent"],
+                                                          ["DeviceStatsMonitor.on_train_batch_end/cpu_percent"]] * 2
 
 
 def test_unknown_filter_keys_warn():

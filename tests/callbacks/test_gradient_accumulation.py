@@ -115,7 +115,8 @@ def test_refused_with_manual_optimization():
             opt.zero_grad()
 
     with pytest.raises(RuntimeError, match="automatic_optimization=False"):
-        trainer([GradientAccumulationScheduler({0: 2})], max_epochs=1).fit(Manual(), DataLoader(dataset(), batch_size=4))
+        trainer([GradientAccumulationScheduler({0: 2})], max_epochs=1).fit(
+            Manual(), DataLoader(dataset(), batch_size=4))
 
 
 def test_trainer_accumulate_grad_batches_is_the_engines_window():
@@ -125,3 +126,21 @@ def test_trainer_accumulate_grad_batches_is_the_engines_window():
     assert t.accelerator.gradient_accumulation_steps == 5
     with pytest.raises(ValueError, match=r"trainer.accumulate_grad_batches=0 must be an integer >= 1"):
         t.accumulate_grad_batches = 0
+
+
+def test_a_run_resumed_mid_epoch_keeps_the_epochs_windows(tmp_path):
+    from fabric_lite.callbacks import ModelCheckpoint
+
+    whole = Regressor()
+    trainer([GradientAccumulationScheduler({0: 2, 1: 3})], max_epochs=3).fit(whole, DataLoader(dataset(), batch_size=4))
+
+    first = Trainer(callbacks=[GradientAccumulationScheduler({0: 2, 1: 3}),
+                               ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=5, save_top_k=-1)],
+                    enable_progress_bar=False, enable_model_summary=False, logger=False, max_epochs=2)
+    first.fit(Regressor(), DataLoader(dataset(), batch_size=4))
+    resumed = Regressor()
+    t = trainer([GradientAccumulationScheduler({0: 2, 1: 3})], max_epochs=3)
+    # step 5: the first window of epoch 1 (batches 0-2), the epoch's 3-batch windows go on from batch 3
+    t.fit(resumed, DataLoader(dataset(), batch_size=4), ckpt_path=f"{tmp_path}/epoch=1-step=5")
+    assert t.global_step == 4 + 3 + 3
+    assert torch.equal(resumed.net.weight, whole.net.weight) and torch.equal(resumed.net.bias, whole.net.bias)

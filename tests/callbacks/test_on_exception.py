@@ -77,3 +77,16 @@ def test_a_failure_before_the_first_step_saves_a_checkpoint_of_the_start(tmp_pat
 def test_an_empty_filename_is_refused():
     with pytest.raises(ValueError, match="needs a name"):
         OnExceptionCheckpoint("somewhere", filename="")
+
+
+def test_a_keyboard_interrupt_saves_too(tmp_path):
+    class Interrupted(Failing):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 3:
+                raise KeyboardInterrupt
+            return super().training_step(batch, batch_idx)
+
+    cb = OnExceptionCheckpoint(str(tmp_path))
+    with pytest.raises(KeyboardInterrupt):
+        trainer([cb], tmp_path, max_epochs=1).fit(Interrupted(), loader())
+    assert read_manifest(cb.ckpt_path)["meta"]["global_step"] == 3

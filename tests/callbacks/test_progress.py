@@ -114,3 +114,28 @@ def test_rich_theme_and_console_kwargs():
     assert f"pb_loss={float(t.progress_bar_metrics['pb_loss']):.2f}" in line
     with pytest.raises(TypeError, match="RichProgressBarTheme"):
         RichProgressBar(theme={"metrics": "bold"})
+
+
+def test_lightnings_customization_points(capsys):
+    class LitProgressBar(TQDMProgressBar):
+        def init_validation_tqdm(self):
+            bar = super().init_validation_tqdm()
+            bar.set_description("running validation ...")
+            return bar
+
+        def get_metrics(self, trainer, pl_module):
+            items = super().get_metrics(trainer, pl_module)
+            items["lr"] = "0.05"  # a string is shown as it is
+            items["loss"] = items.pop("pb_loss")
+            return items
+
+    bar = LitProgressBar(leave=True)
+    t = trainer([bar], max_epochs=1, num_sanity_val_steps=0)
+    t.fit(Regressor(), loader(), loader(8))
+    err = capsys.readouterr().err
+    assert "running validation ..." in err
+    last = finished_lines(err)[-1]
+    assert f"loss={float(t.progress_bar_metrics['pb_loss']):.4g}" in last and "lr=0.05" in last
+    assert "pb_loss" not in last and bar.trainer is t
+    with pytest.raises(RuntimeError, match="no trainer yet"):
+        TQDMProgressBar().trainer

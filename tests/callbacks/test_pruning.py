@@ -65,7 +65,8 @@ def test_global_pruning_halves_what_is_left_each_epoch_and_is_made_permanent(tmp
     # 128 + 16 weights: half of what is left each epoch (rounded by torch to whole weights)
     assert notes.seen == [72 / 144, 108 / 144, 126 / 144]
     for layer in (module.net[0], module.net[2]):
-        assert not prune.is_pruned(layer) and not hasattr(layer, "weight_orig") and isinstance(layer.weight, nn.Parameter)
+        assert not prune.is_pruned(layer) and not hasattr(layer, "weight_orig")
+        assert isinstance(layer.weight, nn.Parameter)
         assert not hasattr(layer, "weight_mask")
     assert sparsity(module.net[0].weight, module.net[2].weight) == 126 / 144
     # the lottery ticket (on by default): the surviving weights are back at their initial values

@@ -24,7 +24,8 @@ from fabric_lite.callbacks.checkpoint import ModelCheckpoint
 CALLBACK_HOOKS = [n for n in vars(Callback) if n.startswith("on_") and n not in ("on_log", "on_hyperparameters",
                                                                                   "on_exception")]
 CALLBACK_HOOKS += ["setup", "teardown"]
-MODULE_HOOKS = [n for n in vars(TrainModule) if n.startswith("on_")] + ["setup", "teardown", "transfer_batch_to_device"]
+MODULE_HOOKS = [n for n in vars(TrainModule) if n.startswith("on_")] + ["setup", "teardown", "on_before_batch_transfer",
+                                                                        "transfer_batch_to_device", "on_after_batch_transfer"]
 
 
 def short(value):

@@ -4,6 +4,7 @@ Trainer arguments and members a script reads after a run (known values, a few ba
 
 from __future__ import annotations
 
+import textwrap
 from collections import Counter
 
 import pytest
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from conftest import torchrun
 from fabric_lite import Callback, Trainer, TrainModule, seed_everything
 
 MODULE_HOOKS = ["configure_model", "on_fit_start", "on_train_start", "on_train_epoch_start", "on_train_batch_start",
@@ -210,7 +212,8 @@ def test_the_trainer_arguments_and_members_a_script_reads_after_fit(tmp_path):
     assert set(trainer.logged_metrics) >= {"loss", "double"}
     assert float(trainer.logged_metrics["double"]) == pytest.approx(2 * float(trainer.logged_metrics["loss"]))
     assert len(trainer.train_dataloader) == 4 and len(trainer.val_dataloaders) == 1
-    assert module.trainer is trainer and trainer.model.state_dict().keys() == module.state_dict().keys()
+    assert module.trainer is trainer and module.device == trainer.device == torch.device("cpu")
+    assert trainer.model.state_dict().keys() == module.state_dict().keys()
     assert trainer.validate(module, loader(4))[0].keys() == {"val_loss"}
     assert len(trainer.test(module, loader(8))) == 1  # limit_test_batches=1: one batch of the four
     x = next(iter(loader(8)))[0]
@@ -235,3 +238,41 @@ def test_should_stop_set_by_a_callback_ends_fit_after_that_batch(tmp_path):
     assert trainer.should_stop is False
     trainer.fit(Regressor(), loader(8))
     assert trainer.should_stop is True and trainer.global_step == 2
+
+
+NAMES_WORKER = textwrap.dedent("""
+    import contextlib, io, json, sys
+    import torch
+    from torch import nn
+    from fabric_lite import Trainer, TrainModule
+
+    out = sys.argv[sys.argv.index("--out") + 1]
+    trainer = Trainer(accelerator="cpu", strategy="ddp", enable_progress_bar=False, enable_checkpointing=False,
+                      enable_model_summary=False)
+    module = TrainModule()
+    module.layer = nn.Linear(2, 2)
+    module.trainer = trainer
+    rank = trainer.global_rank
+    gathered = module.all_gather({"x": torch.tensor([rank, rank + 10.0]), "n": [torch.tensor(rank)]})
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        module.print("module", rank)
+        trainer.print("trainer", rank)
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump({"x": gathered["x"].tolist(), "n": gathered["n"][0].tolist(), "printed": printed.getvalue(),
+                   "ranks": [module.global_rank, module.local_rank], "world": trainer.world_size}, f)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_all_gather_and_print_on_two_processes_as_in_lightning(tmp_path):
+    script = tmp_path / "names_worker.py"
+    script.write_text(NAMES_WORKER)
+    out = tmp_path / "out"
+    out.mkdir()
+    results = torchrun(script, 2, out_dir=out, timeout=150)
+    for rank, result in enumerate(results):
+        assert result["world"] == 2 and result["ranks"] == [rank, rank]
+        assert result["x"] == [[0.0, 10.0], [1.0, 11.0]] and result["n"] == [0, 1]  # stacked along a new dim 0
+    assert results[0]["printed"] == "module 0\ntrainer 0\n" and results[1]["printed"] == ""

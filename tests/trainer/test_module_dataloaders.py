@@ -176,6 +176,68 @@ def test_a_module_without_loaders_says_what_fit_needs(tmp_path):
         trainer_for(tmp_path, max_epochs=1).test(Bare())
 
 
+# -- batch transfer hooks ------------------------------------------------------------------------------------
+
+class Augmented(SelfFed):
+    """Lightning's batch-transfer hooks: records what each receives; scales x by 10 once on the device."""
+
+    def __init__(self):
+        super().__init__()
+        self.transfers = []
+
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        self.transfers.append(("before", dataloader_idx, batch[0].device.type))
+        return batch
+
+    def transfer_batch_to_device(self, batch, device, dataloader_idx):
+        self.transfers.append(("transfer", dataloader_idx, str(device)))
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        x, y = batch
+        return 10 * x, y
+
+    def training_step(self, batch, batch_idx):
+        self.events.append(("train_x", batch[0].abs().max().item()))
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        self.events.append(("val_x", batch[0].abs().max().item()))
+
+
+def test_batches_go_through_the_transfer_hooks_with_their_loaders_index(tmp_path):
+    module = Augmented()
+    val = [DataLoader(line_data(2, slope=0.0), batch_size=2),
+           DataLoader(line_data(2, slope=0.0, offset=1), batch_size=2)]
+    trainer_for(tmp_path, max_epochs=1, enable_checkpointing=False).fit(module, val_dataloaders=val)
+    # one epoch of 2 training batches (x in [-1, 1]), then both validation loaders (x in [-1, 1] and [0, 2])
+    assert module.transfers == [("before", 0, "cpu"), ("transfer", 0, "cpu")] * 2 + [
+        ("before", 0, "cpu"), ("transfer", 0, "cpu"), ("before", 1, "cpu"), ("transfer", 1, "cpu")]
+    seen = [e for e in module.events if isinstance(e, tuple)]
+    assert seen == [("train_x", 10.0), ("train_x", 10.0), ("val_x", 10.0), ("val_x", 20.0)]
+
+
+def test_a_datamodules_transfer_hook_wins_over_the_modules(tmp_path):
+    class Halving(LineData):
+        def train_dataloader(self):
+            return DataLoader(line_data(4, slope=3.0), batch_size=4)
+
+        def on_after_batch_transfer(self, batch, dataloader_idx):
+            x, y = batch
+            return x / 2, y
+
+    module = Augmented()
+    trainer_for(tmp_path, max_epochs=1, enable_checkpointing=False).fit(module, datamodule=Halving())
+    assert [e for e in module.events if isinstance(e, tuple)] == [("train_x", 0.5)]
+    assert module.transfers == [("before", 0, "cpu"), ("transfer", 0, "cpu")]  # the module's other two hooks ran
+
+
+def test_without_transfer_hooks_the_loader_places_batches_itself(tmp_path):
+    trainer = trainer_for(tmp_path, max_epochs=1, enable_checkpointing=False)
+    trainer.fit(SelfFed())
+    assert trainer.batch_transfer is None and type(trainer.train_dataloader).__name__ == "DataLoaderShard"
+
+
 # -- ckpt_path for validate / test / predict -----------------------------------------------------------------
 
 def fitted(tmp_path, **checkpoint):
@@ -199,6 +261,16 @@ def test_test_with_ckpt_path_best_loads_the_best_models_weights(tmp_path):
     best = trainer.checkpoint_callback.best_model_path
     (predicted,) = trainer.predict(ckpt_path=best)
     assert module.net.weight.item() == weights[0] and torch.allclose(predicted, torch.full((2, 1), weights[0]))
+
+
+def test_a_new_trainer_tests_a_new_module_with_the_weights_of_a_checkpoint_path(tmp_path):
+    trainer, _, weights = fitted(tmp_path, monitor="val_loss", mode="min", save_top_k=1)
+    module = SelfFed()  # weight 0
+    (result,) = trainer_for(tmp_path / "other", enable_checkpointing=False).test(
+        module, ckpt_path=trainer.checkpoint_callback.best_model_path)
+    assert module.net.weight.item() == weights[0]
+    assert result["test_loss"] == pytest.approx(weights[0] ** 2 * (torch.linspace(-1, 1, 4) ** 2).mean().item(),
+                                                rel=1e-5)
 
 
 def test_ckpt_path_best_without_a_best_model_is_refused(tmp_path):

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import pstats
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,12 +78,13 @@ def pytorch_run(tmp_path_factory):
     t = trainer(root, profiler=profiler)
     t.fit(Net(), loader(8), loader(6))
     fit_report = profiler.describe()
+    fit_events = [e.name for e in profiler.function_events]
     t.validate(dataloaders=loader(6))
-    return t, profiler, root / "prof", fit_report
+    return t, profiler, root / "prof", fit_report, fit_events
 
 
 def test_pytorch_profiler_writes_the_report_and_one_chrome_trace_per_kind_of_step(pytorch_run):
-    t, profiler, prof_dir, _ = pytorch_run
+    t, profiler, prof_dir, _, _ = pytorch_run
     assert t.global_step == 8  # profiling changes nothing in the training
     assert sorted(p.name for p in prof_dir.iterdir()) == [
         "fit-perf-[Strategy]SingleDeviceStrategy.training_step.1.pt.trace.json",
@@ -92,7 +94,7 @@ def test_pytorch_profiler_writes_the_report_and_one_chrome_trace_per_kind_of_ste
 
 
 def test_the_default_schedule_records_three_training_steps_after_one_waited_and_one_warmed_up(pytorch_run):
-    _, _, prof_dir, _ = pytorch_run
+    _, _, prof_dir, _, _ = pytorch_run
     events = trace_events(prof_dir / "fit-perf-[Strategy]SingleDeviceStrategy.training_step.1.pt.trace.json")
     assert names(events).count(STEP) == 3
     assert {n for n in names(events) if n.startswith("ProfilerStep#")} == {"ProfilerStep#2", "ProfilerStep#3",
@@ -113,7 +115,8 @@ def test_the_default_schedule_records_three_training_steps_after_one_waited_and_
 
 
 def test_the_report_is_torchs_operator_table_limited_to_row_limit(pytorch_run):
-    _, profiler, prof_dir, fit_report = pytorch_run
+    _, profiler, prof_dir, fit_report, fit_events = pytorch_run
+    assert fit_events.count(STEP) == 3 and fit_events.count(VAL_STEP) == 3  # the table covers both cycles
     written = (prof_dir / "fit-perf.txt").read_text()
     assert written.strip() == fit_report.strip()
     assert fit_report.startswith("FIT Profiler Report\nProfile stats for: records\n")
@@ -139,7 +142,6 @@ def test_trainer_profiler_pytorch_takes_the_defaults_and_log_dir(tmp_path):
     assert not list(tmp_path.glob("*.txt"))  # no filename: the report is printed only
 
 
-@pytest.mark.filterwarnings("ignore:Warning. Profiler clears events at the end of each cycle")
 def test_a_schedule_of_two_cycles_writes_two_traces_and_no_schedule_records_every_step(tmp_path):
     seen = []
     profiler = PyTorchProfiler(dirpath=tmp_path / "a", schedule={"wait": 0, "warmup": 1, "active": 2, "repeat": 2},
@@ -159,17 +161,21 @@ def test_a_schedule_of_two_cycles_writes_two_traces_and_no_schedule_records_ever
     assert [e.name for e in everything.function_events].count(STEP) == 5
 
 
-def test_validation_inside_a_training_cycle_is_recorded_in_it_without_breaking_the_cycle(tmp_path):
-    """3 training batches an epoch: the training cycle (steps 3, 4, 5) spans the first epoch's validation."""
+def test_steps_of_another_kind_inside_a_running_cycle_are_recorded_in_it(tmp_path):
+    """8 training and 2 validation batches an epoch, 2 epochs: the validation cycle begins in the first epoch's
+    validation (wait 1 done: warm-up, then recording) and runs through the second epoch's training steps, which
+    do not count, to the second epoch's validation."""
     import warnings
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer(tmp_path, profiler=PyTorchProfiler(dirpath=tmp_path / "p"), max_epochs=2,
-                num_sanity_val_steps=0).fit(Net(), loader(3), loader(2))
+                num_sanity_val_steps=0).fit(Net(), loader(8), loader(2))
     assert not [w for w in caught if "Incorrect schedule" in str(w.message)]
-    events = names(trace_events(tmp_path / "p" / "fit-[Strategy]SingleDeviceStrategy.training_step.1.pt.trace.json"))
-    assert events.count(STEP) == 3 and events.count(VAL_STEP) == 2
+    train = names(trace_events(tmp_path / "p" / "fit-[Strategy]SingleDeviceStrategy.training_step.1.pt.trace.json"))
+    assert train.count(STEP) == 3 and train.count(VAL_STEP) == 0
+    val = names(trace_events(tmp_path / "p" / "fit-[Strategy]SingleDeviceStrategy.validation_step.2.pt.trace.json"))
+    assert val.count(VAL_STEP) == 2 and val.count(STEP) == 8
 
 
 def test_a_stage_too_short_for_the_schedule_says_so(tmp_path, capsys):
@@ -243,8 +249,8 @@ def test_names_resolve_to_their_profilers():
 @pytest.mark.skipif(importlib.util.find_spec("torch_xla") is not None, reason="torch_xla is installed here")
 def test_the_xla_profiler_is_refused_without_torch_xla():
     for make in (lambda: Trainer(profiler="xla"), XLAProfiler):
-        with pytest.raises(NotSupportedError, match=r"XLAProfiler: profiling XLA devices \(TPUs\) needs torch_xla.*"
-                                                    r"profiler='pytorch'"):
+        with pytest.raises(NotSupportedError, match=r"XLAProfiler: profiling XLA devices \(TPU\) .* it needs "
+                                                    r"torch_xla, which is not installed here.*profiler='pytorch'"):
             make()
 
 
@@ -338,3 +344,60 @@ def test_a_users_own_profiler_sees_every_action_in_order(tmp_path):
         else:
             assert opened.pop() == action
     assert opened == []
+
+
+class ManualOrAutomatic(TrainModule):
+    """Lightning's profiler example, small: training_step chosen in __init__, manual or automatic optimization."""
+
+    def __init__(self, automatic_optimization=True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        self.automatic_optimization = automatic_optimization
+        self.training_step = self.automatic_step if automatic_optimization else self.manual_step
+
+    def automatic_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self.model(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def manual_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        x, y = batch
+        loss = F.mse_loss(self.model(x), y)
+        self.manual_backward(loss)
+        opt.step()
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self.model(x), y))
+
+    def predict_step(self, batch, batch_idx):
+        return self.model(batch[0])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.001, momentum=0.9)
+
+
+@pytest.mark.parametrize("automatic", [True, False])
+def test_lightnings_profiler_example_writes_a_training_and_a_validation_trace(tmp_path, automatic):
+    t = Trainer(profiler=PyTorchProfiler(), max_epochs=1, limit_train_batches=15, limit_val_batches=15,
+                default_root_dir=tmp_path, enable_progress_bar=False, enable_model_summary=False)
+    t.fit(ManualOrAutomatic(automatic), loader(20), loader(20))
+    traces = sorted(p.name for p in Path(t.log_dir).glob("*.pt.trace.json"))
+    assert traces == ["fit-[Strategy]SingleDeviceStrategy.training_step.1.pt.trace.json",
+                      "fit-[Strategy]SingleDeviceStrategy.validation_step.2.pt.trace.json"]
+    t.predict(dataloaders=loader(6))
+    assert Path(t.log_dir, "predict-[Strategy]SingleDeviceStrategy.predict_step.1.pt.trace.json").is_file()
+
+
+def test_export_to_flame_graph_writes_the_stacks_of_each_cycle(tmp_path):
+    profiler = PyTorchProfiler(dirpath=tmp_path, export_to_flame_graph=True, schedule=None, export_to_chrome=False)
+    assert profiler.profiler_kwargs["with_stack"] is True
+    trainer(tmp_path, profiler=profiler, max_steps=2).fit(Net(), loader(8))
+    stacks = list(tmp_path.glob("*.stack"))
+    assert [p.name for p in stacks] == ["fit-[Strategy]SingleDeviceStrategy.training_step.1.stack"]
+    assert not list(tmp_path.glob("*.json"))
+    assert "training_step" in stacks[0].read_text()  # the user's function, in the stacks

@@ -204,6 +204,17 @@ def test_reload_dataloaders_every_n_epochs_asks_the_module_again(tmp_path, every
     assert module.calls == {"train": expected[-1] // 10 + 1, "val": expected[-1] // 10 + 1}
 
 
+def test_a_resumed_fit_counts_reloads_from_the_epoch_it_resumed_at(tmp_path):
+    first = Reloading()
+    make_trainer(tmp_path, max_epochs=3, reload_dataloaders_every_n_epochs=2, enable_checkpointing=True).fit(first)
+    assert first.calls["train"] == 2  # epochs 0 and 2
+    resumed = Reloading()
+    trainer = make_trainer(tmp_path, max_epochs=6, reload_dataloaders_every_n_epochs=2, enable_checkpointing=True)
+    trainer.fit(resumed, ckpt_path="last")
+    # asked once when fit starts (epoch 3), again at epoch 5: not again at epoch 3 right after the resume
+    assert resumed.calls["train"] == 2 and [b[0] for b in resumed.train_batches] == [0.0, 0.0, 10.0]
+
+
 # -- use_distributed_sampler (one process here; tests/trainer/test_trainer_arguments_ddp.py runs two) ------------
 
 def test_use_distributed_sampler_false_keeps_the_users_order(tmp_path):

@@ -1,5 +1,6 @@
-"""Callbacks under DDP (2 processes, gloo): BackboneFinetuning's new parameter group and a changing accumulation
-window and ModelPruning's masks train as one process with the global batch; BackboneFinetuning without find_unused_parameters is refused."""
+"""Callbacks under DDP (2 processes, gloo): BackboneFinetuning's new parameter group, a changing accumulation
+window and ModelPruning's masks train as one process with the global batch; BackboneFinetuning without
+find_unused_parameters is refused."""
 
 import callbacks_common as cc
 from common import parse, write_result
