@@ -15,7 +15,7 @@ class BarebonesMetricStore(MetricStore):
 
     warned = False
 
-    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+    def log(self, module: Any, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if not self.warned:
             self.warned = True
             warnings.warn(f"self.log({name!r}, ...) under Trainer(barebones=True): logging is off in barebones mode "

@@ -130,13 +130,11 @@ def run_fit(trainer: "Trainer") -> None:
         trainer.sanity_checking = True
         trainer.call_callback_hook("on_sanity_check_start")  # (callbacks only, as in Lightning)
         with trainer.evaluation_context():
-            for idx, loader in enumerate(trainer.val_dataloaders):
-                run_evaluation(trainer, "validate", loader, limit=trainer.num_sanity_val_steps, log=False,
-                               dataloader_idx=idx if len(trainer.val_dataloaders) > 1 else None)
+            run_evaluation(trainer, "validate", trainer.val_dataloaders, limit=trainer.num_sanity_val_steps,
+                           log=False)
         trainer.call_callback_hook("on_sanity_check_end")
         trainer.sanity_checking = False
-        trainer.metric_store.callback_metrics.clear()
-        trainer.metric_store.progress_bar_metrics.clear()
+        trainer.metric_store.clear_outputs()
     profiler = trainer.profiler if trainer.profiler.enabled else None
     for cb in trainer.callbacks if profiler is None else trainer.timed_callbacks():
         cb.on_hyperparameters(trainer, dict(module.hparams))
@@ -224,13 +222,11 @@ def _train_epoch(trainer: "Trainer") -> bool:
     limit = batch_limit(trainer.limits["train"], loader_length(loader))
     position = loader.state_dict()
     start = position["batches_seen"] if position["epoch"] == trainer.current_epoch else 0
-    if start == 0:
-        metrics.reset_stage("train")
-    else:  # resumed mid-epoch: the aggregates restored from the checkpoint go on
-        metrics.stage = "train"
-    metrics.in_epoch_end_hook = False
+    # (resumed mid-epoch: the aggregates restored from the checkpoint go on)
+    metrics.start_train_epoch(fresh=start == 0)
     module.train()
     trainer.call_hook("on_train_epoch_start")
+    metrics.fx = "training_step"  # (and the other per-batch hooks: Lightning's rules are the same for them all)
     batch_idx = start - 1
     cut_short = False
     # What each step calls, looked up once per epoch: timed wrappers under a profiler, else the calls themselves.
@@ -281,12 +277,13 @@ def _train_epoch(trainer: "Trainer") -> bool:
                         step_scheduler(trainer, sched)
         else:
             out = forward(batch, batch_idx)  # optimizer steps count themselves (Trainer._count_manual_steps)
-        if trainer.global_step != steps_before and (trainer.global_step % trainer.log_every_n_steps == 0
-                                                    or batch_idx + 1 == limit):
-            _flush_step_metrics(trainer)
         if hooks.batch_end is not None:  # (Lightning hands a plain loss over as {"loss": loss})
             hooks.batch_end({"loss": out} if out.__class__ is torch.Tensor and module.automatic_optimization
                             else out, batch, batch_idx)
+        # (after on_train_batch_end, so what it logs is written with this step's values, as in Lightning)
+        if trainer.global_step != steps_before and (trainer.global_step % trainer.log_every_n_steps == 0
+                                                    or batch_idx + 1 == limit):
+            _flush_step_metrics(trainer)
         saver = trainer.accelerator.checkpoint_saver
         if trainer.preemption.should_stop(strategy, save_failed=saver.failed):
             _stop_preempted(trainer)
@@ -311,8 +308,7 @@ def _train_epoch(trainer: "Trainer") -> bool:
     if trainer.val_dataloaders and (trainer.current_epoch + 1) % trainer.check_val_every_n_epoch == 0 \
             and not isinstance(trainer.val_check_interval, int) and not cut_short:
         _validate(trainer)
-    metrics.stage = "train"
-    metrics.in_epoch_end_hook = True
+    metrics.stage, metrics.fx, metrics.batch = "train", "on_train_epoch_end", None
     module_hooks.on_train_epoch_end()
     trainer.log_metrics(metrics.epoch_end(), trainer.global_step)
     for sched in trainer.lr_scheduler_configs:  # after validation, so a monitored val metric is this epoch's
@@ -320,7 +316,8 @@ def _train_epoch(trainer: "Trainer") -> bool:
             step_scheduler(trainer, sched)
     for cb in callbacks:
         cb.on_train_epoch_end(trainer, module)
-    metrics.in_epoch_end_hook = False
+    trainer.log_metrics(metrics.epoch_end(), trainer.global_step)  # what the callbacks logged there
+    metrics.fx = None
     drew = batch_idx >= start or start > 0  # (resumed at an epoch's end: nothing more was asked of the loader)
     # every process must agree to stop, or one would wait in a collective the others never reach;
     # the same collective tells whether any process was asked to stop by a signal
@@ -373,35 +370,31 @@ def _step_scheduler(trainer: "Trainer", sched: Any) -> None:
 
 
 def _validate(trainer: "Trainer") -> None:
-    several = len(trainer.val_dataloaders) > 1
     with trainer.evaluation_context():
-        for idx, loader in enumerate(trainer.val_dataloaders):
-            run_evaluation(trainer, "validate", loader, dataloader_idx=idx if several else None)
+        run_evaluation(trainer, "validate", trainer.val_dataloaders, in_fit=True)
 
 
-def run_evaluation(trainer: "Trainer", stage: str, loader: Any, limit: Optional[int] = None,
-                   log: bool = True, dataloader_idx: Optional[int] = None) -> Dict[str, float]:
-    """Run validation or test over `loader`; returns the epoch metrics as floats. `dataloader_idx`: the loader's
-    index when there are several (the step and batch hooks then get it), else None."""
+def run_evaluation(trainer: "Trainer", stage: str, loaders: List[Any], limit: Optional[int] = None,
+                   log: bool = True, in_fit: bool = False) -> List[Dict[str, float]]:
+    """Run validation or test over `loaders` as one epoch; returns each loader's epoch metrics as floats
+    (with the values logged in the epoch-end hooks in every loader's dict, as Lightning returns them). With
+    several loaders, the step and the batch hooks get each one's `dataloader_idx`."""
     from fabric_lite.callbacks.base import Callback, overrides
 
     module, model, metrics = trainer.module, trainer.eval_model, trainer.metric_store
     hook = "validation" if stage == "validate" else "test"
-    limit = batch_limit(trainer.limits[stage] if limit is None else limit, loader_length(loader))
-    saved_stage = metrics.stage
-    metrics.reset_stage(stage)
+    saved = metrics.begin_evaluation(stage, fresh_steps=not in_fit)
     modes = [(m, m.training) for m in module.modules()]  # restored after, unless the module says how
     profiler = trainer.profiler if trainer.profiler.enabled else None
-    forward, callbacks, module_hooks, batches = model, trainer.callbacks, module, loader
+    forward, callbacks, module_hooks = model, trainer.callbacks, module
     if profiler is not None:
         forward = profiler.wrap(f"[Strategy]{type(trainer.strategy).__name__}.{hook}_step", model)
         callbacks, module_hooks = trainer.timed_callbacks(), profiler.timed(module, "TrainModule", TrainModule)
-        batches = profiler.iterate(f"{'val' if hook == 'validation' else hook}_dataloader_next", loader)
     getattr(module_hooks, f"on_{hook}_model_eval")()
     trainer.call_hook(f"on_{hook}_start")
     trainer.call_hook(f"on_{hook}_epoch_start")
-    extra = () if dataloader_idx is None else (dataloader_idx,)
-    step_extra = extra if extra and takes_dataloader_idx(getattr(module, f"{hook}_step")) else ()
+    several = len(loaders) > 1
+    step_takes_idx = several and takes_dataloader_idx(getattr(module, f"{hook}_step"))
     transfer = trainer.batch_transfer
     # the batch hooks that do something, looked up once (callbacks first, then the module, as in Lightning)
     starts = [getattr(timed, f"on_{hook}_batch_start") for cb, timed in zip(trainer.callbacks, callbacks)
@@ -412,38 +405,57 @@ def run_evaluation(trainer: "Trainer", stage: str, loader: Any, limit: Optional[
         if overrides(module, f"on_{hook}_batch_start", TrainModule) else None
     own_end = getattr(module_hooks, f"on_{hook}_batch_end") \
         if overrides(module, f"on_{hook}_batch_end", TrainModule) else None
+    writes_steps = log and not trainer.sanity_checking
+    outputs: List[Dict[str, torch.Tensor]] = []
     with trainer.evaluation_context():
-        for batch_idx, batch in enumerate(batches):
-            if limit is not None and batch_idx >= limit:
-                break
-            if transfer is not None:
-                batch = transfer(batch, dataloader_idx or 0)
-            metrics.batch = batch
-            for cb_hook in starts:
-                cb_hook(trainer, module, batch, batch_idx, *extra)
-            if own_start is not None:
-                own_start(batch, batch_idx, *extra)
-            out = forward(batch, batch_idx, stage, *step_extra)
-            for cb_hook in ends:
-                cb_hook(trainer, module, out, batch, batch_idx, *extra)
-            if own_end is not None:
-                own_end(out, batch, batch_idx, *extra)
-    del batches  # (closes a timed loader's iterator now, as a loop that ran out or broke off does)
-    metrics.in_epoch_end_hook = True
+        for dataloader_idx, loader in enumerate(loaders):
+            extra = (dataloader_idx,) if several else ()
+            step_extra = extra if step_takes_idx else ()
+            loader_limit = batch_limit(trainer.limits[stage] if limit is None else limit, loader_length(loader))
+            metrics.start_eval_loader(dataloader_idx if several else None, loader_limit)
+            batches = loader if profiler is None else \
+                profiler.iterate(f"{'val' if hook == 'validation' else hook}_dataloader_next", loader)
+            for batch_idx, batch in enumerate(batches):
+                if loader_limit is not None and batch_idx >= loader_limit:
+                    break
+                if transfer is not None:
+                    batch = transfer(batch, dataloader_idx)
+                metrics.batch = batch
+                for cb_hook in starts:
+                    cb_hook(trainer, module, batch, batch_idx, *extra)
+                if own_start is not None:
+                    own_start(batch, batch_idx, *extra)
+                out = forward(batch, batch_idx, stage, *step_extra)
+                for cb_hook in ends:
+                    cb_hook(trainer, module, out, batch, batch_idx, *extra)
+                if own_end is not None:
+                    own_end(out, batch, batch_idx, *extra)
+                if writes_steps:
+                    step, values = metrics.flush_eval_step(dataloader_idx)
+                    trainer.log_metrics(values, step)  # per-step values, at this loader's own step count
+            del batches  # (closes a timed loader's iterator now, as a loop that ran out or broke off does)
+            outputs.append(metrics.epoch_end())  # this loader's epoch values
+    metrics.dataloader_idx, metrics.batch, metrics.fx = None, None, f"on_{hook}_epoch_end"
     getattr(module_hooks, f"on_{hook}_epoch_end")()
-    values = metrics.epoch_end()
-    metrics.in_epoch_end_hook = False
+    _add_to_each(outputs, metrics.epoch_end())  # logged in the epoch-end hook: part of every loader's results
     if log and not trainer.sanity_checking:
-        trainer.log_metrics(values, trainer.global_step)
-        # (after the module's: the callbacks read this epoch's results in trainer.callback_metrics, which
-        # Lightning computes when they are read and this store computes at the epoch's end)
+        trainer.log_metrics({k: v for out in outputs for k, v in out.items()}, trainer.global_step)
+        # (after the module's: the callbacks read this epoch's results in trainer.callback_metrics)
         for cb in callbacks:
             getattr(cb, f"on_{hook}_epoch_end")(trainer, module)
+        late = metrics.epoch_end()  # what the callbacks logged in their epoch-end hook
+        _add_to_each(outputs, late)
+        trainer.log_metrics(late, trainer.global_step)
     trainer.call_hook(f"on_{hook}_end")
     if overrides(module, f"on_{hook}_model_train", TrainModule):
         getattr(module_hooks, f"on_{hook}_model_train")()
     else:
         for m, training in modes:
             m.training = training
-    metrics.stage = saved_stage
-    return {k: float(v) for k, v in values.items()}
+    metrics.end_evaluation(saved)
+    return [{k: float(v) for k, v in out.items()} for out in outputs]
+
+
+def _add_to_each(outputs: List[Dict[str, Any]], values: Dict[str, Any]) -> None:
+    for out in outputs:
+        out.update(values)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+import sys
+import warnings
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
@@ -190,26 +192,50 @@ class TrainModule(ModuleDataHooks, ModuleLightningNames, nn.Module):
         return self._trainer.current_epoch if self._trainer is not None else 0
 
     def log(
-        self, name: str, value: Any, prog_bar: bool = False, logger: bool = True, on_step: Optional[bool] = None,
-        on_epoch: Optional[bool] = None, reduce_fx: str = "mean", sync_dist: bool = False,
-        batch_size: Optional[int] = None,
+        self, name: str, value: Any, prog_bar: bool = False, logger: Optional[bool] = None,
+        on_step: Optional[bool] = None, on_epoch: Optional[bool] = None, reduce_fx: Any = "mean",
+        enable_graph: bool = False, sync_dist: bool = False, sync_dist_group: Any = None,
+        add_dataloader_idx: bool = True, batch_size: Optional[int] = None, metric_attribute: Optional[str] = None,
+        rank_zero_only: bool = False,
     ) -> None:
-        """Record a value: per step, and/or aggregated (on the device) over the epoch.
+        """Record a value per step and/or as an epoch aggregate (kept on the device), with Lightning's rules.
 
         Defaults follow the hook it is called from: per step in training hooks, per epoch in
-        validation/test and in epoch-end hooks. A torchmetrics Metric is computed, synced and reset
-        at epoch end.
+        validation/test hooks and epoch-level hooks. Logged both ways, a value comes out as
+        `name_step` and `name_epoch`. `reduce_fx` is mean (weighted by `batch_size`, read from the batch
+        when not given), sum, max or min; `sync_dist` reduces across processes. A torchmetrics Metric
+        gives its forward value per step and is computed, synced and reset at the epoch end.
         """
         if self._trainer is None:
-            raise RuntimeError(f"self.log({name!r}) was called outside a Trainer run.")
+            warnings.warn(f"self.log({name!r}) was called on a {type(self).__name__} that is not attached to a "
+                          f"Trainer; the value is dropped. Run it through trainer.fit/validate/test.", UserWarning,
+                          stacklevel=2)
+            return
         self._trainer.metric_store.log(
-            name, value, prog_bar=prog_bar, logger=logger, on_step=on_step, on_epoch=on_epoch,
-            reduce_fx=reduce_fx, sync_dist=sync_dist, batch_size=batch_size,
+            self, name, value, prog_bar=prog_bar, logger=logger, on_step=on_step, on_epoch=on_epoch,
+            reduce_fx=reduce_fx, enable_graph=enable_graph, sync_dist=sync_dist, sync_dist_group=sync_dist_group,
+            add_dataloader_idx=add_dataloader_idx, batch_size=batch_size, metric_attribute=metric_attribute,
+            rank_zero_only=rank_zero_only,
         )
 
-    def log_dict(self, dictionary: Mapping[str, Any], **kwargs: Any) -> None:
-        for name, value in dictionary.items():
-            self.log(name, value, **kwargs)
+    def log_dict(
+        self, dictionary: Mapping[str, Any], prog_bar: bool = False, logger: Optional[bool] = None,
+        on_step: Optional[bool] = None, on_epoch: Optional[bool] = None, reduce_fx: Any = "mean",
+        enable_graph: bool = False, sync_dist: bool = False, sync_dist_group: Any = None,
+        add_dataloader_idx: bool = True, batch_size: Optional[int] = None, rank_zero_only: bool = False,
+    ) -> None:
+        """`self.log` for each item of a dict of values, or of a torchmetrics MetricCollection (its metrics
+        under their prefixed names)."""
+        torchmetrics = sys.modules.get("torchmetrics")  # (a MetricCollection exists only if the user imported it)
+        if torchmetrics is not None and isinstance(dictionary, torchmetrics.MetricCollection):
+            items = dictionary.items(keep_base=False, copy_state=False)
+        else:
+            items = dictionary.items()
+        for name, value in items:
+            self.log(name, value, prog_bar=prog_bar, logger=logger, on_step=on_step, on_epoch=on_epoch,
+                     reduce_fx=reduce_fx, enable_graph=enable_graph, sync_dist=sync_dist,
+                     sync_dist_group=sync_dist_group, add_dataloader_idx=add_dataloader_idx, batch_size=batch_size,
+                     rank_zero_only=rank_zero_only)
 
     def save_hyperparameters(self, *names: str, ignore: Sequence[str] = ()) -> None:
         """Record the caller's __init__ arguments in `self.hparams` (saved with every checkpoint)."""

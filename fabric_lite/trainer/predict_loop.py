@@ -74,6 +74,7 @@ def run_predict(trainer: "Trainer", loaders: List[Any], return_predictions: bool
     trainer.call_hook("on_predict_start")
     trainer.call_hook("on_predict_epoch_start")
     cpu = torch.device("cpu")
+    trainer.metric_store.fx = "predict_step"  # (self.log is refused while predicting, as in Lightning)
     with trainer.evaluation_context():
         for dataloader_idx, loader in enumerate(loaders):
             extra = (dataloader_idx,) if len(loaders) > 1 else ()
@@ -109,6 +110,7 @@ def run_predict(trainer: "Trainer", loaders: List[Any], return_predictions: bool
             del batches
             if seen is not None:
                 record_batch_indices(loader, False)
+    trainer.metric_store.fx = None
     trainer.call_hook("on_predict_epoch_end")
     results = state.predictions if return_predictions else None
     if trainer.gathers_predictions:

@@ -166,7 +166,6 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         self.sanity_checking = False
         self.epoch_finished = False
         self.metric_store = (BarebonesMetricStore if self.barebones else MetricStore)(self.strategy)
-        self.logged_metrics: Dict[str, float] = {}
         self.optimizers: List[Any] = []
         self.lr_scheduler_configs: List[SchedulerConfig] = []
         self.start_time: Optional[float] = None
@@ -249,13 +248,21 @@ class Trainer(TrainerFacts, TrainerLightningNames):
     # -- what callbacks and modules read -----------------------------------------------------------
     @property
     def callback_metrics(self) -> Dict[str, torch.Tensor]:
-        """Latest step values and epoch results, as device tensors (brought up to date when read)."""
-        self.metric_store.step_values()
+        """Every logged value for callbacks (early stopping, checkpoints): the latest training step values
+        (`name` and `name_step`) and epoch results (`name` and `name_epoch`), as device tensors."""
+        self.metric_store.refresh()
         return self.metric_store.callback_metrics
 
     @property
-    def progress_bar_metrics(self) -> Dict[str, torch.Tensor]:
-        self.metric_store.step_values()
+    def logged_metrics(self) -> Dict[str, torch.Tensor]:
+        """The latest value of each name sent to the loggers (`logger=True`), as tensors."""
+        self.metric_store.refresh()
+        return self.metric_store.logged_metrics
+
+    @property
+    def progress_bar_metrics(self) -> Dict[str, float]:
+        """The latest `prog_bar=True` values, as floats."""
+        self.metric_store.refresh()
         return self.metric_store.progress_bar_metrics
 
     @property
@@ -273,10 +280,11 @@ class Trainer(TrainerFacts, TrainerLightningNames):
 
     def log_metrics(self, metrics: Dict[str, Any], step: Optional[int] = None) -> None:
         """Send values to every logger callback (floats; tensors are read here, once)."""
-        values = {k: float(v) for k, v in metrics.items()}
-        if not values:
+        if not metrics:
             return
-        self.logged_metrics.update(values)
+        values = {k: float(v.detach() if v.requires_grad else v) if isinstance(v, torch.Tensor) else float(v)
+                  for k, v in metrics.items()}
+        self.metric_store.logged_metrics.update(metrics)
         for cb in self.callbacks if not self.profiler.enabled else self.timed_callbacks():
             cb.on_log(self, values, self.global_step if step is None else step)
 
@@ -287,17 +295,23 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         callbacks: List[Any] = self.callbacks
         if self.profiler.enabled:
             module, callbacks = self.profiler.timed(module, "TrainModule", TrainModule), self.timed_callbacks()
+        store = self.metric_store
+        running, store.fx = store.fx, hook  # (what self.log may do depends on the hook)
         for cb in callbacks:
             getattr(cb, hook)(self, self.module, *args)
         fn = getattr(module, hook, None)
         if fn is not None:
             fn(*args)
+        store.fx = running
 
     def call_callback_hook(self, hook: str, *args: Any) -> None:
         """Run a hook on every callback only (those the module has no counterpart of, such as
         on_sanity_check_start)."""
+        store = self.metric_store
+        running, store.fx = store.fx, hook
         for cb in self.callbacks if not self.profiler.enabled else self.timed_callbacks():
             getattr(cb, hook)(self, self.module, *args)
+        store.fx = running
 
     def count_manual_step(self, *_: Any) -> None:
         self.global_step += 1
@@ -460,10 +474,8 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         try:
             for cb in callbacks:
                 cb.setup(self, module, stage)
-            several = len(loaders) > 1
             with self.evaluation_context():
-                return [loops.run_evaluation(self, stage, loader, dataloader_idx=i if several else None)
-                        for i, loader in enumerate(loaders)]
+                return loops.run_evaluation(self, stage, loaders)
         except BaseException as err:
             for cb in callbacks:
                 cb.on_exception(self, module, err)

@@ -341,7 +341,8 @@ def test_log_defaults_and_step_epoch_names(tmp_path):
     assert rec.steps_of("end") == [10, 20] and rec.values_of("end") == [7.0, 7.0]
     logged_names = {k for _, m in rec.logs for k in m}
     assert not logged_names & {"a_step", "a_epoch", "b", "v_step", "v_epoch", "hidden"}
-    assert set(trainer.callback_metrics) == {"a", "b_step", "b_epoch", "hidden", "v", "end"}
+    # (as Lightning: callback_metrics also holds the plain name "b", last set to the epoch value)
+    assert set(trainer.callback_metrics) == {"a", "b", "b_step", "b_epoch", "hidden", "v", "end"}
     assert set(trainer.logged_metrics) == {"a", "b_step", "b_epoch", "v", "end"}
     assert set(trainer.progress_bar_metrics) == {"b_step", "b_epoch"}
     # the step value is the last batch's loss; the epoch value the size-weighted mean of the epoch
@@ -955,7 +956,9 @@ def test_validate_test_predict_return_values(tmp_path):
     results = trainer.test(dataloaders=loader(test))                     # the fitted module by default
     assert results[0]["test/loss"] == pytest.approx(_weighted_mse(module.net, test), rel=1e-5)
     two = trainer.validate(module, [loader(val), loader(test)])
-    assert len(two) == 2 and two[1]["val/loss"] == pytest.approx(_weighted_mse(module.net, test), rel=1e-5)
+    # several loaders: keys carry Lightning's "/dataloader_idx_N" suffix
+    assert len(two) == 2 and two[1]["val/loss/dataloader_idx_1"] == pytest.approx(_weighted_mse(module.net, test),
+                                                                                   rel=1e-5)
     preds = trainer.predict(module, loader(test, batch_size=4))
     assert [p.shape[0] for p in preds] == [4, 4, 4, 2]
     with torch.no_grad():
