@@ -31,9 +31,3 @@ __all__ = ["Callback", "ModelCheckpoint", "EarlyStopping", "Logger", "TensorBoar
 from fabric_lite.callbacks.lightning_refused import BatchSizeFinder, Checkpoint, LearningRateFinder, RichModelSummary  # noqa: E402,E501
 
 __all__ += ["BatchSizeFinder", "LearningRateFinder", "RichModelSummary", "Checkpoint"]
-
-# Lightning's names for the callbacks that live beside the loops they serve
-from fabric_lite.callbacks.lambda_callback import LambdaCallback  # noqa: E402
-from fabric_lite.callbacks.prediction_writer import BasePredictionWriter  # noqa: E402
-
-__all__ += ["BasePredictionWriter", "LambdaCallback"]
