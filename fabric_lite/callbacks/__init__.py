@@ -1,4 +1,5 @@
-"""Hooks into the Trainer: checkpoints, early stopping, loggers, progress, learning-rate monitor."""
+"""Hooks into the Trainer: checkpoints, early stopping, loggers, progress, monitors, timing, finetuning, pruning,
+accumulation schedules, prediction writers."""
 
 from fabric_lite.callbacks.base import Callback
 from fabric_lite.callbacks.checkpoint import ModelCheckpoint
@@ -6,8 +7,10 @@ from fabric_lite.callbacks.device_stats import DeviceStatsMonitor
 from fabric_lite.callbacks.early_stopping import EarlyStopping
 from fabric_lite.callbacks.finetuning import BackboneFinetuning, BaseFinetuning
 from fabric_lite.callbacks.gradient_accumulation import GradientAccumulationScheduler
+from fabric_lite.callbacks.lambda_callback import LambdaCallback
 from fabric_lite.callbacks.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from fabric_lite.callbacks.on_exception import OnExceptionCheckpoint
+from fabric_lite.callbacks.prediction_writer import BasePredictionWriter
 from fabric_lite.callbacks.lr_monitor import LearningRateMonitor
 from fabric_lite.callbacks.pruning import ModelPruning
 from fabric_lite.callbacks.progress import (
@@ -21,7 +24,8 @@ __all__ = ["Callback", "ModelCheckpoint", "EarlyStopping", "Logger", "TensorBoar
            "WandbLogger", "LearningRateMonitor", "ProgressBar", "ProgressBarBase", "RichProgressBar",
            "ThroughputMonitor", "ModelSummary", "GradientAccumulationScheduler",
            "Timer", "OnExceptionCheckpoint", "BaseFinetuning", "BackboneFinetuning",
-           "DeviceStatsMonitor", "ModelPruning", "TQDMProgressBar", "RichProgressBarTheme"]
+           "DeviceStatsMonitor", "ModelPruning", "TQDMProgressBar", "RichProgressBarTheme", "BasePredictionWriter",
+           "LambdaCallback"]
 
 # Lightning's callbacks that fabric_lite refuses (they import; building one raises NotSupportedError)
 from fabric_lite.callbacks.lightning_refused import BatchSizeFinder, Checkpoint, LearningRateFinder, RichModelSummary  # noqa: E402,E501

@@ -63,6 +63,7 @@ def connect_data(trainer: "Trainer", module: "TrainModule", datamodule: Optional
     """Run the data hooks for `stage` and say where each of its loaders comes from (one source per loader kind)."""
     if datamodule is not None and any(g is not None for g in given):
         raise ValueError(f"Pass dataloaders or a datamodule to {stage}(), not both.")
+    module.trainer = trainer  # (the module's setup and loader methods may read it, as in Lightning)
     if datamodule is not None:
         trainer.datamodule = datamodule
         datamodule.trainer = trainer  # (Lightning's DataModules may read their trainer)

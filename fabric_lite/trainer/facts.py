@@ -1,10 +1,10 @@
 """What callbacks and modules read from a Trainer: where this process is (ranks, devices), its loggers and log
-directory, its checkpoint callback. A base class of `Trainer`, over its accelerator, strategy and callbacks."""
+directory, its checkpoint callback, the logged metrics. A base class of `Trainer`, over its accelerator, strategy and callbacks."""
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 
@@ -23,6 +23,26 @@ class TrainerFacts:
     strategy: Any
     callbacks: List[Callback]
     default_root_dir: str
+    metric_store: Any
+
+    @property
+    def callback_metrics(self) -> Dict[str, torch.Tensor]:
+        """Every logged value for callbacks (early stopping, checkpoints): the latest training step values
+        (`name` and `name_step`) and epoch results (`name` and `name_epoch`), as device tensors."""
+        self.metric_store.refresh()
+        return self.metric_store.callback_metrics
+
+    @property
+    def logged_metrics(self) -> Dict[str, torch.Tensor]:
+        """The latest value of each name sent to the loggers (`logger=True`), as tensors."""
+        self.metric_store.refresh()
+        return self.metric_store.logged_metrics
+
+    @property
+    def progress_bar_metrics(self) -> Dict[str, float]:
+        """The latest `prog_bar=True` values, as floats."""
+        self.metric_store.refresh()
+        return self.metric_store.progress_bar_metrics
 
     @property
     def device(self) -> torch.device:

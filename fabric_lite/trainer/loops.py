@@ -94,7 +94,8 @@ class _StepHooks:
             return call
 
         self.batch_start, self.cb_batch_start = mine("on_train_batch_start"), theirs("on_train_batch_start")
-        self.batch_end = both("on_train_batch_end")
+        # (kept apart, not joined by `both`: progress bars and checkpoints hear every batch end, one call each)
+        self.batch_end, self.cb_batch_end = mine("on_train_batch_end"), theirs("on_train_batch_end")
         self.before_backward, self.after_backward = both("on_before_backward"), both("on_after_backward")
         # for the engine: called with the optimizer (or None: nothing to call)
         self.before_optimizer_step = both("on_before_optimizer_step")
@@ -277,9 +278,12 @@ def _train_epoch(trainer: "Trainer") -> bool:
                         step_scheduler(trainer, sched)
         else:
             out = forward(batch, batch_idx)  # optimizer steps count themselves (Trainer._count_manual_steps)
-        if hooks.batch_end is not None:  # (Lightning hands a plain loss over as {"loss": loss})
-            hooks.batch_end({"loss": out} if out.__class__ is torch.Tensor and module.automatic_optimization
-                            else out, batch, batch_idx)
+        if hooks.cb_batch_end or hooks.batch_end is not None:  # (Lightning hands a plain loss over as {"loss": loss})
+            outputs = {"loss": out} if out.__class__ is torch.Tensor and module.automatic_optimization else out
+            for hook in hooks.cb_batch_end:
+                hook(trainer, module, outputs, batch, batch_idx)
+            if hooks.batch_end is not None:
+                hooks.batch_end(outputs, batch, batch_idx)
         # (after on_train_batch_end, so what it logs is written with this step's values, as in Lightning)
         if trainer.global_step != steps_before and (trainer.global_step % trainer.log_every_n_steps == 0
                                                     or batch_idx + 1 == limit):

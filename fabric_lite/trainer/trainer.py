@@ -18,7 +18,7 @@ from torch import nn
 
 from fabric_lite.accelerator.accelerator import Accelerator
 from fabric_lite.arguments import ArgumentCheck, is_int
-from fabric_lite.callbacks.base import Callback, is_logger
+from fabric_lite.callbacks.base import Callback
 from fabric_lite.strategies.environments import detect_process, read_launch_settings, records_explain_arguments
 from fabric_lite.trainer.barebones import BarebonesMetricStore
 from fabric_lite.trainer.logged_metrics import MetricStore
@@ -35,7 +35,10 @@ from fabric_lite.trainer.data_connector import (
 from fabric_lite.trainer.configure_optimizers import SchedulerConfig, parse_optimizers
 from fabric_lite.trainer.relaunch import relaunch_if_needed, xla_replicas
 from fabric_lite.trainer.sync_batchnorm import SYNC_BATCHNORM_DEVICES, convert_sync_batchnorm
-from fabric_lite.trainer.settings import apply_torch_settings, check_unknown, default_logger, resolve_settings
+from fabric_lite.trainer.settings import apply_torch_settings, check_unknown, resolve_settings
+from fabric_lite.trainer.callback_list import (
+    add_default_callbacks, add_model_summary, merge_module_callbacks, order_callbacks,
+)
 from fabric_lite.profilers import Profiler, resolve_profiler
 from fabric_lite.trainer.lightning_surface import TrainerLightningNames, check_refused_arguments, \
     check_refused_overrides
@@ -174,8 +177,8 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         #: the batch-transfer hooks as one function (data_hooks.batch_transfer), or None: the loaders place batches
         self.batch_transfer: Optional[Callable[[Any, int], Any]] = None
         self.min_limits_noted = False  # (the note that a stop waits for min_epochs/min_steps is printed once)
-        self._add_default_callbacks(settings.enable_progress_bar, settings.enable_checkpointing,
-                                    settings.enable_model_summary, settings.logger)
+        add_default_callbacks(self.callbacks, self.default_root_dir, settings.enable_progress_bar,
+                              settings.enable_checkpointing, settings.enable_model_summary, settings.logger)
         self.current_epoch = 0
         self.global_step = 0
         self.should_stop = False
@@ -193,56 +196,6 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         self.eval_model: Optional[nn.Module] = None
         self.predict_loop: Any = None  # the running prediction's state (predict_loop.PredictionState)
         self.gathers_predictions = False  # predict(gather=True) is running
-
-    def _add_default_callbacks(self, progress_bar: bool, checkpointing: bool, model_summary: bool,
-                               logger: Union[List[Callback], bool, None]) -> None:
-        from fabric_lite.callbacks.checkpoint import ModelCheckpoint
-        from fabric_lite.callbacks.progress import ProgressBar, ProgressBarBase
-        from fabric_lite.callbacks.summary import ModelSummary
-
-        # logger=: True adds a default logger (unless callbacks hold one), False refuses loggers in callbacks,
-        # loggers given go ahead of the other callbacks, in their order.
-        if logger is False:
-            given = next((c for c in self.callbacks if is_logger(c)), None)
-            if given is not None:
-                raise ValueError(f"logger=False, but a {type(given).__name__} is in callbacks; drop one of them.")
-        elif logger is True:
-            if not any(is_logger(c) for c in self.callbacks):
-                self.callbacks.insert(0, default_logger(self.default_root_dir))
-        elif logger is not None:  # (in the order given, ahead of the other callbacks; each once)
-            given = {id(c) for c in logger}
-            self.callbacks[:] = [*logger, *(c for c in self.callbacks if id(c) not in given)]
-        summary = next((c for c in self.callbacks if isinstance(c, ModelSummary)), None)
-        if not model_summary and summary is not None:
-            raise ValueError("enable_model_summary=False, but a ModelSummary is in callbacks; drop one of them.")
-
-        bar = next((c for c in self.callbacks if isinstance(c, ProgressBarBase)), None)
-        if not progress_bar:
-            if bar is not None:
-                raise ValueError(f"enable_progress_bar=False, but a {type(bar).__name__} is in callbacks; "
-                                 f"drop one of them.")
-        elif bar is None:
-            self.callbacks.append(ProgressBar())
-        if not checkpointing:
-            if any(isinstance(c, ModelCheckpoint) for c in self.callbacks):
-                raise ValueError("enable_checkpointing=False, but a ModelCheckpoint is in callbacks; drop one of them.")
-        elif not any(isinstance(c, ModelCheckpoint) for c in self.callbacks):
-            self.callbacks.append(ModelCheckpoint())
-        self._order_callbacks()
-
-    def _order_callbacks(self) -> None:
-        """Callbacks that report what the others did at a hook (`Callback.runs_last`) go last, in their order."""
-        self.callbacks.sort(key=lambda c: bool(getattr(c, "runs_last", False)))  # (a stable sort)
-
-    def _add_model_summary(self) -> None:
-        """The default ModelSummary joins the callbacks when fit starts, unless one is there already: after
-        `fabric-lite explain`'s return (which trains nothing and prints no summary), and not at construction, so
-        that `callbacks` then holds what was given plus the progress bar and checkpoint defaults, as before."""
-        from fabric_lite.callbacks.summary import ModelSummary
-
-        if not any(isinstance(c, ModelSummary) for c in self.callbacks):
-            self.callbacks.append(ModelSummary())
-            self._order_callbacks()
 
     def timed_callbacks(self) -> List[Any]:
         """The callbacks, each hook read from them timed by the profiler (only while one is on)."""
@@ -262,25 +215,6 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         self.profiler.teardown(stage)
 
     # -- what callbacks and modules read -----------------------------------------------------------
-    @property
-    def callback_metrics(self) -> Dict[str, torch.Tensor]:
-        """Every logged value for callbacks (early stopping, checkpoints): the latest training step values
-        (`name` and `name_step`) and epoch results (`name` and `name_epoch`), as device tensors."""
-        self.metric_store.refresh()
-        return self.metric_store.callback_metrics
-
-    @property
-    def logged_metrics(self) -> Dict[str, torch.Tensor]:
-        """The latest value of each name sent to the loggers (`logger=True`), as tensors."""
-        self.metric_store.refresh()
-        return self.metric_store.logged_metrics
-
-    @property
-    def progress_bar_metrics(self) -> Dict[str, float]:
-        """The latest `prog_bar=True` values, as floats."""
-        self.metric_store.refresh()
-        return self.metric_store.progress_bar_metrics
-
     @property
     def accumulate_grad_batches(self) -> int:
         """Batches per optimizer step: the step engine's window, so a change between epochs (as
@@ -351,7 +285,8 @@ class Trainer(TrainerFacts, TrainerLightningNames):
             raise TypeError(f"Trainer runs TrainModule subclasses, got {type(module).__name__}.")
         train_dataloaders, datamodule = datamodule_given_as_loaders("fit", train_dataloaders, datamodule)
         check_refused_overrides(module, datamodule)
-        self._merge_module_callbacks(module)
+        self.callbacks[:] = merge_module_callbacks(self.callbacks, module.configure_callbacks())
+        order_callbacks(self.callbacks)
         self.train_source, self.val_source = connect_data(self, module, datamodule, "fit",
                                                           (train_dataloaders, val_dataloaders))
         self.batch_transfer = batch_transfer(module, self.datamodule, self.device, self.strategy.device_feed(False))
@@ -383,7 +318,7 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         self.accelerator.register_for_checkpointing(TrainerCheckpointState(self))
         self.accelerator.register_for_checkpointing(LoggedAggregates(self), per_process=True)
         if self.enable_model_summary:
-            self._add_model_summary()
+            add_model_summary(self.callbacks)
         profiling = self.profiler.enabled
         if profiling:
             self._start_profile("fit")
@@ -467,13 +402,6 @@ class Trainer(TrainerFacts, TrainerLightningNames):
             if profiling:
                 self._end_profile("predict")
 
-    def _merge_module_callbacks(self, module: TrainModule) -> None:
-        """`module.configure_callbacks()` joins this Trainer's callbacks (see `merge_module_callbacks`)."""
-        from fabric_lite.trainer.module_callbacks import merge_module_callbacks
-
-        self.callbacks[:] = merge_module_callbacks(self.callbacks, module.configure_callbacks())
-        self._order_callbacks()
-
     def _evaluate(self, stage: str, module: Optional[TrainModule], dataloaders: Any,
                   datamodule: Optional[DataModule], ckpt_path: Optional[str] = None) -> List[Dict[str, float]]:
         from fabric_lite.trainer import loops
@@ -508,7 +436,8 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         if not isinstance(module, TrainModule):
             raise TypeError(f"Trainer runs TrainModule subclasses, got {type(module).__name__}.")
         check_refused_overrides(module, datamodule)
-        self._merge_module_callbacks(module)
+        self.callbacks[:] = merge_module_callbacks(self.callbacks, module.configure_callbacks())
+        order_callbacks(self.callbacks)
         source, = connect_data(self, module, datamodule, stage, (dataloaders,))
         self.batch_transfer = batch_transfer(module, self.datamodule, self.device, self.strategy.device_feed(False))
         loaders = source.request()

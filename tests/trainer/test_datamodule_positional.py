@@ -71,3 +71,21 @@ def test_a_datamodule_given_twice_is_refused(tmp_path):
     trainer = Trainer(max_epochs=1, default_root_dir=tmp_path, enable_progress_bar=False)
     with pytest.raises(ValueError, match=r"fit\(\) got a Data in place of the dataloaders and datamodule=Data"):
         trainer.fit(Net(), Data(), datamodule=Data())
+
+
+def test_the_modules_setup_and_loader_methods_see_their_trainer(tmp_path):
+    """Lightning's ImageNet template reads self.trainer in setup() and in its dataloader methods."""
+
+    class Reads(Net):
+        def setup(self, stage):
+            self.seen = (stage, self.trainer.world_size)
+
+        def train_dataloader(self):
+            x = torch.randn(8, 3)
+            return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4 * self.trainer.world_size)
+
+    module = Reads()
+    trainer = Trainer(max_epochs=1, default_root_dir=tmp_path, enable_progress_bar=False, enable_checkpointing=False,
+                      enable_model_summary=False)
+    trainer.fit(module)
+    assert module.seen == ("fit", 1) and trainer.global_step == 2
