@@ -6,6 +6,8 @@ import math
 import re
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
+import torch
+
 from fabric_lite.callbacks.base import Callback
 from fabric_lite.checkpoint import files as checkpoint_io
 from fabric_lite.checkpoint.files import copy_checkpoint
@@ -128,6 +130,13 @@ class ModelCheckpoint(Callback):
         if result[0] == "error":
             raise KeyError(result[1])
         return result[1]
+
+    @property
+    def best_model_score(self) -> Optional[torch.Tensor]:
+        """The monitored value of `best_model_path` (Lightning's), or None: before a save, or without `monitor`."""
+        if self.monitor is None or self.best_model_path not in self.best_k_models:
+            return None
+        return torch.tensor(self.best_k_models[self.best_model_path])
 
     def _save(self, trainer: "Trainer") -> None:
         if trainer.sanity_checking or trainer.fast_dev_run:

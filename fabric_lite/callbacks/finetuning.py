@@ -138,7 +138,8 @@ class BaseFinetuning(Callback):
         if isinstance(wrapped, nn.parallel.DistributedDataParallel) and not wrapped.find_unused_parameters:
             raise ValueError(
                 f"{type(self).__name__} under DDP: the frozen parameters get no gradients, which DDP refuses unless "
-                f"told: Trainer(strategy=DDPStrategy(find_unused_parameters=True)).")
+                f"told: Trainer(strategy='ddp_find_unused_parameters_true') (or DDPStrategy(find_unused_parameters="
+                f"True)). Otherwise the layers unfrozen later would train without being averaged between processes.")
         trainable = [p for p in module.parameters() if p.requires_grad]
         self.freeze_before_training(module)
         frozen = {id(p) for p in trainable if not p.requires_grad}

@@ -91,6 +91,10 @@ class Strategy(abc.ABC):
     #: Every forward is a collective (ZeRO-3 gathers parameters): evaluation must give every process
     #: the same number of batches, padding included.
     forward_is_collective: bool = False
+    #: Gradients are averaged by the model's wrapper during the one backward that follows each forward (DDP's
+    #: reducer). A loop that runs several backwards per forward (a module stepping its own optimizers, as a GAN
+    #: does) forwards through the unwrapped model and averages each optimizer's gradients as it steps instead.
+    syncs_gradients_per_forward: ClassVar[bool] = False
     #: Its state copies to host memory without a step of its runtime, so a checkpoint can be written by a
     #: background thread from such a copy (`save_state(blocking=False)`); with several processes, the saves
     #: agree over `new_side_group()`.

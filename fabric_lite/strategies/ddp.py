@@ -74,6 +74,7 @@ class DDPStrategy(ParallelStrategy):
     """
 
     aliases: ClassVar[Tuple[str, ...]] = ("ddp",)
+    syncs_gradients_per_forward: ClassVar[bool] = True
 
     def __init__(
         self,

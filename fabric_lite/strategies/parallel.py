@@ -1,8 +1,8 @@
 """`ParallelStrategy`: the base of the strategies that train over several processes or replicas (Lightning's name).
 
 DDP, FSDP, DeepSpeed and XLA derive from it; `isinstance(trainer.strategy, ParallelStrategy)` tells code written
-for Lightning that the run may span processes. It adds no member to `Strategy`: the collectives, the data-parallel
-group and the process facts are the base contract's, identities on one process.
+for Lightning that the run may span processes. It adds one of Lightning's names, `num_processes`; the collectives,
+the data-parallel group and the process facts are the base contract's, identities on one process.
 """
 
 from __future__ import annotations
@@ -14,3 +14,8 @@ __all__ = ["ParallelStrategy"]
 
 class ParallelStrategy(Strategy):
     """A strategy over several processes or replicas (DDP, FSDP, DeepSpeed, XLA); see `Strategy` for its members."""
+
+    @property
+    def num_processes(self) -> int:
+        """The processes on this node, one per device (Lightning's `ParallelStrategy.num_processes`)."""
+        return self.process.local_world_size

@@ -75,6 +75,9 @@ def strategy_for_checkpoint_engine(engine: str) -> Optional[Type[Any]]:
 register_strategy("single", "fabric_lite.strategies.single:SingleDeviceStrategy", one_process=True)
 register_strategy("single_device", "fabric_lite.strategies.single:SingleDeviceStrategy", one_process=True)
 register_strategy("ddp", "fabric_lite.strategies.ddp:DDPStrategy")
+# Lightning's names for DDP that looks for parameters a step leaves out of its loss (frozen layers, a GAN's other net)
+register_strategy("ddp_find_unused_parameters_true", "fabric_lite.strategies.ddp:DDPStrategy", find_unused_parameters=True)
+register_strategy("ddp_find_unused_parameters_false", "fabric_lite.strategies.ddp:DDPStrategy", find_unused_parameters=False)
 register_strategy("fsdp", "fabric_lite.strategies.fsdp:FSDPStrategy")
 _DEEPSPEED = "fabric_lite.strategies.deepspeed:DeepSpeedStrategy"
 register_strategy("deepspeed", _DEEPSPEED)

@@ -420,6 +420,11 @@ class DataModuleLightningNames:
 _add_refusals(DataModuleLightningNames, "LightningDataModule", REFUSED_DATAMODULE_MEMBERS)
 
 
+#: Hooks of automatic optimization: Lightning never calls them for a module that steps itself (manual optimization),
+#: so overriding them there is harmless (Lightning's PPO template does).
+_AUTOMATIC_ONLY = ("optimizer_step", "optimizer_zero_grad", "lr_scheduler_step", "configure_gradient_clipping")
+
+
 def check_refused_overrides(*objects: Any) -> None:
     """Raise NotSupportedError when a module or datamodule overrides a member fabric_lite refuses (the Trainer
     would never call it)."""
@@ -430,10 +435,13 @@ def check_refused_overrides(*objects: Any) -> None:
                 continue
             # the library's own class (TrainModule, DataModule): a member it defines itself is not refused
             library = next(c for c in type(obj).__mro__ if c.__module__.startswith("fabric_lite."))
+            manual = getattr(obj, "automatic_optimization", True) is False
             for name, (feature, instead) in table.items():
                 default = getattr(library, name)
                 if getattr(default, "refusal", None) is None or name in _FIXED:
                     continue
+                if manual and name in _AUTOMATIC_ONLY:
+                    continue  # (the module steps its optimizers itself: Lightning never calls these then)
                 if getattr(type(obj), name) is not getattr(library, name):
                     raise NotSupportedError(message(f"{type(obj).__name__}.{name}", feature, instead))
 

@@ -242,6 +242,12 @@ def _train_epoch(trainer: "Trainer") -> bool:
         step_optimizers = profiler.wrap(f"[Strategy]{name}.optimizer_step", step_optimizers)
         step_scheduler = profiler.wrap("lr_scheduler_step", step_scheduler)
         callbacks, module_hooks = trainer.timed_callbacks(), profiler.timed(module, "TrainModule", TrainModule)
+    # a module stepping its own optimizers may run several backwards per forward: unwrapped where the wrapper
+    # could not follow them (see manual_optimization.py)
+    manual_forward = forward
+    if not module.automatic_optimization and strategy.syncs_gradients_per_forward and trainer.world_size > 1:
+        manual_forward = trainer.eval_model if profiler is None else \
+            profiler.wrap(f"[Strategy]{type(strategy).__name__}.training_step", trainer.eval_model)
     models = (model,)
     gradient_state = engine.gradient_state
     validates_in_epoch = bool(trainer.val_dataloaders)
@@ -277,7 +283,7 @@ def _train_epoch(trainer: "Trainer") -> bool:
                     if sched.interval == "step" and trainer.global_step % sched.frequency == 0:
                         step_scheduler(trainer, sched)
         else:
-            out = forward(batch, batch_idx)  # optimizer steps count themselves (Trainer._count_manual_steps)
+            out = manual_forward(batch, batch_idx)  # optimizer steps count themselves (Trainer.count_manual_step)
         if hooks.cb_batch_end or hooks.batch_end is not None:  # (Lightning hands a plain loss over as {"loss": loss})
             outputs = {"loss": out} if out.__class__ is torch.Tensor and module.automatic_optimization else out
             for hook in hooks.cb_batch_end:

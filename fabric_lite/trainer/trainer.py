@@ -36,6 +36,7 @@ from fabric_lite.trainer.configure_optimizers import SchedulerConfig, parse_opti
 from fabric_lite.trainer.relaunch import relaunch_if_needed, xla_replicas
 from fabric_lite.trainer.sync_batchnorm import SYNC_BATCHNORM_DEVICES, convert_sync_batchnorm
 from fabric_lite.trainer.settings import apply_torch_settings, check_unknown, resolve_settings
+from fabric_lite.trainer.manual_optimization import average_gradients_before_step
 from fabric_lite.trainer.callback_list import (
     add_default_callbacks, add_model_summary, merge_module_callbacks, order_callbacks,
 )
@@ -108,7 +109,8 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         num_sanity_val_steps: Optional[int] = None, log_every_n_steps: Optional[int] = None,
         default_root_dir: Optional[str] = None, enable_progress_bar: Optional[bool] = None,
         enable_checkpointing: Optional[bool] = None, enable_model_summary: Optional[bool] = None,
-        deterministic: Union[bool, str, None] = False, profiler: Any = None, sync_batchnorm: bool = False,
+        deterministic: Union[bool, str, None] = False, profiler: Union[Profiler, str, None] = None,
+        sync_batchnorm: bool = False,
         min_epochs: Optional[int] = None, min_steps: Optional[int] = None, overfit_batches: Union[int, float] = 0.0,
         detect_anomaly: bool = False, inference_mode: bool = True, reload_dataloaders_every_n_epochs: int = 0,
         use_distributed_sampler: bool = True, benchmark: Optional[bool] = None, barebones: bool = False,
@@ -310,6 +312,8 @@ class Trainer(TrainerFacts, TrainerLightningNames):
                     raise ValueError(f"{type(self.strategy).__name__} steps its optimizer inside its engine; manual "
                                      f"optimization (automatic_optimization=False) is not available with it.")
                 opt.optimizer.register_step_post_hook(self.count_manual_step)
+                if self.strategy.syncs_gradients_per_forward and self.world_size > 1:
+                    opt.optimizer.register_step_pre_hook(average_gradients_before_step(self.strategy))
         if self.explain or self.accelerator.explain_requested:  # print the plan instead of training
             from fabric_lite.explain import explain_trainer
 
