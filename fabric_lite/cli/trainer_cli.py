@@ -250,7 +250,10 @@ class TrainerCLI:
     def add_core_arguments_to_parser(self, parser: "TrainerArgumentParser") -> None:
         """The `trainer`, `model` and `data` groups."""
         parser.add_lightning_class_args(self.trainer_class, "trainer")
-        parser.set_defaults({f"trainer.{k}": v for k, v in self.trainer_defaults.items() if k != "callbacks"})
+        # An object given as a default (`trainer_defaults={"profiler": PyTorchProfiler(...)}`) is not a value the
+        # parser can hold for a class-typed option: it is handed to the Trainer when the command line sets nothing.
+        plain = {k: v for k, v in self.trainer_defaults.items() if k != "callbacks" and _is_plain(v)}
+        parser.set_defaults({f"trainer.{k}": v for k, v in plain.items()})
         parser.add_lightning_class_args(self.model_class or TrainModule, "model", subclass_mode=self.subclass_mode_model)
         # Without a datamodule class, data is optional: the module may define its own dataloaders.
         parser.add_lightning_class_args(self.datamodule_class or DataModule, "data",
@@ -322,6 +325,9 @@ class TrainerCLI:
         if self.save_config_callback is not None and not config.get("fast_dev_run", False):
             callbacks.append(self.save_config_callback(parser, self.section(self.config), **self.save_config_kwargs))
         config["callbacks"] = callbacks
+        for key, value in self.trainer_defaults.items():
+            if key != "callbacks" and not _is_plain(value) and config.get(key) is None:
+                config[key] = value
         try:
             return self.trainer_class(**config)
         except (ValueError, TypeError) as err:
@@ -453,3 +459,14 @@ def instantiate_class(args: Any, init: Dict[str, Any]) -> Any:
     module_name, _, name = init["class_path"].rpartition(".")
     cls = getattr(importlib.import_module(module_name), name)
     return cls(*(args if isinstance(args, tuple) else (args,)), **(init.get("init_args") or {}))
+
+
+def _is_plain(value: Any) -> bool:
+    """A value a config file can hold (numbers, strings, lists and dicts of them), not an object."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _is_plain(v) for k, v in value.items())
+    return False
