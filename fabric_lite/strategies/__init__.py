@@ -12,14 +12,12 @@ from typing import Any
 
 from fabric_lite.strategies.registry import available_strategies, create_strategy, register_strategy, strategy_class
 
-__all__ = ["Strategy", "ParallelStrategy", "SingleDeviceStrategy", "DDPStrategy", "MultiModelDDPStrategy",
-           "FSDPStrategy", "XLAStrategy", "XLASPMDStrategy", "register_strategy", "create_strategy", "available_strategies",
-           "strategy_class"]
+__all__ = ["Strategy", "ParallelStrategy", "SingleDeviceStrategy", "DDPStrategy", "FSDPStrategy", "XLAStrategy",
+           "XLASPMDStrategy", "register_strategy", "create_strategy", "available_strategies", "strategy_class"]
 
 _LAZY = {"Strategy": "fabric_lite.strategies.base", "ParallelStrategy": "fabric_lite.strategies.parallel",
          "SingleDeviceStrategy": "fabric_lite.strategies.single",
-         "DDPStrategy": "fabric_lite.strategies.ddp",
-         "MultiModelDDPStrategy": "fabric_lite.strategies.ddp", "FSDPStrategy": "fabric_lite.strategies.fsdp",
+         "DDPStrategy": "fabric_lite.strategies.ddp", "FSDPStrategy": "fabric_lite.strategies.fsdp",
          "XLAStrategy": "fabric_lite.strategies.xla", "XLASPMDStrategy": "fabric_lite.strategies.xla"}
 
 

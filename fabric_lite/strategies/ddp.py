@@ -18,7 +18,7 @@ from torch import nn
 from fabric_lite.strategies.parallel import ParallelStrategy
 from fabric_lite.strategies.comm_hooks import CommHook
 
-__all__ = ["DDPStrategy", "MultiModelDDPStrategy"]
+__all__ = ["DDPStrategy"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
@@ -254,10 +254,3 @@ class DDPStrategy(ParallelStrategy):
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_process_group = False
-
-
-class MultiModelDDPStrategy(DDPStrategy):
-    """Lightning's DDP for a module holding several models trained with manual optimization (a GAN's generator and
-    discriminator, each with its optimizer). Lightning wraps each submodule in its own DistributedDataParallel; here
-    DDPStrategy already trains such a module (its `training_step` runs unwrapped and each optimizer averages its
-    gradients over the processes as it steps), so this is DDPStrategy under Lightning's name, with its arguments."""

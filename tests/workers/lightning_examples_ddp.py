@@ -73,18 +73,6 @@ def gan(root):
 
 
 @scenario
-def gan_multi_model(root):
-    from fabric_lite.strategies import MultiModelDDPStrategy
-
-    model = templates.GAN()  # the DDP variant of the template: Lightning's strategy for a module of several models
-    trainer = Trainer(accelerator="cpu", devices=2, strategy=MultiModelDDPStrategy(), max_epochs=1,
-                      default_root_dir=root, enable_progress_bar=False)
-    trainer.fit(model, templates.ImagesOnly())
-    return {"weights": parts.flat_weights(model).tolist(), "global_step": trainer.global_step,
-            "expect": {"global_step": 4}}
-
-
-@scenario
 def imagenet(root):
     from fabric_lite.callbacks import ModelCheckpoint, TQDMProgressBar
     from fabric_lite.cli import TrainerCLI
