@@ -370,8 +370,8 @@ def model_line(plan: Plan, models: Sequence[Any], accelerator: "Accelerator") ->
     words = []
     for model in models:
         inner = accelerator.unwrap_model(model)
-        # the Trainer's step runner (FSDP renames the class it shards: FSDP_StepRunner)
-        inner = getattr(inner, "module", inner) if type(inner).__name__.endswith("_StepRunner") else inner
+        # the Trainer's step runner (FSDP renames the class it shards: FSDPStepRunner)
+        inner = getattr(inner, "module", inner) if type(inner).__name__.endswith("StepRunner") else inner
         # ZeRO-3 leaves each parameter empty between uses; its full size is kept in `ds_numel`
         count = sum(getattr(p, "ds_numel", p.numel()) for p in inner.parameters())
         trainable = sum(getattr(p, "ds_numel", p.numel()) for p in inner.parameters() if p.requires_grad)

@@ -37,6 +37,7 @@ from fabric_lite.trainer.relaunch import relaunch_if_needed, xla_replicas
 from fabric_lite.trainer.sync_batchnorm import SYNC_BATCHNORM_DEVICES, convert_sync_batchnorm
 from fabric_lite.trainer.settings import apply_torch_settings, check_unknown, resolve_settings
 from fabric_lite.trainer.manual_optimization import average_gradients_before_step
+from fabric_lite.trainer.step_runner import StepRunner
 from fabric_lite.trainer.callback_list import (
     add_default_callbacks, add_model_summary, merge_module_callbacks, order_callbacks,
 )
@@ -46,46 +47,6 @@ from fabric_lite.trainer.lightning_surface import TrainerLightningNames, check_r
 from fabric_lite.launch.preemption import PreemptionWatch
 
 __all__ = ["Trainer", "convert_sync_batchnorm", "SYNC_BATCHNORM_DEVICES"]
-
-
-_STEP_METHODS = {"train": "training_step", "validate": "validation_step", "test": "test_step",
-                 "predict": "predict_step"}
-
-
-class _StepRunner(nn.Module):
-    """Routes the strategy's wrapped forward to the module's step methods (so DDP sees a forward)."""
-
-    def __init__(self, module: TrainModule) -> None:
-        super().__init__()
-        self.module = module
-        # Lightning calls a step method that names no batch index (`def training_step(self, batch)`, as its GAN
-        # and PPO templates write it) with the batch alone; decided here once, not at every step.
-        self.without_batch_idx = {stage for stage, name in _STEP_METHODS.items()
-                                  if not _takes_batch_idx(getattr(module, name))}
-
-    # Checkpoints hold the TrainModule's own keys ("net.0.weight", not "module.net.0.weight"), so
-    # the exported weights load straight into the user's module.
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
-
-    def forward(self, batch: Any, batch_idx: int, stage: str = "train", *dataloader_idx: int) -> Any:
-        # (`dataloader_idx` only with several evaluation or prediction loaders, as Lightning passes it)
-        if stage in self.without_batch_idx:
-            return getattr(self.module, _STEP_METHODS[stage])(batch)
-        return getattr(self.module, _STEP_METHODS[stage])(batch, batch_idx, *dataloader_idx)
-
-
-def _takes_batch_idx(step: Callable[..., Any]) -> bool:
-    """Whether a step method accepts a batch index: a `batch_idx` parameter, `*args`, or a second positional."""
-    try:
-        params = inspect.signature(step).parameters.values()
-    except (TypeError, ValueError):  # a builtin or C callable: pass the index, as before
-        return True
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return (any(p.name == "batch_idx" or p.kind is p.VAR_POSITIONAL for p in params) or len(positional) >= 2)
 
 
 class Trainer(TrainerFacts, TrainerLightningNames):
@@ -489,7 +450,7 @@ class Trainer(TrainerFacts, TrainerLightningNames):
 
             def prepare(optimizers: List[Any]) -> List[Any]:
                 acc.check_optimizers(optimizers, [module], fix=fix)
-                models, prepared = acc.setup_jointly([_StepRunner(module)], optimizers, self.accumulate_grad_batches,
+                models, prepared = acc.setup_jointly([StepRunner(module)], optimizers, self.accumulate_grad_batches,
                                                      gradient_clip_val=clip)
                 self.model = models[0]
                 return prepared
@@ -499,7 +460,7 @@ class Trainer(TrainerFacts, TrainerLightningNames):
             else:
                 prepare([])
         else:
-            self.model = acc.prepare_model(_StepRunner(module))
+            self.model = acc.prepare_model(StepRunner(module))
             if with_optimizers:
                 def prepare_each(optimizers: List[Any]) -> List[Any]:
                     acc.check_optimizers(optimizers, [module], fix=fix)
