@@ -73,6 +73,9 @@ NOT_LAUNCHED = {
     "auto": "resolves to single or ddp, both launched",
     "single_device": "an alias of single",
     "deepspeed": "an alias of deepspeed_stage_2",
+    "ddp_find_unused_parameters_true": "ddp with find_unused_parameters=True (Lightning's name); it trains on 2 "
+                                       "processes in tests/trainer/test_lightning_examples.py (fine_tuning)",
+    "ddp_find_unused_parameters_false": "ddp with find_unused_parameters=False, ddp's own default (Lightning's name)",
 }
 
 # fp32 everywhere. A process group averages W per-rank means where the plain loop takes one mean over W*b
