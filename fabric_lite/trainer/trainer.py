@@ -274,6 +274,13 @@ class Trainer(TrainerFacts, TrainerLightningNames):
                                      f"optimization (automatic_optimization=False) is not available with it.")
                 opt.optimizer.register_step_post_hook(self.count_manual_step)
                 if self.strategy.syncs_gradients_per_forward and self.world_size > 1:
+                    if self.strategy.precision.scaler is not None:  # (a rank skipping an inf step would hang the rest)
+                        raise ValueError(
+                            f"Manual optimization (automatic_optimization=False) on {self.world_size} processes under "
+                            f"{type(self.strategy).__name__} with precision={self.strategy.precision.name!r}: its loss "
+                            f"scaler skips a step on a process that finds inf gradients, while the others average "
+                            f"gradients with it and would wait forever. Use precision='bf16-mixed' or '32-true', or "
+                            f"automatic optimization.")
                     opt.optimizer.register_step_pre_hook(average_gradients_before_step(self.strategy))
         if self.explain or self.accelerator.explain_requested:  # print the plan instead of training
             from fabric_lite.explain import explain_trainer

@@ -341,7 +341,7 @@ def test_step_methods_that_take_the_batch_alone(tmp_path):
 
 # -- the same projects on 2 processes (one launch) -----------------------------------------------------------------
 
-SCENARIOS = ["bug_report", "autoencoder_cli", "gan", "imagenet", "fine_tuning"]
+SCENARIOS = ["bug_report", "autoencoder_cli", "gan", "gan_fp16", "imagenet", "fine_tuning"]
 
 
 @pytest.fixture(scope="module")

@@ -73,6 +73,20 @@ def gan(root):
 
 
 @scenario
+def gan_fp16(root):
+    model = templates.GAN()  # fp16's loss scaler may skip a step on one process only: refused before training
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", precision="16-mixed", max_epochs=1,
+                      default_root_dir=root, enable_progress_bar=False)
+    try:
+        trainer.fit(model, templates.ImagesOnly())
+        said = ""
+    except ValueError as err:
+        said = str(err)
+    return {"weights": [], "expect": {"refused": True, "global_step": 0},
+            "refused": "loss scaler skips a step" in said and "bf16-mixed" in said, "global_step": trainer.global_step}
+
+
+@scenario
 def imagenet(root):
     from fabric_lite.callbacks import ModelCheckpoint, TQDMProgressBar
     from fabric_lite.cli import TrainerCLI
