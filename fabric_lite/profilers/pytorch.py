@@ -106,7 +106,8 @@ class PyTorchProfiler(Profiler):
     - `export_to_chrome`: write each recorded cycle as a Chrome trace, ``{stem}-{step action}.{cycle}.pt.trace.json``.
     - `row_limit` (-1: every row), `sort_by_key` (one of `SORT_KEYS`; default the device time where CUDA is
       profiled, else the CPU time), `table_kwargs` (more arguments of torch's `EventList.table`).
-    - `record_module_names`: label each layer's forward in the trace.
+    - `record_module_names`: label each layer's forward in the trace (with torch 2.13, torch's profiler has been seen
+      to crash at shutdown now and then with the labels on; False avoids it).
     - `profiler_kwargs`: torch.profiler.profile's own (`schedule`, `activities` (default: the CPU, plus CUDA where
       a GPU is available), `record_shapes`, `profile_memory`, `with_stack`, `with_flops`, `with_modules`,
       `on_trace_ready` (replaces the Chrome export), ...), and Lightning's `export_to_flame_graph` / `metric`

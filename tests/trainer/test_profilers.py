@@ -169,7 +169,9 @@ def test_steps_of_another_kind_inside_a_running_cycle_are_recorded_in_it(tmp_pat
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer(tmp_path, profiler=PyTorchProfiler(dirpath=tmp_path / "p"), max_epochs=2,
+        # (no layer labels: torch 2.13's profiler has crashed at shutdown with them in fits of this shape, see
+        # the PyTorchProfiler docs; this test is about the schedule)
+        trainer(tmp_path, profiler=PyTorchProfiler(dirpath=tmp_path / "p", record_module_names=False), max_epochs=2,
                 num_sanity_val_steps=0).fit(Net(), loader(8), loader(2))
     assert not [w for w in caught if "Incorrect schedule" in str(w.message)]
     train = names(trace_events(tmp_path / "p" / "fit-[Strategy]SingleDeviceStrategy.training_step.1.pt.trace.json"))
@@ -179,7 +181,7 @@ def test_steps_of_another_kind_inside_a_running_cycle_are_recorded_in_it(tmp_pat
 
 
 def test_a_stage_too_short_for_the_schedule_says_so(tmp_path, capsys):
-    t = trainer(tmp_path, profiler=PyTorchProfiler(dirpath=tmp_path), max_steps=1)
+    t = trainer(tmp_path, profiler=PyTorchProfiler(dirpath=tmp_path, record_module_names=False), max_steps=1)
     t.fit(Net(), loader(8))
     report = capsys.readouterr().err
     assert "Nothing recorded: the stage ran 1 step(s)" in report and "schedule=None" in report
