@@ -34,7 +34,7 @@ from fabric_lite.data.workers import WorkerRandomness
 
 __all__ = [
     "DataLoaderShard", "ShardedBatchSampler", "IterableDatasetShard",
-    "shard_dataloader", "skip_first_batches", "move_to_device", "record_batch_indices",
+    "shard_dataloader", "skip_first_batches", "move_to_device",
 ]
 
 
@@ -430,7 +430,9 @@ class DataLoaderShard(DataLoader):
                                          int(state.get("draws_before_sampler", 0)))
 
     def record_batch_indices(self, record: bool = True) -> Optional[list]:
-        """See the module's `record_batch_indices`."""
+        """Start recording the dataset indices of each batch this loader hands this process, from its next
+        iteration on: returns the list they are appended to (batch k's indices are item k), or None where there is
+        no sampler of indices (an IterableDataset). `record=False` stops it. What a prediction writer is told."""
         if self._batch_sampler is None or isinstance(self.dataset, IterableDataset):
             return None
         seen: Optional[list] = [] if record else None
@@ -468,14 +470,6 @@ def shard_dataloader(
         data_seed=data_seed)
     return DataLoaderShard(device=device, gradient_state=gradient_state, convert_batch=convert_batch,
                            non_blocking=non_blocking, device_feed=device_feed, position=_Position(), **arguments)
-
-
-def record_batch_indices(loader: Any, record: bool = True) -> Optional[list]:
-    """Start recording the dataset indices of each batch `loader` hands this process, from its next iteration on:
-    returns the list they are appended to (batch k's indices are item k; a single index for a loader without
-    batches), or None where the loader has no sampler of indices (not prepared, or over an IterableDataset).
-    `record=False` stops it. What a prediction writer is told of each batch (`Trainer.predict`)."""
-    return loader.record_batch_indices(record) if isinstance(loader, DataLoaderShard) else None
 
 
 def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:

@@ -44,7 +44,7 @@ def run_predict(trainer: "Trainer", loaders: List[Any], return_predictions: bool
     predictions (see `PredictionState.predictions`) when `return_predictions`, else None."""
     from fabric_lite.callbacks.base import Callback, overrides
     from fabric_lite.callbacks.prediction_writer import BasePredictionWriter
-    from fabric_lite.data.loader import record_batch_indices
+    from fabric_lite.data.loader import DataLoaderShard
     from fabric_lite.data.transfer import move_to_device
 
     module, model = trainer.module, trainer.eval_model
@@ -78,7 +78,8 @@ def run_predict(trainer: "Trainer", loaders: List[Any], return_predictions: bool
     with trainer.evaluation_context():
         for dataloader_idx, loader in enumerate(loaders):
             extra = (dataloader_idx,) if len(loaders) > 1 else ()
-            seen = record_batch_indices(loader) if wants_indices else None
+            shard = loader if isinstance(loader, DataLoaderShard) else None  # (a prepared loader knows its indices)
+            seen = shard.record_batch_indices() if wants_indices and shard is not None else None
             if wants_indices and seen is None:
                 warnings.warn(f"The batch indices of predict loader {dataloader_idx} ({type(loader).__name__}) "
                               f"are unknown (it has no sampler of indices: an IterableDataset?); prediction "
@@ -109,7 +110,7 @@ def run_predict(trainer: "Trainer", loaders: List[Any], return_predictions: bool
                     state.outputs[dataloader_idx].append(move_to_device(out, cpu))
             del batches
             if seen is not None:
-                record_batch_indices(loader, False)
+                shard.record_batch_indices(False)
     trainer.metric_store.fx = None
     trainer.call_hook("on_predict_epoch_end")
     results = state.predictions if return_predictions else None
