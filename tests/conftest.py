@@ -1,3 +1,4 @@
+import importlib
 import json
 import os
 import socket
@@ -8,6 +9,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def import_dotted(path: str):
+    """The object at a dotted path: the longest importable module prefix, then attributes (the name tables' rows)."""
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for part in parts[cut:]:
+            obj = getattr(obj, part)
+        return obj
+    raise ImportError(path)
 WORKERS = Path(__file__).resolve().parent / "workers"
 
 # tests/ mirrors the package, one folder per layer; some test modules share helpers across folders

@@ -4,14 +4,13 @@ where the table says, a `works` row names a test that exists, a `refused` row ra
 the feature, and `later` members of N-D parallelism read as Accelerate's defaults where they exist."""
 
 import ast
-import importlib
 import re
 
 import pytest
 import torch
 from torch import nn
 
-from conftest import ROOT
+from conftest import ROOT, import_dotted
 from fabric_lite import Accelerator, PartialState
 from fabric_lite.utils import NotSupportedError
 
@@ -59,16 +58,7 @@ def resolve(path):
         if hasattr(Accelerator, member):
             return getattr(Accelerator, member)
         return getattr(Accelerator(), member)
-    parts = path.split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:cut]))
-        except ModuleNotFoundError:
-            continue
-        for part in parts[cut:]:
-            obj = getattr(obj, part)
-        return obj
-    raise ImportError(path)
+    return import_dotted(path)
 
 
 def test_the_table_lists_exactly_the_documented_names():

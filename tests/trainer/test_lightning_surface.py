@@ -6,7 +6,6 @@ its issue. Also Lightning's other spellings the Trainer, TrainModule and DataMod
 from __future__ import annotations
 
 import ast
-import importlib
 import inspect
 import re
 
@@ -15,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import ROOT
+from conftest import ROOT, import_dotted
 from fabric_lite import Callback, DataModule, Trainer, TrainModule
 from fabric_lite.callbacks import EarlyStopping, ModelCheckpoint
 from fabric_lite.trainer.data_connector import STAGE_LOADERS
@@ -83,16 +82,7 @@ def resolve(path):
             return inspect.getattr_static(cls, name, None)
         assert name in vars(instance(owner)), f"{path}: neither {owner} nor a new {owner} has {name!r}"
         return None
-    parts = path.split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:cut]))
-        except ModuleNotFoundError:
-            continue
-        for part in parts[cut:]:
-            obj = getattr(obj, part)
-        return obj
-    raise ImportError(path)
+    return import_dotted(path)
 
 
 # -- the table ---------------------------------------------------------------------------------------------
