@@ -113,6 +113,7 @@ def browser():
 
 @pytest.mark.slow
 def test_quick_start_renders_and_search_finds_prepare(served_site, browser):
+    from selenium.common.exceptions import TimeoutException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support import expected_conditions as ec
@@ -132,6 +133,16 @@ def test_quick_start_renders_and_search_finds_prepare(served_site, browser):
     box.click()
     box.send_keys("prepare")
     box.send_keys(Keys.SPACE, Keys.BACKSPACE)  # a key event after the index loaded, as a user's typing gives
-    results = wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".md-search-result__item") or None)
-    assert results, "the search found nothing for 'prepare'"
-    assert any("prepare" in r.text.lower() for r in results)
+    # the results list is re-rendered as the worker answers each keystroke, so an element found one moment can be
+    # gone the next: read the texts in one script call inside the page, and wait until one of them names prepare
+    read_results = "return Array.from(document.querySelectorAll('.md-search-result__item')).map(e => e.textContent)"
+
+    def prepare_found(driver):
+        texts = driver.execute_script(read_results) or []
+        return [t for t in texts if "prepare" in t.lower()] or None
+
+    try:
+        found = wait.until(prepare_found)
+    except TimeoutException as error:
+        raise AssertionError(f"the search found nothing naming 'prepare': {browser.execute_script(read_results)!r}") from error
+    assert found
