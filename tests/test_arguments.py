@@ -188,7 +188,7 @@ def test_the_accelerator_checks_before_it_connects(monkeypatch):
         raise AssertionError("reached past the argument checks")
 
     monkeypatch.setattr(accelerator_module, "connect", must_not_run)
-    monkeypatch.setattr(accelerator_module, "detect_process", must_not_run)
+    monkeypatch.setattr(accelerator_module, "read_launch_environment", must_not_run)
     with pytest.raises(ValueError, match=r"Accelerator\(gradient_accumulation_steps=0\)"):
         Accelerator(gradient_accumulation_steps=0)
     with pytest.raises(TypeError, match=r"Accelerator\(cpu='yes'\)"):

@@ -17,16 +17,14 @@ from torch.utils.data import DataLoader
 
 from fabric_lite.accelerator.configs import (
     DataLoaderConfiguration, DeepSpeedPlugin, FullyShardedDataParallelPlugin, GradientAccumulationPlugin,
-    GradScalerKwargs, KwargsHandler, ProjectConfiguration, TorchDynamoPlugin, strategy_from_handlers,
+    KwargsHandler, ProjectConfiguration, TorchDynamoPlugin, strategy_from_handlers,
 )
 from fabric_lite.accelerator.enums import DistributedType
-from fabric_lite.strategies.connector import connect, resolve_accelerator
+from fabric_lite.strategies.connector import connect
 from fabric_lite.data.loader import DataLoaderShard, shard_dataloader, skip_first_batches
-from fabric_lite.engine import LOSS_DIVISIONS, StepEngine
-from fabric_lite.strategies.environments import (
-    ENV_GRAD_ACCUM, detect_process, read_launch_settings, records_explain_arguments,
-)
-from fabric_lite.arguments import ArgumentCheck, is_int
+from fabric_lite.engine import StepEngine
+from fabric_lite.strategies.environments import read_launch_environment, records_explain_arguments
+from fabric_lite.settings import RunConfig, resolve_run_config
 from fabric_lite.accelerator.wrappers import AcceleratedOptimizer, AcceleratedScheduler, is_scheduler
 from fabric_lite.accelerator.model_state import ModelState
 from fabric_lite.accelerator.optimizer_check import PreparedParameters
@@ -37,10 +35,10 @@ from fabric_lite.accelerator.profiling import ProfileKwargs, profile_context
 from fabric_lite.accelerator.precision_handlers import (
     AutocastKwargs, autocast_context, autocast_kwargs, fp8_recipe_from_handlers,
 )
-from fabric_lite.accelerator.run_settings import RunSettings, handlers_by_attribute
+from fabric_lite.accelerator.run_settings import RunSettings, check_arguments
 from fabric_lite.strategies import Strategy
 from fabric_lite.accelerator.tracking import GeneralTracker
-from fabric_lite.accelerator.run_tracking import TrackerControl, check_log_with
+from fabric_lite.accelerator.run_tracking import TrackerControl
 # (the module, not its names: fabric_lite.state imports this package, and may be the one imported first)
 from fabric_lite import state as run_state
 
@@ -86,123 +84,54 @@ class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerCo
         dynamo_plugin: Optional[TorchDynamoPlugin] = None,
         divide_loss_by: str = "gradient_accumulation_steps",
     ) -> None:
-        # Every argument is checked here, before anything starts (the process group, the strategy).
-        check = ArgumentCheck("Accelerator")
-        check.bool("device_placement", device_placement)
-        check.bool("split_batches", split_batches, allow_none=True, hint="None: dataloader_config's")
-        kwargs_handlers = check.instances(
-            "kwargs_handlers", kwargs_handlers, KwargsHandler,
-            what="KwargsHandler objects (DistributedDataParallelKwargs, GradScalerKwargs, AutocastKwargs, "
-                 "ProfileKwargs, AORecipeKwargs, ...)")
-        fp8_recipe = fp8_recipe_from_handlers(kwargs_handlers)  # (refuses MS-AMP and two fp8 recipes)
-        mixed_precision = check.precision("mixed_precision", mixed_precision, allow_none=True,
-                                          fp8_emulated=fp8_recipe is not None and fp8_recipe.emulated)
-        gradient_accumulation_steps = check.int("gradient_accumulation_steps", gradient_accumulation_steps, minimum=1,
-                                                allow_none=True, hint="None: the launch's setting, else 1")
-        check.bool("cpu", cpu)
-        check.instance("dataloader_config", dataloader_config, DataLoaderConfiguration)
-        log_with = check_log_with(check, log_with)
-        project_dir = check.path("project_dir", project_dir)
-        check.instance("project_config", project_config, ProjectConfiguration)
-        check.instance("gradient_accumulation_plugin", gradient_accumulation_plugin, GradientAccumulationPlugin)
-        if gradient_accumulation_plugin is not None:
-            _check_plugin_steps("gradient_accumulation_plugin", "GradientAccumulationPlugin", "num_steps",
-                                gradient_accumulation_plugin.num_steps)
-        check.bool("step_scheduler_with_optimizer", step_scheduler_with_optimizer)
-        check.bool("even_batches", even_batches, allow_none=True, hint="None: dataloader_config's")
-        if rng_types is not None and not isinstance(rng_types, str):  # (accepted, and not needed: see above)
-            check.instances("rng_types", rng_types, str, what="RNG names ('torch', 'cuda', 'generator', ...)")
-        if dynamo_backend is not None and (not isinstance(dynamo_backend, str) or not dynamo_backend.strip()):
-            check.fail("dynamo_backend", dynamo_backend, "must be a torch.compile backend name ('inductor', 'eager', "
-                       "...), or 'no' or None for no compilation.",
-                       ValueError if isinstance(dynamo_backend, str) else TypeError)
-        check.instance("dynamo_plugin", dynamo_plugin, TorchDynamoPlugin)
-        if dynamo_plugin is not None and dynamo_backend is not None:
-            raise ValueError("Pass dynamo_backend or dynamo_plugin, not both (TorchDynamoPlugin(backend=...) "
-                             "says the backend).")
-        strategy = check.strategy("strategy", strategy)
-        devices = check.devices("devices", devices)
-        accelerator = check.accelerator("accelerator", accelerator)
-        check.instance("deepspeed_plugin", deepspeed_plugin, DeepSpeedPlugin)
-        if deepspeed_plugin is not None and deepspeed_plugin.gradient_accumulation_steps is not None:
-            _check_plugin_steps("deepspeed_plugin", "DeepSpeedPlugin", "gradient_accumulation_steps",
-                                deepspeed_plugin.gradient_accumulation_steps)
-        check.instance("fsdp_plugin", fsdp_plugin, FullyShardedDataParallelPlugin)
-        check.choice("divide_loss_by", divide_loss_by, LOSS_DIVISIONS)
+        # Every argument is checked first, before anything starts (the process group, the strategy); then every
+        # source of settings is resolved into one RunConfig (fabric_lite/settings.py), which the run is built from.
+        arguments, plugins, handlers = check_arguments(locals())
+        self.configure(resolve_run_config(arguments, plugins, handlers, read_launch_environment()))
 
-        launch = read_launch_settings()
-        if launch.explain_dry_run and isinstance(devices, int) and devices > 1:
-            devices = None  # this lone process stands in for rank 0 of a planned launch; the plan checks devices
-        if deepspeed_plugin is not None:
-            if strategy != "auto":
-                raise ValueError(f"Pass strategy={strategy!r} or deepspeed_plugin, not both.")
-            strategy = deepspeed_plugin.to_strategy()
-            if gradient_accumulation_steps is None:
-                gradient_accumulation_steps = deepspeed_plugin.gradient_accumulation_steps
-        if fsdp_plugin is not None:
-            if strategy != "auto" or deepspeed_plugin is not None:
-                raise ValueError(f"Pass one of strategy={strategy!r}, deepspeed_plugin and fsdp_plugin, not several.")
-            strategy = fsdp_plugin.to_strategy()
-        process = detect_process()
-        handlers = {type(h): h for h in kwargs_handlers}
-        #: Each kind of kwargs handler given, under Accelerate's attribute names (`ddp_handler`, ...; else None).
-        for attribute, handler in handlers_by_attribute(kwargs_handlers).items():
+    @classmethod
+    def from_run_config(cls, config: RunConfig) -> "Accelerator":
+        """An Accelerator built from settings already resolved (the Trainer's), without reading them again."""
+        accelerator = cls.__new__(cls)
+        if config.explain_dry_run:  # (what `Accelerator(**config.arguments)` would have recorded)
+            accelerator.explain_arguments = dict(config.arguments)
+        accelerator.configure(config)
+        return accelerator
+
+    def configure(self, config: RunConfig) -> None:
+        """Build this run from its RunConfig: the strategy, the step engine and the state Accelerate's names read."""
+        #: The settings this run was built from, resolved once (the explain plan reads them too).
+        self.run_config = config
+        for attribute, handler in config.handlers.items():
             setattr(self, attribute, handler)
-
-        if gradient_accumulation_plugin is not None:
-            plugin = gradient_accumulation_plugin
-            if gradient_accumulation_steps not in (None, plugin.num_steps):
-                raise ValueError(
-                    f"gradient_accumulation_steps={gradient_accumulation_steps} disagrees with "
-                    f"gradient_accumulation_plugin.num_steps={plugin.num_steps}; pass only one of them."
-                )
-        else:
-            steps = gradient_accumulation_steps
-            if steps is None and launch.gradient_accumulation_steps is not None:
-                steps = launch.gradient_accumulation_steps
-                if steps < 1:
-                    raise ValueError(f"gradient_accumulation_steps={steps} from the launch environment "
-                                     f"({ENV_GRAD_ACCUM}) must be an integer >= 1.")
-            plugin = GradientAccumulationPlugin(num_steps=1 if steps is None else steps)
-
-        config = dataloader_config or DataLoaderConfiguration()
-        if split_batches is not None:
-            config.split_batches = split_batches
-        if even_batches is not None:
-            config.even_batches = even_batches
-        self.dataloader_config = config
-
-        self.project_configuration = project_config or ProjectConfiguration(
-            project_dir=os.fspath(project_dir) if project_dir is not None else None
-        )
-        if project_dir is not None and project_config is not None:
-            self.project_configuration.project_dir = os.fspath(project_dir)
-            self.project_configuration.logging_dir = self.project_configuration.logging_dir or os.fspath(project_dir)
-
+        self.dataloader_config = config.dataloader_config or DataLoaderConfiguration()
+        for name, value in config.dataloader_overrides.items():
+            setattr(self.dataloader_config, name, value)
+        project_dir = config.project_dir
+        self.project_configuration = config.project_config or ProjectConfiguration(project_dir=project_dir)
+        if project_dir is not None and config.project_config is not None:
+            self.project_configuration.project_dir = project_dir
+            self.project_configuration.logging_dir = self.project_configuration.logging_dir or project_dir
         #: Run under `fabric-lite explain` (or FABRIC_LITE_EXPLAIN): the first prepare(loader) prints the plan.
-        self.explain_requested = launch.explain is not None
-        if process.is_distributed and process.global_rank == 0 and not launch.launched_by_fabric_lite:
+        self.explain_requested = config.explain_requested
+        process = config.process
+        if config.notes_unread_config:
             from fabric_lite.launch.config_file import note_unread_config
 
             note_unread_config(process.source, os.environ)
-        if strategy == "auto" and launch.strategy:
-            strategy = launch.strategy  # from `fabric-lite config` through `fabric-lite launch`
-        accelerator = "cpu" if (cpu or launch.use_cpu) else (
-            launch.accelerator if accelerator == "auto" and launch.accelerator else accelerator)
-        if strategy == "auto" and resolve_accelerator(accelerator) == "xla":
-            strategy = "xla"  # (DDP's kwargs handlers, if any, do not apply there)
-        strategy = strategy_from_handlers(strategy, handlers, process.world_size)  # (an instance: hook checked)
-        scaler = handlers.get(GradScalerKwargs)
+        handlers = {type(h): h for h in config.kwargs_handlers}
+        strategy = strategy_from_handlers(config.strategy, handlers, process.world_size)  # (hook checked)
         strategy = connect(
-            strategy,
-            accelerator=accelerator,
-            devices=devices,
-            precision=mixed_precision or launch.mixed_precision or "no",
-            process=process,
-            scaler_kwargs=scaler.to_kwargs() if scaler else None,
-            autocast_kwargs=autocast_kwargs(handlers.get(AutocastKwargs)),
-            fp8_recipe=fp8_recipe,
+            strategy, accelerator=config.accelerator, devices=config.devices, precision=config.precision,
+            process=process, scaler_kwargs=config.scaler_kwargs,
+            autocast_kwargs=autocast_kwargs(config.handlers["autocast_handler"]),
+            fp8_recipe=fp8_recipe_from_handlers(config.kwargs_handlers),
         )
+        plugin = config.gradient_accumulation_plugin or GradientAccumulationPlugin(
+            num_steps=config.gradient_accumulation_steps)
+        divide_loss_by, device_placement = config.divide_loss_by, config.device_placement
+        step_scheduler_with_optimizer, log_with = config.step_scheduler_with_optimizer, config.log_with
+        dynamo_plugin, dynamo_backend = config.dynamo_plugin, config.dynamo_backend
         # The step engine: the prepared models, optimizers and schedulers, and the accumulation window.
         self.init_engine(strategy, plugin, divide_loss_by)
         # (with Accelerate's names on top: `active_dataloader`, `num_steps`, ...)
@@ -211,8 +140,7 @@ class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerCo
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         #: Accepted as Accelerate takes it; the data order is always seeded and the same on every process here.
-        self.rng_types = ["generator"] if rng_types is None else ([rng_types] if isinstance(rng_types, str)
-                                                                    else list(rng_types))
+        self.rng_types = list(config.rng_types)
         self.dataloaders: List[DataLoaderShard] = []
         self._prepared_params = PreparedParameters()  # what the optimizers given to prepare are checked against
         #: What `save_state` saves beyond the prepared objects: the main process's state, and each process's own.
@@ -226,8 +154,8 @@ class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerCo
         #: How `prepare` compiles models (`torch.compile`); `dynamo_backend` is its backend, None when off.
         self.dynamo_plugin = dynamo_plugin or TorchDynamoPlugin(backend=dynamo_backend)
         self.dynamo_backend = self.dynamo_plugin.backend if self.dynamo_plugin.enabled else None
-        self.deepspeed_plugin = deepspeed_plugin
-        self.fsdp_plugin = fsdp_plugin
+        self.deepspeed_plugin = config.deepspeed_plugin
+        self.fsdp_plugin = config.fsdp_plugin
         #: `register_save_state_pre_hook` / `register_load_state_pre_hook` hooks, by handle id.
         self.save_state_pre_hooks: Dict[int, Callable] = {}
         self.load_state_pre_hooks: Dict[int, Callable] = {}
@@ -490,10 +418,3 @@ class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerCo
     def __repr__(self) -> str:
         return f"Accelerator({self.strategy!r}, gradient_accumulation_steps={self.gradient_accumulation_steps})"
 
-
-def _check_plugin_steps(argument: str, plugin: str, field: str, value: Any) -> None:
-    """The accumulation steps a plugin gives (GradientAccumulationPlugin, DeepSpeedPlugin): an integer >= 1."""
-    if not is_int(value) or value < 1:
-        raise (ValueError if is_int(value) else TypeError)(
-            f"Accelerator({argument}={plugin}({field}={value!r}, ...)): gradient_accumulation_steps={value!r} "
-            f"must be an integer >= 1.")

@@ -8,21 +8,26 @@ Scripts read these (`accelerator.mixed_precision`, `accelerator.use_stateful_dat
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from fabric_lite.accelerator.configs import KwargsHandler
+from fabric_lite.accelerator.configs import (
+    DataLoaderConfiguration, DeepSpeedPlugin, FullyShardedDataParallelPlugin, GradientAccumulationPlugin,
+    KwargsHandler, ProjectConfiguration, TorchDynamoPlugin,
+)
+from fabric_lite.accelerator.precision_handlers import fp8_recipe_from_handlers
+from fabric_lite.accelerator.run_tracking import check_log_with
+from fabric_lite.engine import LOSS_DIVISIONS
 from fabric_lite.accelerator.enums import DistributedType, StrEnum
-from fabric_lite.arguments import is_int
+from fabric_lite.arguments import ArgumentCheck, is_int
+from fabric_lite.settings import (  # (HANDLER_ATTRIBUTES, handlers_by_attribute: re-exported, their old path)
+    HANDLER_ATTRIBUTES, PLUGIN_NAMES, handlers_by_attribute,
+)
 
-__all__ = ["RunSettings", "FP8BackendType", "HANDLER_ATTRIBUTES", "handlers_by_attribute"]
+__all__ = ["RunSettings", "FP8BackendType", "HANDLER_ATTRIBUTES", "handlers_by_attribute", "check_arguments"]
 
-#: The Accelerator attribute each kind of kwargs handler is kept under (None when none was given), as in
-#: Accelerate. A handler class says its own with the class attribute `accelerator_attribute`.
-HANDLER_ATTRIBUTES = ("ddp_handler", "scaler_handler", "init_handler", "autocast_handler", "profile_handler",
-                      "fp8_recipe_handler", "ao_recipe_handler", "te_recipe_handler", "msamp_recipe_handler")
 _FP8_HANDLERS = ("fp8_recipe_handler", "ao_recipe_handler", "te_recipe_handler", "msamp_recipe_handler")
 _MULTI_DEVICE = (DistributedType.MULTI_GPU, DistributedType.MULTI_NPU, DistributedType.MULTI_XPU,
                  DistributedType.MULTI_HPU, DistributedType.MULTI_MLU)
@@ -37,22 +42,69 @@ class FP8BackendType(StrEnum):
     AO = "AO"
 
 
-def handlers_by_attribute(handlers: Sequence[KwargsHandler]) -> Dict[str, Optional[KwargsHandler]]:
-    """{attribute: handler} for every name in HANDLER_ATTRIBUTES (None where none was given).
+def check_arguments(given: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any], List[Any]]:
+    """Check every `Accelerator(...)` argument in `given` (by name), before anything starts; raise naming the
+    argument, the value and what is allowed. Returns the checked arguments, the plugins given and the kwargs
+    handlers, as `fabric_lite.settings.resolve_run_config` takes them."""
+    g = {name: value for name, value in given.items() if name not in ("self", "__class__")}
+    check = ArgumentCheck("Accelerator")
+    check.bool("device_placement", g["device_placement"])
+    check.bool("split_batches", g["split_batches"], allow_none=True, hint="None: dataloader_config's")
+    handlers = check.instances(
+        "kwargs_handlers", g["kwargs_handlers"], KwargsHandler,
+        what="KwargsHandler objects (DistributedDataParallelKwargs, GradScalerKwargs, AutocastKwargs, "
+             "ProfileKwargs, AORecipeKwargs, ...)")
+    fp8_recipe = fp8_recipe_from_handlers(handlers)  # (refuses MS-AMP and two fp8 recipes)
+    g["mixed_precision"] = check.precision("mixed_precision", g["mixed_precision"], allow_none=True,
+                                           fp8_emulated=fp8_recipe is not None and fp8_recipe.emulated)
+    g["gradient_accumulation_steps"] = check.int(
+        "gradient_accumulation_steps", g["gradient_accumulation_steps"], minimum=1, allow_none=True,
+        hint="None: the launch's setting, else 1")
+    check.bool("cpu", g["cpu"])
+    check.instance("dataloader_config", g["dataloader_config"], DataLoaderConfiguration)
+    g["log_with"] = check_log_with(check, g["log_with"])
+    g["project_dir"] = check.path("project_dir", g["project_dir"])
+    check.instance("project_config", g["project_config"], ProjectConfiguration)
+    accumulation = g["gradient_accumulation_plugin"]
+    check.instance("gradient_accumulation_plugin", accumulation, GradientAccumulationPlugin)
+    if accumulation is not None:
+        _check_plugin_steps("gradient_accumulation_plugin", "GradientAccumulationPlugin", "num_steps",
+                            accumulation.num_steps)
+    check.bool("step_scheduler_with_optimizer", g["step_scheduler_with_optimizer"])
+    check.bool("even_batches", g["even_batches"], allow_none=True, hint="None: dataloader_config's")
+    rng_types = g["rng_types"]
+    if rng_types is not None and not isinstance(rng_types, str):  # (accepted, and not needed: the order is seeded)
+        check.instances("rng_types", rng_types, str, what="RNG names ('torch', 'cuda', 'generator', ...)")
+    dynamo_backend, dynamo_plugin = g["dynamo_backend"], g["dynamo_plugin"]
+    if dynamo_backend is not None and (not isinstance(dynamo_backend, str) or not dynamo_backend.strip()):
+        check.fail("dynamo_backend", dynamo_backend, "must be a torch.compile backend name ('inductor', 'eager', "
+                   "...), or 'no' or None for no compilation.",
+                   ValueError if isinstance(dynamo_backend, str) else TypeError)
+    check.instance("dynamo_plugin", dynamo_plugin, TorchDynamoPlugin)
+    if dynamo_plugin is not None and dynamo_backend is not None:
+        raise ValueError("Pass dynamo_backend or dynamo_plugin, not both (TorchDynamoPlugin(backend=...) "
+                         "says the backend).")
+    g["strategy"] = check.strategy("strategy", g["strategy"])
+    g["devices"] = check.devices("devices", g["devices"])
+    g["accelerator"] = check.accelerator("accelerator", g["accelerator"])
+    deepspeed = g["deepspeed_plugin"]
+    check.instance("deepspeed_plugin", deepspeed, DeepSpeedPlugin)
+    if deepspeed is not None and deepspeed.gradient_accumulation_steps is not None:
+        _check_plugin_steps("deepspeed_plugin", "DeepSpeedPlugin", "gradient_accumulation_steps",
+                            deepspeed.gradient_accumulation_steps)
+    check.instance("fsdp_plugin", g["fsdp_plugin"], FullyShardedDataParallelPlugin)
+    check.choice("divide_loss_by", g["divide_loss_by"], LOSS_DIVISIONS)
+    plugins = {name: g.pop(name) for name in PLUGIN_NAMES}
+    del g["kwargs_handlers"]
+    return g, plugins, handlers
 
-    Two handlers of one kind are refused, as in Accelerate: only one of them could take effect.
-    """
-    found: Dict[str, Optional[KwargsHandler]] = dict.fromkeys(HANDLER_ATTRIBUTES)
-    seen: Dict[type, KwargsHandler] = {}
-    for handler in handlers:
-        if type(handler) in seen:
-            raise ValueError(f"kwargs_handlers has two {type(handler).__name__} objects; pass one, with every "
-                             "setting in it.")
-        seen[type(handler)] = handler
-        attribute = type(handler).accelerator_attribute
-        if attribute in found:
-            found[attribute] = handler
-    return found
+
+def _check_plugin_steps(argument: str, plugin: str, field: str, value: Any) -> None:
+    """The accumulation steps a plugin gives (GradientAccumulationPlugin, DeepSpeedPlugin): an integer >= 1."""
+    if not is_int(value) or value < 1:
+        raise (ValueError if is_int(value) else TypeError)(
+            f"Accelerator({argument}={plugin}({field}={value!r}, ...)): gradient_accumulation_steps={value!r} "
+            f"must be an integer >= 1.")
 
 
 class RunSettings:

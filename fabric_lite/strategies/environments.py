@@ -11,8 +11,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
-__all__ = ["ProcessInfo", "LaunchSettings", "XLASettings", "NodeLayout", "detect_process", "detect_xla_process",
-           "detect_node_layout", "read_launch_settings", "read_xla_settings", "first_host", "torchrun_master_port"]
+__all__ = ["ProcessInfo", "LaunchSettings", "XLASettings", "LaunchEnvironment", "NodeLayout", "detect_process",
+           "detect_xla_process", "detect_node_layout", "read_launch_environment", "read_launch_settings",
+           "read_xla_settings", "first_host", "torchrun_master_port"]
 
 # Variables the `fabric-lite launch` command and `notebook_launcher` use to hand settings to the
 # Accelerator running inside each worker.
@@ -430,6 +431,24 @@ class XLASettings:
 def read_xla_settings(env: Optional[Mapping[str, str]] = None) -> XLASettings:
     env = os.environ if env is None else env
     return XLASettings(pjrt_device=(env.get("PJRT_DEVICE") or "").strip().upper() or None)
+
+
+@dataclass(frozen=True)
+class LaunchEnvironment:
+    """Everything the launch environment says about this process, read at once: its place in the job, the
+    settings a launcher passed down, and the XLA runtime's device. A plain value: the doors resolve their
+    settings from it (`fabric_lite.settings`), and tests build one instead of setting variables."""
+
+    process: ProcessInfo = ProcessInfo()
+    launch: LaunchSettings = LaunchSettings()
+    xla: XLASettings = XLASettings()
+
+
+def read_launch_environment(env: Optional[Mapping[str, str]] = None) -> LaunchEnvironment:
+    """The one read of the launch environment the doors make (`os.environ` unless `env` is given)."""
+    env = os.environ if env is None else env
+    return LaunchEnvironment(process=detect_process(env), launch=read_launch_settings(env),
+                             xla=read_xla_settings(env))
 
 
 def detect_xla_process(runtime: Any, spmd: bool = False) -> ProcessInfo:
