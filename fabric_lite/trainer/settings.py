@@ -17,8 +17,11 @@ import torch
 
 from fabric_lite.arguments import ArgumentCheck, is_int
 from fabric_lite.callbacks.base import Callback, is_logger
+from fabric_lite.settings import RunConfig, resolve_run_config
+from fabric_lite.strategies.environments import LaunchEnvironment
 
-__all__ = ["TrainerSettings", "resolve_settings", "apply_torch_settings", "default_logger"]
+__all__ = ["TrainerSettings", "resolve_settings", "resolve_trainer_run_config", "apply_torch_settings",
+           "default_logger"]
 
 
 @dataclass
@@ -176,6 +179,18 @@ def resolve_settings(check: ArgumentCheck, given: Dict[str, Any]) -> TrainerSett
         detect_anomaly=detect_anomaly, inference_mode=inference_mode, reload_dataloaders_every_n_epochs=reload_every,
         use_distributed_sampler=use_distributed_sampler, benchmark=benchmark, barebones=barebones,
     )
+
+
+def resolve_trainer_run_config(settings: TrainerSettings, launch_env: LaunchEnvironment) -> RunConfig:
+    """The RunConfig the Trainer's Accelerator is built from: its settings under the Accelerator's names, resolved
+    with the launch environment the Trainer read. A short last window of an epoch averages over its real length
+    (divide_loss_by="window", see engine.py)."""
+    arguments = {
+        "strategy": settings.strategy, "devices": None if settings.devices == "auto" else settings.devices,
+        "mixed_precision": str(settings.precision), "accelerator": settings.accelerator,
+        "gradient_accumulation_steps": settings.accumulate_grad_batches, "divide_loss_by": "window",
+    }
+    return resolve_run_config(arguments, launch_env=launch_env)
 
 
 def apply_torch_settings(settings: TrainerSettings) -> None:

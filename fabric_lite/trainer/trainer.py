@@ -19,7 +19,7 @@ from torch import nn
 from fabric_lite.accelerator.accelerator import Accelerator
 from fabric_lite.arguments import ArgumentCheck, is_int
 from fabric_lite.callbacks.base import Callback
-from fabric_lite.strategies.environments import detect_process, read_launch_settings, records_explain_arguments
+from fabric_lite.strategies.environments import detect_process, read_launch_environment, records_explain_arguments
 from fabric_lite.trainer.barebones import BarebonesMetricStore
 from fabric_lite.trainer.logged_metrics import MetricStore
 from fabric_lite.trainer.module import DataModule, TrainModule
@@ -35,7 +35,9 @@ from fabric_lite.trainer.data_connector import (
 from fabric_lite.trainer.configure_optimizers import SchedulerConfig, parse_optimizers
 from fabric_lite.trainer.relaunch import relaunch_if_needed, xla_replicas
 from fabric_lite.trainer.sync_batchnorm import SYNC_BATCHNORM_DEVICES, convert_sync_batchnorm
-from fabric_lite.trainer.settings import apply_torch_settings, check_unknown, resolve_settings
+from fabric_lite.trainer.settings import (
+    apply_torch_settings, check_unknown, resolve_settings, resolve_trainer_run_config,
+)
 from fabric_lite.trainer.manual_optimization import average_gradients_before_step
 from fabric_lite.trainer.step_runner import StepRunner
 from fabric_lite.trainer.callback_list import (
@@ -86,19 +88,15 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         settings = resolve_settings(check, given)
         profiler = resolve_profiler(profiler)
         apply_torch_settings(settings)
+        run_config = resolve_trainer_run_config(settings, read_launch_environment())
         devices, num_nodes = settings.devices, settings.num_nodes
-        if read_launch_settings().explain_dry_run:  # one process stands in for the planned launch
+        if run_config.explain_dry_run:  # one process stands in for the planned launch
             num_nodes = 1  # the plan compares the requested nodes with the launch
         else:
             relaunch_if_needed(devices, num_nodes, xla_replicas(settings.accelerator, settings.strategy))
-        # The Trainer's micro-steps run through the Accelerator's step engine; a short last window of an
-        # epoch averages over its real length (divide_loss_by="window", see engine.py).
+        # The Trainer's micro-steps run through the Accelerator's step engine, built from the same RunConfig.
         self.settings = settings
-        self.accelerator = Accelerator(
-            strategy=settings.strategy, devices=None if devices == "auto" else devices,
-            mixed_precision=str(settings.precision), accelerator=settings.accelerator,
-            gradient_accumulation_steps=settings.accumulate_grad_batches, divide_loss_by="window",
-        )
+        self.accelerator = Accelerator.from_run_config(run_config)
         self.strategy = self.accelerator.strategy
         if num_nodes != self.strategy.process.num_nodes:
             raise ValueError(
