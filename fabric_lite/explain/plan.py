@@ -165,7 +165,6 @@ def planned_layout(accelerator: "Accelerator", trainer: Optional["Trainer"] = No
 
 def _strategy_line(accelerator: "Accelerator", layout: _Layout) -> Tuple[str, Optional[Tuple[str, str]]]:
     """The strategy the real run uses, and a problem line if it would refuse to start."""
-    from fabric_lite.strategies.environments import read_launch_settings
     from fabric_lite.strategies import SingleDeviceStrategy, Strategy, create_strategy
 
     strategy = accelerator.strategy
@@ -173,7 +172,7 @@ def _strategy_line(accelerator: "Accelerator", layout: _Layout) -> Tuple[str, Op
     problem = None
     if layout.dry_run and layout.world != strategy.world_size:
         requested_strategy = (given_arguments(accelerator) or {}).get("strategy", "auto")
-        launch_strategy = read_launch_settings().strategy
+        launch_strategy = accelerator.run_config.launch.strategy
         if requested_strategy == "auto" and launch_strategy:
             requested_strategy = launch_strategy
         if isinstance(requested_strategy, Strategy):
@@ -241,12 +240,11 @@ def hardware_lines(plan: Plan, accelerator: "Accelerator", layout: _Layout) -> N
 
 
 def precision_lines(plan: Plan, accelerator: "Accelerator", trainer: Optional["Trainer"]) -> None:
-    from fabric_lite.strategies.environments import read_launch_settings
     from fabric_lite.strategies.precision import resolve_precision
 
     precision = accelerator.strategy.precision
     plan.add(_PREC, "precision", f"{precision.name} ({_PRECISION_WORDS.get(precision.name, precision.name)})")
-    launch = read_launch_settings()
+    launch = accelerator.run_config.launch
     origin = setting_origin("mixed_precision", launch.mixed_precision)
     given = (given_arguments(accelerator) or {}).get("mixed_precision")
     if trainer is not None:
@@ -399,11 +397,9 @@ def effective_value(plan: Plan, share: Optional[Share], world: int, accumulation
 
 def plan_for_accelerator(accelerator: "Accelerator") -> Plan:
     """The plan of a raw-loop run, from an Accelerator that has prepared its objects."""
-    from fabric_lite.strategies.environments import read_launch_settings
-
     layout = planned_layout(accelerator)
     plan = Plan(header_lines(layout, "Accelerator.prepare(...) with a dataloader"))
-    launch = read_launch_settings()
+    launch = accelerator.run_config.launch
     given = given_arguments(accelerator)
     hardware_lines(plan, accelerator, layout)
     model_line(plan, accelerator.models, accelerator)

@@ -18,12 +18,11 @@ if TYPE_CHECKING:
 def plan_for_trainer(trainer: "Trainer", module: "TrainModule", ckpt_path: Optional[str] = None) -> Plan:
     """The plan of `trainer.fit(module, ...)`, once fit() has prepared the model, optimizers and loaders."""
     from fabric_lite.callbacks.checkpoint import ModelCheckpoint
-    from fabric_lite.strategies.environments import read_launch_settings
 
     accelerator = trainer.accelerator
     layout = planned_layout(accelerator, trainer)
     plan = Plan(header_lines(layout, "Trainer.fit(...)"))
-    launch = read_launch_settings()
+    launch = accelerator.run_config.launch
     hardware_lines(plan, accelerator, layout)
     model_line(plan, [trainer.model], accelerator)
     precision_lines(plan, accelerator, trainer)
