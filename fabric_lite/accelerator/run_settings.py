@@ -110,7 +110,8 @@ def _check_plugin_steps(argument: str, plugin: str, field: str, value: Any) -> N
 class RunSettings:
     """Accelerate's read-only view of an Accelerator's settings (mixed into `Accelerator`)."""
 
-    # (set by Accelerator.__init__; declared for readers and type checkers)
+    # (set by Accelerator.configure from its RunConfig; declared for readers and type checkers)
+    run_config: Any
     dataloader_config: Any
     project_configuration: Any
     gradient_accumulation_plugin: Any

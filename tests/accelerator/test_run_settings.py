@@ -33,6 +33,19 @@ def test_each_handler_is_kept_under_accelerates_attribute_and_the_rest_read_none
     assert bare.fp8_backend == FP8BackendType.NO == "NO"
 
 
+def test_the_accelerator_is_built_from_one_run_config_and_keeps_it(monkeypatch):
+    from fabric_lite.settings import resolve_run_config
+    from fabric_lite.strategies.environments import ENV_MIXED_PRECISION
+
+    monkeypatch.setenv(ENV_MIXED_PRECISION, "bf16")  # read once, by the door, into its RunConfig
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    assert (acc.run_config.precision, acc.run_config.accelerator) == ("bf16", "cpu")
+    assert acc.run_config.launch.mixed_precision == "bf16" and acc.mixed_precision == "bf16"
+    built = Accelerator.from_run_config(resolve_run_config({"cpu": True, "gradient_accumulation_steps": 3}))
+    assert built.mixed_precision == "no" and built.gradient_accumulation_steps == 3  # (no environment read)
+    assert built.device.type == "cpu" and built.explain_arguments is None
+
+
 def test_two_handlers_of_one_kind_are_refused_by_name():
     with pytest.raises(ValueError, match="two GradScalerKwargs objects; pass one"):
         Accelerator(kwargs_handlers=[GradScalerKwargs(), GradScalerKwargs(init_scale=2.0)])
