@@ -198,5 +198,5 @@ def _with_config_file(launch: LaunchSettings, values: Mapping[str, Any]) -> Laun
                          f"gradient_accumulation_steps, use_cpu, strategy, accelerator.")
     from dataclasses import replace
 
-    filled = {k: v for k, v in values.items() if not getattr(launch, k)}
+    filled = {k: v for k, v in values.items() if getattr(launch, k) is None or getattr(launch, k) is False}
     return replace(launch, **filled) if filled else launch

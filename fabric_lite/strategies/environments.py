@@ -2,7 +2,8 @@
 
 Every environment variable fabric_lite understands is read here and nowhere else; the rest of the
 package receives plain values. `detect_process` is a pure function of a mapping, so tests pass a
-dict instead of patching ``os.environ``.
+dict instead of patching ``os.environ``. The doors read it once, with `read_launch_environment`, and
+resolve their settings from that value (`fabric_lite.settings`).
 """
 
 from __future__ import annotations
