@@ -11,11 +11,12 @@ takes (accelerator, devices, strategy, precision) import their lists of names wh
 
 from __future__ import annotations
 
+import builtins
 import math
 import numbers
 import os
 from collections.abc import Iterable, Mapping
-from typing import Any, List, NoReturn, Optional, Sequence, Tuple, Type, Union
+from typing import Any, List, Literal, NoReturn, Optional, Sequence, Tuple, Type, Union, overload
 
 __all__ = ["ArgumentCheck", "fail", "is_int", "is_number", "check_bool", "check_int", "check_number",
            "check_choice", "check_path", "check_instance", "check_instances", "check_accelerator", "check_devices",
@@ -28,7 +29,10 @@ def _repr(value: Any, limit: int = 120) -> str:
 
 
 class ArgumentCheck:
-    """The checks for one door: `ArgumentCheck("Trainer").int("max_epochs", value, minimum=-1)`."""
+    """The checks for one door: `ArgumentCheck("Trainer").int("max_epochs", value, minimum=-1)`.
+
+    (`bool`, `int` and `number` return None only where `allow_none=True`; their annotations say so. The builtins
+    are spelled `builtins.bool`/`builtins.int` in this class, where the method names hide them.)"""
 
     def __init__(self, owner: str) -> None:
         self.owner = owner
@@ -36,44 +40,64 @@ class ArgumentCheck:
     def fail(self, name: str, value: Any, rule: str, error: Type[Exception] = ValueError) -> NoReturn:
         fail(self.owner, name, value, rule, error)
 
-    def bool(self, name: str, value: Any, allow_none: bool = False, hint: str = "") -> Optional[bool]:
+    @overload
+    def bool(self, name: str, value: Any, allow_none: Literal[False] = ..., hint: str = ...) -> builtins.bool: ...
+    @overload
+    def bool(self, name: str, value: Any, allow_none: builtins.bool, hint: str = ...) -> Optional[builtins.bool]: ...
+
+    def bool(self, name: str, value: Any, allow_none: builtins.bool = False, hint: str = "") -> Optional[builtins.bool]:
         return check_bool(self.owner, name, value, allow_none=allow_none, hint=hint)
 
-    def int(self, name: str, value: Any, minimum: Optional[int] = None, allow_none: bool = False,
-            hint: str = "") -> Optional[int]:
+    @overload
+    def int(self, name: str, value: Any, minimum: Optional[builtins.int] = ..., allow_none: Literal[False] = ...,
+            hint: str = ...) -> builtins.int: ...
+    @overload
+    def int(self, name: str, value: Any, minimum: Optional[builtins.int] = ..., *, allow_none: builtins.bool,
+            hint: str = ...) -> Optional[builtins.int]: ...
+
+    def int(self, name: str, value: Any, minimum: Optional[builtins.int] = None, allow_none: builtins.bool = False,
+            hint: str = "") -> Optional[builtins.int]:
         return check_int(self.owner, name, value, minimum=minimum, allow_none=allow_none, hint=hint)
 
+    @overload
+    def number(self, name: str, value: Any, minimum: Optional[float] = ..., maximum: Optional[float] = ...,
+               above: builtins.bool = ..., allow_none: Literal[False] = ..., hint: str = ...) -> float: ...
+    @overload
+    def number(self, name: str, value: Any, minimum: Optional[float] = ..., maximum: Optional[float] = ...,
+               above: builtins.bool = ..., *, allow_none: builtins.bool, hint: str = ...) -> Optional[float]: ...
+
     def number(self, name: str, value: Any, minimum: Optional[float] = None, maximum: Optional[float] = None,
-               above: bool = False, allow_none: bool = False, hint: str = "") -> Optional[float]:
+               above: builtins.bool = False, allow_none: builtins.bool = False, hint: str = "") -> Optional[float]:
         return check_number(self.owner, name, value, minimum=minimum, maximum=maximum, above=above,
                             allow_none=allow_none, hint=hint)
 
-    def choice(self, name: str, value: Any, choices: Sequence[Any], allow_none: bool = False,
-               ignore_case: bool = False, hint: str = "") -> Any:
+    def choice(self, name: str, value: Any, choices: Sequence[Any], allow_none: builtins.bool = False,
+               ignore_case: builtins.bool = False, hint: str = "") -> Any:
         return check_choice(self.owner, name, value, choices, allow_none=allow_none, ignore_case=ignore_case,
                             hint=hint)
 
-    def path(self, name: str, value: Any, allow_none: bool = True) -> Optional[Union[str, os.PathLike]]:
+    def path(self, name: str, value: Any, allow_none: builtins.bool = True) -> Optional[Union[str, os.PathLike]]:
         return check_path(self.owner, name, value, allow_none=allow_none)
 
-    def instance(self, name: str, value: Any, cls: Union[type, Tuple[type, ...]], allow_none: bool = True,
+    def instance(self, name: str, value: Any, cls: Union[type, Tuple[type, ...]], allow_none: builtins.bool = True,
                  what: str = "") -> Any:
         return check_instance(self.owner, name, value, cls, allow_none=allow_none, what=what)
 
     def instances(self, name: str, value: Any, cls: Union[type, Tuple[type, ...]], what: str,
-                  single: bool = False) -> List[Any]:
+                  single: builtins.bool = False) -> List[Any]:
         return check_instances(self.owner, name, value, cls, what=what, single=single)
 
     def accelerator(self, name: str, value: Any) -> str:
         return check_accelerator(self.owner, name, value)
 
-    def devices(self, name: str, value: Any) -> Union[int, str, None]:
+    def devices(self, name: str, value: Any) -> Union[builtins.int, str, None]:
         return check_devices(self.owner, name, value)
 
     def strategy(self, name: str, value: Any) -> Any:
         return check_strategy(self.owner, name, value)
 
-    def precision(self, name: str, value: Any, allow_none: bool = False, fp8_emulated: bool = False) -> Any:
+    def precision(self, name: str, value: Any, allow_none: builtins.bool = False,
+                  fp8_emulated: builtins.bool = False) -> Any:
         return check_precision(self.owner, name, value, allow_none=allow_none, fp8_emulated=fp8_emulated)
 
 

@@ -190,7 +190,7 @@ class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerCo
                                                          [a for a in args if isinstance(a, DataLoader)])
             swap: Dict[int, Any] = {id(raw): w for raw, w in zip(models, wrapped_models)}
             swap.update({id(raw): w for raw, w in zip(optimizers, wrapped)})
-            args = [swap.get(id(a), a) for a in args]
+            args = tuple(swap.get(id(a), a) for a in args)
         result: List[Any] = list(args)
         # Models first, whatever the order given: a sharding strategy re-points optimizers at the new parameters.
         for i, (obj, place) in enumerate(zip(args, placement)):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, Dict, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, Optional, Sequence, Union
 
 from fabric_lite.accelerator.enums import (  # (all but the hook type: re-exported, for the path scripts import)
     DDPCommunicationHookType, DistributedType, DynamoBackend, LoggerType, PrecisionType,
@@ -29,6 +29,8 @@ class KwargsHandler:
 
     #: The Accelerator attribute a handler of this kind is kept under (`ddp_handler`, ...); None: none.
     accelerator_attribute: ClassVar[Optional[str]] = None
+    if TYPE_CHECKING:  # (every handler is a dataclass: `fields(self)` reads its fields)
+        __dataclass_fields__: ClassVar[Dict[str, Any]]
 
     def to_kwargs(self) -> Dict[str, Any]:
         default = type(self)()
@@ -297,7 +299,8 @@ class FullyShardedDataParallelPlugin:
                                  f"MixedPrecisionPolicy.")
             dtype = dtypes[policy.lower()]
             return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        fields_ = {k: dtypes.get(str(v).lower(), v) if isinstance(v, str) else v for k, v in policy.items()}
+        fields_: Dict[str, Any] = {k: dtypes.get(str(v).lower(), v) if isinstance(v, str) else v
+                                   for k, v in policy.items()}
         return MixedPrecisionPolicy(**fields_)
 
 

@@ -5,7 +5,7 @@ The trackers themselves are in tracking.py; this is the Accelerator's side (mixe
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from fabric_lite.accelerator.enums import LoggerType
 from fabric_lite.accelerator.tracking import KNOWN_TRACKERS, GeneralTracker, make_trackers
@@ -18,9 +18,12 @@ class TrackerControl:
     """Start, feed and find the trackers `log_with` names; they run on the main process only."""
 
     log_with: Any
-    logging_dir: Optional[str]
-    is_main_process: bool
     trackers: List[GeneralTracker]
+    if TYPE_CHECKING:  # (read-only: the Accelerator's RunSettings and ProcessFacts answer them)
+        @property
+        def logging_dir(self) -> Optional[str]: ...
+        @property
+        def is_main_process(self) -> bool: ...
 
     def init_trackers(self, project_name: str, config: Optional[Dict[str, Any]] = None,
                       init_kwargs: Optional[Dict[str, Dict[str, Any]]] = None) -> None:

@@ -89,7 +89,7 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         profiler = resolve_profiler(profiler)
         apply_torch_settings(settings)
         run_config = resolve_trainer_run_config(settings, read_launch_environment())
-        devices, num_nodes = settings.devices, settings.num_nodes
+        devices, num_nodes = settings.devices or "auto", settings.num_nodes  # (None, as "auto": what the launch says)
         if run_config.explain_dry_run:  # one process stands in for the planned launch
             num_nodes = 1  # the plan compares the requested nodes with the launch
         else:
