@@ -1,34 +1,371 @@
 """Experiment trackers for the raw door: `Accelerator(log_with=["tensorboard", "mlflow", "wandb", "csv", "comet_ml",
-"aim", "clearml", "dvclive", "swanlab", "trackio"])`, and the names Accelerate's `accelerate.tracking` has.
+"aim", "clearml", "dvclive", "swanlab", "trackio"])`, with the names and constructors of Accelerate's
+`accelerate.tracking`.
 
-Each tracker's package is an extra (`pip install 'fabric-lite[mlflow]'`) imported only when the tracker starts,
-so `import fabric_lite` stays fast and a missing package is named when it is needed, in one sentence. Trackers run
-on the main process only (`Accelerator.init_trackers` starts none elsewhere).
-
-The trackers live in tracker_mlflow.py, trackers_core.py, trackers_services.py and trackers_local.py, and what
-they share (the base class, `on_main_process`, the helpers the Trainer's logger callbacks use too) in
-tracker_base.py; this module gathers them, knows them by name and starts those `log_with` names.
+Each tracker is a thin adapter over its service's backend in `fabric_lite.trackers` (the Trainer's loggers use
+the same ones): it keeps Accelerate's arguments and attributes and hands the work on. A service's package is
+an extra (`pip install 'fabric-lite[mlflow]'`) imported only when the tracker starts, so `import fabric_lite`
+stays fast and a missing package is named when it is needed, in one sentence. Trackers run on the main
+process only (`Accelerator.init_trackers` starts none elsewhere).
 
 `log_with="all"` starts the installed trackers that can start here as things are: one that would need an
-account nobody set up (no API key or login, and no offline mode switched on; tracker_setup.py decides, from
+account nobody set up (no API key or login, and no offline mode switched on; trackers/setup.py decides, from
 the environment and config files) or a project directory that was not given is left out, and one warning
 names each with what it needs. A tracker named in `log_with` is started anyway, and fails loudly.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Union
 
-from fabric_lite.accelerator.tracker_base import GeneralTracker, is_installed, on_main_process
-from fabric_lite.accelerator.tracker_mlflow import MLflowTracker
-from fabric_lite.accelerator.trackers_core import CSVTracker, TensorBoardTracker, WandBTracker
-from fabric_lite.accelerator.trackers_local import AimTracker, DVCLiveTracker
-from fabric_lite.accelerator.trackers_services import ClearMLTracker, CometMLTracker, SwanLabTracker, TrackioTracker
+from fabric_lite.accelerator.tracker_base import BackendTracker, GeneralTracker, on_main_process
+from fabric_lite.trackers.base import is_installed
+from fabric_lite.trackers.local import AimBackend, CSVBackend, DVCLiveBackend, TensorBoardBackend
+from fabric_lite.trackers.mlflow_run import MLflowBackend
+from fabric_lite.trackers.services import ClearMLBackend, CometBackend, SwanLabBackend, TrackioBackend, WandbBackend
+from fabric_lite.trackers.setup import (
+    clearml_setup_missing, comet_setup_missing, swanlab_setup_missing, trackio_setup_missing, wandb_setup_missing,
+)
 
 __all__ = ["GeneralTracker", "on_main_process", "TensorBoardTracker", "MLflowTracker", "WandBTracker", "CSVTracker",
            "CometMLTracker", "AimTracker", "ClearMLTracker", "DVCLiveTracker", "SwanLabTracker", "TrackioTracker",
-           "KNOWN_TRACKERS", "LOGGER_TYPE_TO_CLASS", "available_trackers", "get_available_trackers", "make_trackers"]
+           "KNOWN_TRACKERS", "LOGGER_TYPE_TO_CLASS", "available_trackers", "get_available_trackers", "make_trackers",
+           "is_installed"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+class TensorBoardTracker(GeneralTracker):
+    """Scalars, texts and the run configuration in TensorBoard event files under `logging_dir/run_name`, flushed
+    at each call. `writer` (and `tracker`) is the SummaryWriter."""
+
+    name = "tensorboard"
+    requires_logging_directory = True
+    package = "tensorboard"
+
+    def __init__(self, run_name: str, logging_dir: PathLike, **kwargs: Any) -> None:
+        self.logging_dir = os.path.join(os.fspath(logging_dir), run_name)
+        self.backend = TensorBoardBackend(self.logging_dir, "log_with='tensorboard'", **kwargs)
+        self.writer = self.backend.writer
+
+    @property
+    def tracker(self) -> Any:
+        return self.writer
+
+    def store_init_configuration(self, values: Dict[str, Any]) -> None:
+        self.backend.log_config("config", values)
+        self.backend.flush()
+
+    def log(self, values: Dict[str, Any], step: Optional[int] = None, **kwargs: Any) -> None:
+        self.backend.log(values, step, **kwargs)
+        self.backend.flush()
+
+    def finish(self) -> None:
+        self.backend.close()
+
+
+class CSVTracker(GeneralTracker):
+    """Rows of `step` plus the values logged at it in `logging_dir/run_name/metrics.csv`; the configuration in
+    `hparams.yaml` beside it. The file is written as values come (a new column rewrites it with the wider
+    header); one that is there already (a resumed run) is read first and added to."""
+
+    name = "csv"
+    requires_logging_directory = True
+
+    def __init__(self, run_name: str, logging_dir: PathLike) -> None:
+        self.logging_dir = os.path.join(os.fspath(logging_dir), run_name)
+        os.makedirs(self.logging_dir, exist_ok=True)
+        self.backend = CSVBackend(self.logging_dir, resume=True)
+
+    @property
+    def tracker(self) -> Any:
+        return self
+
+    def store_init_configuration(self, values: Dict[str, Any]) -> None:
+        self.backend.log_config(values)
+
+    def log(self, values: Dict[str, Any], step: Optional[int] = None, **kwargs: Any) -> None:
+        if self.backend.log(values, step):
+            self.backend.write_all()
+        else:
+            self.backend.write_last()
+
+
+class MLflowTracker(GeneralTracker):
+    """An MLflow run in the experiment named after the project (`init_trackers(project_name)`).
+
+    Where it goes: `tracking_uri` (`init_kwargs={"mlflow": {"tracking_uri": "http://host:5000"}}`), else a URI
+    already set (MLFLOW_TRACKING_URI or `mlflow.set_tracking_uri`), else a SQLite store in the logging
+    directory (`project_dir/mlflow.db`, artifacts in `project_dir/mlartifacts`), else MLflow's default. As in
+    Accelerate, MLFLOW_EXPERIMENT_NAME, MLFLOW_RUN_ID and MLFLOW_TAGS (JSON) win over the arguments.
+
+    The run is MLflow's active run until `finish()`, so `mlflow.log_artifact(...)` in the training script goes
+    to it; `tracker` is that `mlflow.ActiveRun`. The configuration is logged as params (nested dicts flattened
+    with '/'); `log` logs numbers as metrics at `step` and warns about other values.
+    """
+
+    name = "mlflow"
+    package = "mlflow"
+
+    def __init__(self, experiment_name: str, logging_dir: Optional[PathLike] = None,
+                 run_id: Optional[str] = None, tags: Optional[Union[Dict[str, Any], str]] = None,
+                 nested_run: bool = False, run_name: Optional[str] = None, description: Optional[str] = None,
+                 tracking_uri: Optional[str] = None, artifact_location: Optional[str] = None) -> None:
+        self.backend = MLflowBackend.start_active(
+            "log_with='mlflow'", experiment_name, logging_dir, run_id=run_id, tags=tags, nested_run=nested_run,
+            run_name=run_name, description=description, tracking_uri=tracking_uri,
+            artifact_location=artifact_location)
+        backend = self.backend
+        self.tracking_uri, self.client, self.active_run = backend.tracking_uri, backend.client, backend.active_run
+        self.run_id, self.experiment_id = backend.run_id, backend.experiment_id
+
+    @property
+    def tracker(self) -> Any:
+        return self.active_run
+
+    def store_init_configuration(self, values: Dict[str, Any]) -> None:
+        self.backend.log_config(values)
+
+    def log(self, values: Dict[str, Any], step: Optional[int] = None, **kwargs: Any) -> None:
+        self.backend.log(values, step)
+
+    def log_artifact(self, local_path: PathLike, artifact_path: Optional[str] = None) -> None:
+        """Upload a file to the run's artifacts (under `artifact_path`)."""
+        self.backend.log_artifact(local_path, artifact_path)
+
+    def log_artifacts(self, local_dir: PathLike, artifact_path: Optional[str] = None) -> None:
+        """Upload a folder's files to the run's artifacts (under `artifact_path`)."""
+        self.backend.log_artifacts(local_dir, artifact_path)
+
+    def log_figure(self, figure: Any, artifact_file: str, **save_kwargs: Any) -> None:
+        """Save a matplotlib (or plotly) figure as the artifact `artifact_file` ("plots/loss.png")."""
+        self.backend.log_figure(figure, artifact_file, **save_kwargs)
+
+    def finish(self) -> None:
+        self.backend.finish()
+
+
+class WandBTracker(GeneralTracker):
+    """A Weights & Biases run in the project named by `init_trackers(project_name)`.
+
+    `init_kwargs={"wandb": {...}}` go to `wandb.init` (`name`, `entity`, `tags`, `mode="offline"`, ...); its
+    files go under the logging directory (`dir=`) when there is one. Offline: WANDB_MODE=offline or
+    `mode="offline"`. `run` (and `tracker`) is the `wandb` run.
+    """
+
+    name = "wandb"
+    package = "wandb"
+
+    @classmethod
+    def setup_missing(cls, init_kwargs: Dict[str, Any]) -> Optional[str]:
+        """An API key (WANDB_API_KEY, `wandb login`) unless offline (WANDB_MODE=offline, `mode="offline"`)."""
+        return wandb_setup_missing(init_kwargs)
+
+    def __init__(self, run_name: str, logging_dir: Optional[PathLike] = None, **kwargs: Any) -> None:
+        if logging_dir is not None and kwargs.get("dir") is None:
+            kwargs["dir"] = os.fspath(logging_dir)
+        self.run_name = run_name
+        self.backend = WandbBackend("log_with='wandb'", project=run_name, **kwargs)
+        self.run = self.backend.run
+
+    @property
+    def tracker(self) -> Any:
+        return self.run
+
+    def store_init_configuration(self, values: Dict[str, Any]) -> None:
+        self.backend.log_config(values)
+
+    def log(self, values: Dict[str, Any], step: Optional[int] = None, **kwargs: Any) -> None:
+        self.backend.log(values, step, **kwargs)
+
+    def finish(self) -> None:
+        self.backend.finish()
+
+
+class CometMLTracker(BackendTracker):
+    """A Comet experiment in the project `run_name`, started by `comet_ml.start(project_name=run_name, **kwargs)`
+    (`api_key`, `workspace`, `experiment_key`, `online`, `mode`, `experiment_config`, ...; comet_ml >= 3.41).
+
+    Numbers are metrics at `step`, strings are "others", the configuration is parameters. With a
+    `logging_dir` and no offline directory chosen, an offline experiment's archive goes to
+    `logging_dir/comet_ml`; offline: COMET_START_ONLINE=false. `writer` (and `tracker`) is the experiment.
+    """
+
+    name = "comet_ml"
+    package = "comet_ml"
+
+    @classmethod
+    def setup_missing(cls, init_kwargs: Dict[str, Any]) -> Optional[str]:
+        """An API key (COMET_API_KEY, ~/.comet.config) unless offline (COMET_START_ONLINE=false)."""
+        return comet_setup_missing(init_kwargs)
+
+    def __init__(self, run_name: str, *, logging_dir: Optional[PathLike] = None, **kwargs: Any) -> None:
+        self.run_name, self.logging_dir, self.init_kwargs = run_name, logging_dir, kwargs
+        self.start()
+
+    def open_backend(self) -> Any:
+        return CometBackend(self.who, self.run_name, self.logging_dir, **self.init_kwargs)
+
+    writer = BackendTracker.tracker
+
+
+class ClearMLTracker(BackendTracker):
+    """A ClearML task, started by `Task.init(**kwargs)` with `project_name` and `task_name` from CLEARML_PROJECT
+    and CLEARML_TASK or else `run_name`; a task already started by the script is used as it is, and not closed
+    by `finish`. Numbers are scalars at `step` (series "train", or "eval"/"test"/"train" for a name starting
+    with that and '_'), or single values without a step; offline: CLEARML_OFFLINE_MODE=1. `task` (and
+    `tracker`) is the `clearml.Task`.
+    """
+
+    name = "clearml"
+    package = "clearml"
+    title_and_series = staticmethod(ClearMLBackend.title_and_series)
+
+    @classmethod
+    def setup_missing(cls, init_kwargs: Dict[str, Any]) -> Optional[str]:
+        """Credentials (~/clearml.conf, CLEARML_API_*_KEY) unless offline (CLEARML_OFFLINE_MODE=1)."""
+        return clearml_setup_missing(init_kwargs)
+
+    def __init__(self, run_name: Optional[str] = None, *, logging_dir: Optional[PathLike] = None,
+                 **kwargs: Any) -> None:
+        self.user_provided_run_name, self.init_kwargs = run_name, kwargs
+        self.start()
+
+    def open_backend(self) -> Any:
+        return ClearMLBackend(self.who, self.user_provided_run_name, **self.init_kwargs)
+
+    task = BackendTracker.tracker
+
+    @property
+    def initialized_externally(self) -> bool:
+        return bool(self.backend is not None and self.backend.initialized_externally)
+
+    @on_main_process
+    def log_images(self, values: Dict[str, Any], step: Optional[int] = None, **kwargs: Any) -> None:
+        """Report each image (a numpy array or PIL image) under its name at `step`."""
+        self.backend.log_images(values, step, **kwargs)
+
+    @on_main_process
+    def log_table(self, table_name: str, columns: Optional[List[str]] = None,
+                  data: Optional[Sequence[Sequence[Any]]] = None, dataframe: Any = None,
+                  step: Optional[int] = None, **kwargs: Any) -> None:
+        """Report a table: a pandas `dataframe`, or rows `data` (with `columns` as its header when given)."""
+        self.backend.log_table(table_name, columns, data, dataframe, step, **kwargs)
+
+
+class SwanLabTracker(BackendTracker):
+    """A SwanLab run in the project `run_name`, started by `swanlab.init(project=run_name, **kwargs)`
+    (`experiment_name`, `mode`, `logdir`, ...); its files go to `logging_dir/swanlog` when there is a logging
+    directory and no `logdir` or SWANLAB_LOG_DIR; offline: SWANLAB_MODE=offline. Runs on every process
+    (`main_process_only = False`), as in Accelerate. `run` (and `tracker`) is the swanlab run.
+    """
+
+    name = "swanlab"
+    main_process_only = False
+    package = "swanlab"
+
+    @classmethod
+    def setup_missing(cls, init_kwargs: Dict[str, Any]) -> Optional[str]:
+        """An API key (SWANLAB_API_KEY, `swanlab login`) unless offline (SWANLAB_MODE=offline)."""
+        return swanlab_setup_missing(init_kwargs)
+
+    def __init__(self, run_name: str, *, logging_dir: Optional[PathLike] = None, **kwargs: Any) -> None:
+        self.run_name, self.logging_dir, self.init_kwargs = run_name, logging_dir, kwargs
+        self.start()
+
+    def open_backend(self) -> Any:
+        return SwanLabBackend(self.who, self.run_name, self.logging_dir, **self.init_kwargs)
+
+    run = BackendTracker.tracker
+
+    @on_main_process
+    def log_images(self, values: Dict[str, Any], step: Optional[int] = None, **kwargs: Any) -> None:
+        """Log each list of images (numpy arrays or PIL images) under its name at `step`."""
+        self.backend.log_images(values, step, **kwargs)
+
+
+class TrackioTracker(BackendTracker):
+    """A Trackio run in the project `run_name`, started by `trackio.init(project=run_name, **kwargs)` (`name`,
+    `space_id`, ...); without a `space_id` it stays local (SQLite under TRACKIO_DIR). Runs on every process
+    (`main_process_only = False`), as in Accelerate. `run` (and `tracker`) is the trackio run.
+    """
+
+    name = "trackio"
+    main_process_only = False
+    package = "trackio"
+
+    @classmethod
+    def setup_missing(cls, init_kwargs: Dict[str, Any]) -> Optional[str]:
+        """A Hugging Face token, only to log to a Space (`space_id`, TRACKIO_SPACE_ID)."""
+        return trackio_setup_missing(init_kwargs)
+
+    def __init__(self, run_name: str, *, logging_dir: Optional[PathLike] = None, **kwargs: Any) -> None:
+        self.run_name, self.init_kwargs = run_name, kwargs
+        self.start()
+
+    def open_backend(self) -> Any:
+        return TrackioBackend(self.who, self.run_name, **self.init_kwargs)
+
+    run = BackendTracker.tracker
+
+
+class DVCLiveTracker(BackendTracker):
+    """A `dvclive.Live` run: `live` when given, else `Live(**kwargs)` (`dir`, `resume`, `save_dvc_exp`, ...).
+
+    `run_name` is not used by DVCLive. Its files go to `dir`, else `logging_dir/dvclive` when there is a
+    logging directory, else DVCLive's default (`./dvclive`): `params.yaml` (the configuration),
+    `metrics.json` (the latest values), `plots/metrics/<name>.tsv` (one row per step). Each `log` call is
+    one step: at `step` when given, and the next one after it. `live` (and `tracker`) is the `Live`.
+    """
+
+    name = "dvclive"
+    package = "dvclive"
+
+    def __init__(self, run_name: Optional[str] = None, live: Optional[Any] = None, *,
+                 logging_dir: Optional[PathLike] = None, **kwargs: Any) -> None:
+        self.given_live, self.logging_dir, self.init_kwargs = live, logging_dir, kwargs
+        self.start()
+
+    def open_backend(self) -> Any:
+        return DVCLiveBackend(self.who, self.given_live, self.logging_dir, **self.init_kwargs)
+
+    @property
+    def live(self) -> Any:
+        return self.given_live if self.backend is None else self.backend.run
+
+    tracker = live
+
+
+class AimTracker(BackendTracker):
+    """An Aim run in the repository at `logging_dir` (`aim.Run(repo=logging_dir, **kwargs)`), named `run_name`.
+
+    The configuration is the run's "hparams"; `log` tracks each value under its name at `step` (`kwargs`, such
+    as `context={"subset": "train"}` or `epoch=`, go to `Run.track`). `writer` (and `tracker`) is the `aim.Run`.
+    """
+
+    name = "aim"
+    requires_logging_directory = True
+    package = "aim"
+
+    def __init__(self, run_name: str, logging_dir: Optional[PathLike] = ".", **kwargs: Any) -> None:
+        self.run_name = run_name
+        self.aim_repo_path = os.fspath(logging_dir) if logging_dir is not None else "."
+        self.init_kwargs = kwargs
+        self.start()
+
+    def open_backend(self) -> Any:
+        return AimBackend(self.who, self.run_name, self.aim_repo_path, **self.init_kwargs)
+
+    writer = BackendTracker.tracker
+
+    @on_main_process
+    def log_images(self, values: Dict[str, Any], step: Optional[int] = None,
+                   kwargs: Optional[Dict[str, Dict[str, Any]]] = None) -> None:
+        """Track each image (a numpy array or PIL image, or an `(image, caption)` pair) under its name at
+        `step`; `kwargs={"aim_image": {...}, "track": {...}}` go to `aim.Image` and `Run.track`."""
+        self.backend.log_images(values, step, kwargs)
 
 
 KNOWN_TRACKERS = {cls.name: cls for cls in (TensorBoardTracker, MLflowTracker, WandBTracker, CSVTracker, CometMLTracker,

@@ -2,7 +2,7 @@
 each service documents (environment variables, its config files, `init_kwargs`), without the network and
 without importing the service's package.
 
-`log_with="all"` asks this of every installed tracker and skips, with one warning, those that would stop for
+The raw door's `log_with="all"` asks this of every installed tracker and skips, with one warning, those that would stop for
 an account nobody set up (an API key, a login) and have no offline mode switched on; a tracker named in
 `log_with` is started whatever this says, and when it fails the error says what is missing.
 
