@@ -6,9 +6,12 @@ is done (the Trainer's loggers use the same backends). tracking.py holds the tra
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, Optional
+import os
+from typing import Any, Callable, Dict, Optional, Union
 
 __all__ = ["GeneralTracker", "BackendTracker", "on_main_process", "is_main_process"]
+
+PathLike = Union[str, "os.PathLike[str]"]
 
 
 def is_main_process() -> bool:
@@ -79,11 +82,16 @@ class GeneralTracker:
 
 
 class BackendTracker(GeneralTracker):
-    """A tracker over a backend of `fabric_lite.trackers`: `open_backend` makes it when the tracker starts, and
-    the configuration, values and the end of the run go to it, on the main process only unless
-    `main_process_only` is False. `tracker` is the backend's run."""
+    """A tracker over a backend of `fabric_lite.trackers`: it starts when made (`run_name`, `logging_dir`, and
+    the keyword arguments of the service's start function); `open_backend` makes the backend, and the
+    configuration, values and the end of the run go to it, on the main process only unless `main_process_only`
+    is False. `tracker` is the backend's run."""
 
     backend: Any = None
+
+    def __init__(self, run_name: str, *, logging_dir: Optional[PathLike] = None, **kwargs: Any) -> None:
+        self.run_name, self.logging_dir, self.init_kwargs = run_name, logging_dir, kwargs
+        self.start()
 
     @property
     def who(self) -> str:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Type, Union
 
 from fabric_lite.accelerator.tracker_base import BackendTracker, GeneralTracker, on_main_process
 from fabric_lite.trackers.base import is_installed
@@ -94,16 +94,13 @@ class CSVTracker(GeneralTracker):
 
 
 class MLflowTracker(GeneralTracker):
-    """An MLflow run in the experiment named after the project (`init_trackers(project_name)`).
+    """An MLflow run in the experiment named after the project, MLflow's active run until `finish()` (so
+    `mlflow.log_artifact(...)` in the script goes to it; `tracker` is that `mlflow.ActiveRun`).
 
     Where it goes: `tracking_uri` (`init_kwargs={"mlflow": {"tracking_uri": "http://host:5000"}}`), else a URI
-    already set (MLFLOW_TRACKING_URI or `mlflow.set_tracking_uri`), else a SQLite store in the logging
-    directory (`project_dir/mlflow.db`, artifacts in `project_dir/mlartifacts`), else MLflow's default. As in
-    Accelerate, MLFLOW_EXPERIMENT_NAME, MLFLOW_RUN_ID and MLFLOW_TAGS (JSON) win over the arguments.
-
-    The run is MLflow's active run until `finish()`, so `mlflow.log_artifact(...)` in the training script goes
-    to it; `tracker` is that `mlflow.ActiveRun`. The configuration is logged as params (nested dicts flattened
-    with '/'); `log` logs numbers as metrics at `step` and warns about other values.
+    already set, else a SQLite store in the project directory (`mlflow.db`, artifacts in `mlartifacts`). As in
+    Accelerate, MLFLOW_EXPERIMENT_NAME, MLFLOW_RUN_ID and MLFLOW_TAGS (JSON) win over the arguments. The
+    configuration is params (nested dicts flattened with '/'); `log` logs numbers as metrics.
     """
 
     name = "mlflow"
@@ -148,20 +145,13 @@ class MLflowTracker(GeneralTracker):
 
 
 class WandBTracker(GeneralTracker):
-    """A Weights & Biases run in the project named by `init_trackers(project_name)`.
-
-    `init_kwargs={"wandb": {...}}` go to `wandb.init` (`name`, `entity`, `tags`, `mode="offline"`, ...); its
-    files go under the logging directory (`dir=`) when there is one. Offline: WANDB_MODE=offline or
-    `mode="offline"`. `run` (and `tracker`) is the `wandb` run.
-    """
+    """A Weights & Biases run in the project named by `init_trackers(project_name)`: `init_kwargs={"wandb":
+    {...}}` go to `wandb.init`; its files go under the project directory (`dir=`) when there is one. Offline:
+    WANDB_MODE=offline or `mode="offline"`. `run` (and `tracker`) is the `wandb` run."""
 
     name = "wandb"
     package = "wandb"
-
-    @classmethod
-    def setup_missing(cls, init_kwargs: Dict[str, Any]) -> Optional[str]:
-        """An API key (WANDB_API_KEY, `wandb login`) unless offline (WANDB_MODE=offline, `mode="offline"`)."""
-        return wandb_setup_missing(init_kwargs)
+    setup_missing = staticmethod(wandb_setup_missing)
 
     def __init__(self, run_name: str, logging_dir: Optional[PathLike] = None, **kwargs: Any) -> None:
         if logging_dir is not None and kwargs.get("dir") is None:
@@ -185,58 +175,38 @@ class WandBTracker(GeneralTracker):
 
 
 class CometMLTracker(BackendTracker):
-    """A Comet experiment in the project `run_name`, started by `comet_ml.start(project_name=run_name, **kwargs)`
-    (`api_key`, `workspace`, `experiment_key`, `online`, `mode`, `experiment_config`, ...; comet_ml >= 3.41).
-
-    Numbers are metrics at `step`, strings are "others", the configuration is parameters. With a
-    `logging_dir` and no offline directory chosen, an offline experiment's archive goes to
-    `logging_dir/comet_ml`; offline: COMET_START_ONLINE=false. `writer` (and `tracker`) is the experiment.
-    """
+    """A Comet experiment in the project `run_name`: `comet_ml.start(project_name=run_name, **kwargs)` (`api_key`,
+    `workspace`, `online`, `experiment_config`, ...). Offline (COMET_START_ONLINE=false), its archive goes to
+    `logging_dir/comet_ml` unless an offline directory is chosen. `writer` (and `tracker`) is the experiment."""
 
     name = "comet_ml"
     package = "comet_ml"
-
-    @classmethod
-    def setup_missing(cls, init_kwargs: Dict[str, Any]) -> Optional[str]:
-        """An API key (COMET_API_KEY, ~/.comet.config) unless offline (COMET_START_ONLINE=false)."""
-        return comet_setup_missing(init_kwargs)
-
-    def __init__(self, run_name: str, *, logging_dir: Optional[PathLike] = None, **kwargs: Any) -> None:
-        self.run_name, self.logging_dir, self.init_kwargs = run_name, logging_dir, kwargs
-        self.start()
+    setup_missing = staticmethod(comet_setup_missing)
+    writer = BackendTracker.tracker
 
     def open_backend(self) -> Any:
         return CometBackend(self.who, self.run_name, self.logging_dir, **self.init_kwargs)
 
-    writer = BackendTracker.tracker
-
 
 class ClearMLTracker(BackendTracker):
-    """A ClearML task, started by `Task.init(**kwargs)` with `project_name` and `task_name` from CLEARML_PROJECT
-    and CLEARML_TASK or else `run_name`; a task already started by the script is used as it is, and not closed
-    by `finish`. Numbers are scalars at `step` (series "train", or "eval"/"test"/"train" for a name starting
-    with that and '_'), or single values without a step; offline: CLEARML_OFFLINE_MODE=1. `task` (and
-    `tracker`) is the `clearml.Task`.
-    """
+    """A ClearML task: `Task.init(**kwargs)`, named from CLEARML_PROJECT / CLEARML_TASK or else `run_name`; a task
+    the script started is used as it is, and not closed by `finish`. `log` reports numbers as scalars (series
+    "eval", "test" or "train" from the name's prefix). Offline: CLEARML_OFFLINE_MODE=1. `task` (and `tracker`)
+    is the `clearml.Task`."""
 
     name = "clearml"
     package = "clearml"
+    setup_missing = staticmethod(clearml_setup_missing)
     title_and_series = staticmethod(ClearMLBackend.title_and_series)
-
-    @classmethod
-    def setup_missing(cls, init_kwargs: Dict[str, Any]) -> Optional[str]:
-        """Credentials (~/clearml.conf, CLEARML_API_*_KEY) unless offline (CLEARML_OFFLINE_MODE=1)."""
-        return clearml_setup_missing(init_kwargs)
+    task = BackendTracker.tracker
 
     def __init__(self, run_name: Optional[str] = None, *, logging_dir: Optional[PathLike] = None,
                  **kwargs: Any) -> None:
-        self.user_provided_run_name, self.init_kwargs = run_name, kwargs
-        self.start()
+        self.user_provided_run_name = run_name
+        super().__init__(run_name, logging_dir=logging_dir, **kwargs)  # type: ignore[arg-type]
 
     def open_backend(self) -> Any:
-        return ClearMLBackend(self.who, self.user_provided_run_name, **self.init_kwargs)
-
-    task = BackendTracker.tracker
+        return ClearMLBackend(self.who, self.run_name, **self.init_kwargs)
 
     @property
     def initialized_externally(self) -> bool:
@@ -256,29 +226,18 @@ class ClearMLTracker(BackendTracker):
 
 
 class SwanLabTracker(BackendTracker):
-    """A SwanLab run in the project `run_name`, started by `swanlab.init(project=run_name, **kwargs)`
-    (`experiment_name`, `mode`, `logdir`, ...); its files go to `logging_dir/swanlog` when there is a logging
-    directory and no `logdir` or SWANLAB_LOG_DIR; offline: SWANLAB_MODE=offline. Runs on every process
-    (`main_process_only = False`), as in Accelerate. `run` (and `tracker`) is the swanlab run.
-    """
+    """A SwanLab run in the project `run_name`: `swanlab.init(project=run_name, **kwargs)`, its files in
+    `logging_dir/swanlog` unless `logdir` or SWANLAB_LOG_DIR says otherwise; offline: SWANLAB_MODE=offline. Runs
+    on every process (`main_process_only = False`), as in Accelerate. `run` (and `tracker`) is the run."""
 
     name = "swanlab"
     main_process_only = False
     package = "swanlab"
-
-    @classmethod
-    def setup_missing(cls, init_kwargs: Dict[str, Any]) -> Optional[str]:
-        """An API key (SWANLAB_API_KEY, `swanlab login`) unless offline (SWANLAB_MODE=offline)."""
-        return swanlab_setup_missing(init_kwargs)
-
-    def __init__(self, run_name: str, *, logging_dir: Optional[PathLike] = None, **kwargs: Any) -> None:
-        self.run_name, self.logging_dir, self.init_kwargs = run_name, logging_dir, kwargs
-        self.start()
+    setup_missing = staticmethod(swanlab_setup_missing)
+    run = BackendTracker.tracker
 
     def open_backend(self) -> Any:
         return SwanLabBackend(self.who, self.run_name, self.logging_dir, **self.init_kwargs)
-
-    run = BackendTracker.tracker
 
     @on_main_process
     def log_images(self, values: Dict[str, Any], step: Optional[int] = None, **kwargs: Any) -> None:
@@ -287,46 +246,32 @@ class SwanLabTracker(BackendTracker):
 
 
 class TrackioTracker(BackendTracker):
-    """A Trackio run in the project `run_name`, started by `trackio.init(project=run_name, **kwargs)` (`name`,
-    `space_id`, ...); without a `space_id` it stays local (SQLite under TRACKIO_DIR). Runs on every process
-    (`main_process_only = False`), as in Accelerate. `run` (and `tracker`) is the trackio run.
-    """
+    """A Trackio run in the project `run_name`: `trackio.init(project=run_name, **kwargs)`, local (SQLite under
+    TRACKIO_DIR) unless a `space_id` is given. Runs on every process (`main_process_only = False`), as in
+    Accelerate. `run` (and `tracker`) is the run."""
 
     name = "trackio"
     main_process_only = False
     package = "trackio"
-
-    @classmethod
-    def setup_missing(cls, init_kwargs: Dict[str, Any]) -> Optional[str]:
-        """A Hugging Face token, only to log to a Space (`space_id`, TRACKIO_SPACE_ID)."""
-        return trackio_setup_missing(init_kwargs)
-
-    def __init__(self, run_name: str, *, logging_dir: Optional[PathLike] = None, **kwargs: Any) -> None:
-        self.run_name, self.init_kwargs = run_name, kwargs
-        self.start()
+    setup_missing = staticmethod(trackio_setup_missing)
+    run = BackendTracker.tracker
 
     def open_backend(self) -> Any:
         return TrackioBackend(self.who, self.run_name, **self.init_kwargs)
 
-    run = BackendTracker.tracker
-
 
 class DVCLiveTracker(BackendTracker):
-    """A `dvclive.Live` run: `live` when given, else `Live(**kwargs)` (`dir`, `resume`, `save_dvc_exp`, ...).
-
-    `run_name` is not used by DVCLive. Its files go to `dir`, else `logging_dir/dvclive` when there is a
-    logging directory, else DVCLive's default (`./dvclive`): `params.yaml` (the configuration),
-    `metrics.json` (the latest values), `plots/metrics/<name>.tsv` (one row per step). Each `log` call is
-    one step: at `step` when given, and the next one after it. `live` (and `tracker`) is the `Live`.
-    """
+    """A `dvclive.Live` run: `live` when given, else `Live(**kwargs)`, its files in `dir`, else
+    `logging_dir/dvclive`, else `./dvclive` (`run_name` is not used). Each `log` call is one step: at `step`
+    when given, and the next one after it. `live` (and `tracker`) is the `Live`."""
 
     name = "dvclive"
     package = "dvclive"
 
     def __init__(self, run_name: Optional[str] = None, live: Optional[Any] = None, *,
                  logging_dir: Optional[PathLike] = None, **kwargs: Any) -> None:
-        self.given_live, self.logging_dir, self.init_kwargs = live, logging_dir, kwargs
-        self.start()
+        self.given_live = live
+        super().__init__(run_name, logging_dir=logging_dir, **kwargs)  # type: ignore[arg-type]
 
     def open_backend(self) -> Any:
         return DVCLiveBackend(self.who, self.given_live, self.logging_dir, **self.init_kwargs)
@@ -339,32 +284,27 @@ class DVCLiveTracker(BackendTracker):
 
 
 class AimTracker(BackendTracker):
-    """An Aim run in the repository at `logging_dir` (`aim.Run(repo=logging_dir, **kwargs)`), named `run_name`.
-
-    The configuration is the run's "hparams"; `log` tracks each value under its name at `step` (`kwargs`, such
-    as `context={"subset": "train"}` or `epoch=`, go to `Run.track`). `writer` (and `tracker`) is the `aim.Run`.
-    """
+    """An Aim run named `run_name` in the repository at `logging_dir`: `aim.Run(repo=logging_dir, **kwargs)`; the
+    configuration is its "hparams", `log` kwargs (`context=`, `epoch=`) go to `Run.track`. `writer` (and
+    `tracker`) is the `aim.Run`."""
 
     name = "aim"
     requires_logging_directory = True
     package = "aim"
+    writer = BackendTracker.tracker
 
     def __init__(self, run_name: str, logging_dir: Optional[PathLike] = ".", **kwargs: Any) -> None:
-        self.run_name = run_name
         self.aim_repo_path = os.fspath(logging_dir) if logging_dir is not None else "."
-        self.init_kwargs = kwargs
-        self.start()
+        super().__init__(run_name, logging_dir=logging_dir, **kwargs)
 
     def open_backend(self) -> Any:
         return AimBackend(self.who, self.run_name, self.aim_repo_path, **self.init_kwargs)
 
-    writer = BackendTracker.tracker
-
     @on_main_process
     def log_images(self, values: Dict[str, Any], step: Optional[int] = None,
                    kwargs: Optional[Dict[str, Dict[str, Any]]] = None) -> None:
-        """Track each image (a numpy array or PIL image, or an `(image, caption)` pair) under its name at
-        `step`; `kwargs={"aim_image": {...}, "track": {...}}` go to `aim.Image` and `Run.track`."""
+        """Track each image (an array or PIL image, or an `(image, caption)` pair) under its name at `step`;
+        `kwargs={"aim_image": {...}, "track": {...}}` go to `aim.Image` and `Run.track`."""
         self.backend.log_images(values, step, kwargs)
 
 
@@ -443,17 +383,19 @@ def make_trackers(
     return trackers
 
 
-def _cannot_start(cls: type, logging_dir: Optional[str], init_kwargs: Dict[str, Dict[str, Any]]) -> Optional[str]:
+def _cannot_start(cls: Type[GeneralTracker], logging_dir: Optional[str],
+                  init_kwargs: Dict[str, Dict[str, Any]]) -> Optional[str]:
     """Why `log_with="all"` leaves `cls` out here, or None."""
     if cls.requires_logging_directory and logging_dir is None:
         return "no directory: pass Accelerator(project_dir=...)"
     return cls.setup_missing(init_kwargs.get(cls.name, {}))
 
 
-def _start(cls: type, run_name: str, logging_dir: Optional[str], kwargs: Dict[str, Any]) -> GeneralTracker:
+def _start(cls: Type[GeneralTracker], run_name: str, logging_dir: Optional[str],
+           kwargs: Dict[str, Any]) -> GeneralTracker:
     """`cls` started; when its package refuses and `setup_missing` knows why, the error says what to set."""
     try:
-        return cls(run_name, logging_dir=logging_dir, **kwargs)
+        return cls(run_name, logging_dir=logging_dir, **kwargs)  # type: ignore[call-arg]  # (each tracker takes them)
     except ImportError:
         raise
     except Exception as err:

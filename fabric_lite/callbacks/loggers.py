@@ -76,6 +76,9 @@ def version_dir(root: str, name: str, version: Optional[int]) -> str:
 class VersionedLogger(Logger):
     """A logger writing under save_dir/name/version_N, N chosen by rank 0 (the next free one)."""
 
+    save_dir: str
+    name: str
+
     def __init__(self, save_dir: str = "runs", name: str = "", version: Optional[int] = None) -> None:
         self.save_dir, self.name, self.version = os.fspath(save_dir), name, version
         self.log_dir: Optional[str] = None

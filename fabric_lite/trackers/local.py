@@ -8,19 +8,21 @@ import csv
 import io
 import json
 import os
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Union
 
 from fabric_lite.trackers.base import config_for_file, flatten, is_number, open_url, require, scalar, url_exists, \
     warn_once
 
 __all__ = ["TensorBoardBackend", "CSVBackend", "DVCLiveBackend", "AimBackend"]
 
+PathLike = Union[str, "os.PathLike[str]"]
+
 
 class TensorBoardBackend:
     """Event files in `log_dir`, through torch's `SummaryWriter(log_dir, **writer_kwargs)`, opened on first use
     (and again after `close`)."""
 
-    def __init__(self, log_dir: str, who: str, **writer_kwargs: Any) -> None:
+    def __init__(self, log_dir: Optional[str], who: str, **writer_kwargs: Any) -> None:
         self.log_dir, self.who, self.writer_kwargs = log_dir, who, writer_kwargs
         self.opened: Any = None
 
@@ -132,7 +134,7 @@ class DVCLiveBackend:
     """A `dvclive.Live` run: `live` when given, else `Live(**kwargs)`, its files in `dir`, else
     `logging_dir/dvclive` when there is a logging directory, else DVCLive's default (`./dvclive`)."""
 
-    def __init__(self, who: str, live: Optional[Any] = None, logging_dir: Optional[str] = None,
+    def __init__(self, who: str, live: Optional[Any] = None, logging_dir: Optional[PathLike] = None,
                  **kwargs: Any) -> None:
         if live is None:
             require("dvclive", who, "dvclive")

@@ -103,9 +103,8 @@ class MLflowBackend:
         mlflow = require("mlflow", who, "mlflow")
         experiment_name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or experiment_name
         run_id = os.environ.get("MLFLOW_RUN_ID") or run_id
-        tags = os.environ.get("MLFLOW_TAGS") or tags
-        if isinstance(tags, str):
-            tags = json.loads(tags)
+        given_tags = os.environ.get("MLFLOW_TAGS") or tags
+        tags_dict = json.loads(given_tags) if isinstance(given_tags, str) else given_tags
         previous_uri, set_uri = None, False
         if tracking_uri is None and not _uri_is_set(mlflow) and logging_dir is not None:
             tracking_uri = cls.local_uri(logging_dir)
@@ -120,9 +119,9 @@ class MLflowBackend:
             client = mlflow.MlflowClient(uri)
             experiment_id = None
             if run_id is None:
-                experiment_id = cls.experiment_id_of(client, experiment_name, artifact_location, tags)
+                experiment_id = cls.experiment_id_of(client, experiment_name, artifact_location, tags_dict)
             active = mlflow.start_run(run_id=run_id, experiment_id=experiment_id, run_name=run_name,
-                                      nested=nested_run, tags=tags, description=description)
+                                      nested=nested_run, tags=tags_dict, description=description)
         except BaseException:
             if set_uri:
                 mlflow.set_tracking_uri(previous_uri)
@@ -208,7 +207,7 @@ class MLflowBackend:
             if self.set_uri:
                 import mlflow
 
-                mlflow.set_tracking_uri(self.previous_uri)
+                mlflow.set_tracking_uri(self.previous_uri)  # type: ignore[arg-type]  # (None: unset again)
                 self.set_uri = False
 
 

@@ -19,12 +19,14 @@ Offline use, with nothing sent anywhere:
 from __future__ import annotations
 
 import os
-from typing import Any, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
 
 from fabric_lite.trackers.base import config_for_file, flatten, is_number, numbers_and_texts, require, scalar, \
     warn_once
 
 __all__ = ["WandbBackend", "CometBackend", "ClearMLBackend", "SwanLabBackend", "TrackioBackend"]
+
+PathLike = Union[str, "os.PathLike[str]"]
 
 
 class WandbBackend:
@@ -55,7 +57,7 @@ class CometBackend:
     """A Comet experiment: `comet_ml.start(project_name=project, **kwargs)` (comet_ml >= 3.41). Numbers are
     metrics, strings "others", the configuration parameters (nested dicts kept: Comet shows `a|b`)."""
 
-    def __init__(self, who: str, project: str, logging_dir: Optional[str] = None, **kwargs: Any) -> None:
+    def __init__(self, who: str, project: str, logging_dir: Optional[PathLike] = None, **kwargs: Any) -> None:
         comet_ml = require("comet_ml", who, "comet")
         if logging_dir is not None:
             config = kwargs.get("experiment_config") or comet_ml.ExperimentConfig()
@@ -96,7 +98,7 @@ class ClearMLBackend:
         from clearml import Task
 
         self.warned: set = set()
-        current = Task.current_task()
+        current: Any = Task.current_task()
         self.initialized_externally = current is not None
         if current is not None:
             self.run = current
@@ -163,7 +165,7 @@ class SwanLabBackend:
     """A SwanLab run: `swanlab.init(project=project, **kwargs)`, its files in `logging_dir/swanlog` when there is
     a logging directory and no `logdir` or SWANLAB_LOG_DIR."""
 
-    def __init__(self, who: str, project: str, logging_dir: Optional[str] = None, **kwargs: Any) -> None:
+    def __init__(self, who: str, project: str, logging_dir: Optional[PathLike] = None, **kwargs: Any) -> None:
         swanlab = require("swanlab", who, "swanlab")
         if logging_dir is not None and kwargs.get("logdir") is None and not os.environ.get("SWANLAB_LOG_DIR"):
             kwargs["logdir"] = os.path.join(os.fspath(logging_dir), "swanlog")
