@@ -1,19 +1,11 @@
 """Backends for hosted services that also run offline: Weights & Biases, Comet, ClearML, SwanLab and Trackio.
 
 Each opens its run from the keyword arguments its package's start function takes; `logging_dir` (a project
-directory) is where offline files go unless the package is told otherwise. The package is imported when the
-backend opens; a missing one is named with the extra to install (`who` says which front asked). Whether one
-can start here without an account is decided, without its package, in trackers/setup.py.
-
-Offline use, with nothing sent anywhere:
-  wandb     WANDB_MODE=offline (or `mode="offline"`): a run folder under `dir`/wandb that `wandb sync` sends;
-  comet_ml  COMET_START_ONLINE=false (or `online=False`): an archive `<logging_dir>/comet_ml/<id>.zip` (or
-            COMET_OFFLINE_DIRECTORY) that `comet upload` sends later;
-  clearml   CLEARML_OFFLINE_MODE=1 (or `Task.set_offline(True)` first): a session folder and zip under
-            CLEARML_CACHE_DIR/offline that `Task.import_offline_session` sends later;
-  swanlab   SWANLAB_MODE=offline (or `mode="offline"`): a run folder in `<logging_dir>/swanlog` that
-            `swanlab sync` sends later;
-  trackio   local by default: a SQLite database per project in TRACKIO_DIR.
+directory) is where offline files go unless the package is told otherwise (`<logging_dir>/comet_ml/<id>.zip`,
+`<logging_dir>/swanlog`; W&B under `dir`/wandb; ClearML under CLEARML_CACHE_DIR/offline; Trackio in
+TRACKIO_DIR). The package is imported when the backend opens; a missing one is named with the extra to
+install (`who` says which front asked). Whether one can start here without an account, and each service's
+offline switch, is in trackers/setup.py.
 """
 
 from __future__ import annotations
