@@ -1,94 +1,17 @@
-"""What every tracker shares: the `GeneralTracker` base, the `on_main_process` decorator, and the helpers the
-trackers (and the Trainer's logger callbacks, fabric_lite/callbacks/loggers.py) use to import their package
-lazily and to turn logged values into plain ones.
-
-The trackers are in tracker_mlflow.py, trackers_core.py (TensorBoard, W&B, CSV), trackers_services.py (Comet,
-ClearML, SwanLab, Trackio) and trackers_local.py (DVCLive, Aim); tracking.py gathers them.
+"""The base of the raw door's trackers (Accelerate's `GeneralTracker`), the `on_main_process` decorator, and
+`BackendTracker`: a tracker whose calls go to a backend of `fabric_lite.trackers`, where each service's work
+is done (the Trainer's loggers use the same backends). tracking.py holds the trackers themselves.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
-import importlib
-import importlib.util
-import json
-import numbers
-import warnings
-from typing import Any, Callable, Dict, Mapping, Optional
+import os
+from typing import Any, Callable, Dict, Optional, Union
 
-__all__ = ["GeneralTracker", "on_main_process", "require", "is_installed", "flatten", "scalar", "is_number",
-           "config_for_file", "warn_once"]
+__all__ = ["GeneralTracker", "BackendTracker", "on_main_process", "is_main_process"]
 
-
-# -- shared helpers ------------------------------------------------------------------------------------
-
-def require(module: str, who: str, extra: str) -> Any:
-    """Import `module`, or raise ModuleNotFoundError saying in one sentence what to install.
-
-    `who` names what needs it (``"log_with='mlflow'"``, ``"MLFlowLogger"``); `extra` is the fabric-lite extra.
-    """
-    try:
-        return importlib.import_module(module)
-    except ImportError as err:
-        top = module.split(".")[0]
-        message = f"{who} needs {top}: pip install 'fabric-lite[{extra}]'"
-        if (err.name or "").split(".")[0] == top:
-            raise ModuleNotFoundError(message, name=top) from None
-        # the package is there but something it imports is not: say which
-        raise ModuleNotFoundError(f"{message} (importing {top} failed: {err})", name=err.name) from err
-
-
-def is_installed(module: str) -> bool:
-    """Whether `module` can be imported, without importing it."""
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def flatten(values: Any, sep: str = "/", prefix: str = "") -> Dict[str, Any]:
-    """{"opt": {"lr": 0.1}} -> {"opt/lr": 0.1}; an argparse.Namespace counts as a dict."""
-    if isinstance(values, argparse.Namespace):
-        values = vars(values)
-    out: Dict[str, Any] = {}
-    for key, value in values.items():
-        name = f"{prefix}{sep}{key}" if prefix else str(key)
-        if isinstance(value, argparse.Namespace):
-            value = vars(value)
-        if isinstance(value, Mapping) and value:
-            out.update(flatten(value, sep, name))
-        else:
-            out[name] = value
-    return out
-
-
-def scalar(value: Any) -> Any:
-    """A one-element tensor or array as a Python number; anything else as it is."""
-    if hasattr(value, "item") and not isinstance(value, (str, bytes)):
-        numel = getattr(value, "numel", None)
-        count = numel() if callable(numel) else getattr(value, "size", 1)
-        if count == 1:
-            return value.item()
-    return value
-
-
-def is_number(value: Any) -> bool:
-    return isinstance(value, numbers.Real)
-
-
-def config_for_file(values: Any) -> Any:
-    """`values` made of plain JSON/YAML types (anything else as its str())."""
-    if isinstance(values, argparse.Namespace):
-        values = vars(values)
-    return json.loads(json.dumps(values, default=str))
-
-
-def warn_once(warned: set, key: str, message: str) -> None:
-    """Warn with `message` the first time `key` is seen in `warned`."""
-    if key not in warned:
-        warned.add(key)
-        warnings.warn(message, stacklevel=3)
+PathLike = Union[str, "os.PathLike[str]"]
 
 
 def is_main_process() -> bool:
@@ -156,3 +79,45 @@ class GeneralTracker:
 
     def finish(self) -> None:
         pass
+
+
+class BackendTracker(GeneralTracker):
+    """A tracker over a backend of `fabric_lite.trackers`: it starts when made (`run_name`, `logging_dir`, and
+    the keyword arguments of the service's start function); `open_backend` makes the backend, and the
+    configuration, values and the end of the run go to it, on the main process only unless `main_process_only`
+    is False. `tracker` is the backend's run."""
+
+    backend: Any = None
+
+    def __init__(self, run_name: str, *, logging_dir: Optional[PathLike] = None, **kwargs: Any) -> None:
+        self.run_name, self.logging_dir, self.init_kwargs = run_name, logging_dir, kwargs
+        self.start()
+
+    @property
+    def who(self) -> str:
+        """How errors name what asked for the service's package."""
+        return f"log_with={self.name!r}"
+
+    def open_backend(self) -> Any:
+        raise NotImplementedError
+
+    @on_main_process
+    def start(self) -> None:
+        if self.backend is None:
+            self.backend = self.open_backend()
+
+    @property
+    def tracker(self) -> Any:
+        return None if self.backend is None else self.backend.run
+
+    @on_main_process
+    def store_init_configuration(self, values: Dict[str, Any]) -> Any:
+        return self.backend.log_config(values)
+
+    @on_main_process
+    def log(self, values: Dict[str, Any], step: Optional[int] = None, **kwargs: Any) -> None:
+        self.backend.log(values, step=step, **kwargs)
+
+    @on_main_process
+    def finish(self) -> None:
+        self.backend.finish()

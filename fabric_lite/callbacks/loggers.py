@@ -1,20 +1,21 @@
 """Loggers are callbacks (rank 0 only): TensorBoardLogger writes event files, CSVLogger a metrics.csv,
 MLFlowLogger an MLflow run, WandbLogger a Weights & Biases run. All are `Logger`s, which `Trainer(logger=...)`
-takes.
+takes. Each is a thin adapter over its service's backend in `fabric_lite.trackers` (the raw door's `log_with`
+trackers use the same ones): it keeps Lightning's arguments and decides when, and on which process, to write.
 
 mlflow and wandb are extras (`pip install 'fabric-lite[mlflow]'`), imported when the logger starts its run.
 """
 
 from __future__ import annotations
 
-import csv
-import io
-import json
 import os
 import warnings
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Union
 
 from fabric_lite.callbacks.base import Callback
+from fabric_lite.trackers.local import CSVBackend, TensorBoardBackend
+from fabric_lite.trackers.mlflow_run import MLflowBackend
+from fabric_lite.trackers.services import WandbBackend
 
 if TYPE_CHECKING:
     from fabric_lite.trainer.module import TrainModule
@@ -75,6 +76,9 @@ def version_dir(root: str, name: str, version: Optional[int]) -> str:
 class VersionedLogger(Logger):
     """A logger writing under save_dir/name/version_N, N chosen by rank 0 (the next free one)."""
 
+    save_dir: str
+    name: str
+
     def __init__(self, save_dir: str = "runs", name: str = "", version: Optional[int] = None) -> None:
         self.save_dir, self.name, self.version = os.fspath(save_dir), name, version
         self.log_dir: Optional[str] = None
@@ -98,19 +102,20 @@ class TensorBoardLogger(VersionedLogger):
         super().__init__(save_dir, name, version)
         self.log_graph = log_graph
         self.writer_kwargs = writer_kwargs
-        self._writer: Any = None
+        self.backend: Optional[TensorBoardBackend] = None
         self._graph_logged = False
         self._warned_no_example = False
 
+    def open(self) -> TensorBoardBackend:
+        """The backend, in `log_dir`."""
+        if self.backend is None:
+            self.backend = TensorBoardBackend(self.log_dir, "TensorBoardLogger", **self.writer_kwargs)
+        return self.backend
+
     @property
     def writer(self) -> Any:
-        if self._writer is None:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as err:
-                raise ImportError("TensorBoardLogger needs tensorboard: pip install 'fabric-lite[tensorboard]'") from err
-            self._writer = SummaryWriter(self.log_dir, **self.writer_kwargs)
-        return self._writer
+        """The SummaryWriter, opened on first use."""
+        return self.open().writer
 
     def on_fit_start(self, trainer: "Trainer", module: "TrainModule") -> None:
         if self.log_graph and trainer.is_global_zero and not self._graph_logged:
@@ -162,36 +167,39 @@ class TensorBoardLogger(VersionedLogger):
         return self.writer
 
     def log_metrics(self, metrics: Mapping[str, float], step: Optional[int] = None) -> None:
-        for key, value in metrics.items():
-            self.writer.add_scalar(key, value, global_step=step)
+        self.open().log(metrics, step)
 
     def log_hyperparams(self, params: Any) -> None:
         if params:
-            self.writer.add_text("hparams", "```\n" + json.dumps(params, indent=2, default=str) + "\n```")
+            self.open().log_config("hparams", params)
 
     def on_train_epoch_end(self, trainer: "Trainer", module: "TrainModule") -> None:
-        if self._writer is not None:
-            self._writer.flush()
+        if self.backend is not None:
+            self.backend.flush()
 
     def teardown(self, trainer: "Trainer", module: "TrainModule", stage: str) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        if self.backend is not None:
+            self.backend.close()
 
 
 class CSVLogger(VersionedLogger):
-    """Rows of `step` plus every metric logged at that step, in save_dir/name/version_N/metrics.csv."""
+    """Rows of `step` plus every metric logged at that step, in save_dir/name/version_N/metrics.csv (columns:
+    `step`, then the names sorted), written at each epoch end and at the end of the run."""
 
     def __init__(self, save_dir: str = "runs", name: str = "", version: Optional[int] = None):
         super().__init__(save_dir, name, version)
-        self.rows: List[Dict[str, Any]] = []
+        self.backend = CSVBackend(None, sort_columns=True)
+
+    @property
+    def rows(self) -> List[Dict[str, Any]]:
+        return self.backend.rows
 
     @property
     def experiment(self) -> Any:
         return self
 
     def log_metrics(self, metrics: Mapping[str, float], step: Optional[int] = None) -> None:
-        self.rows.append({"step": step, **metrics})
+        self.backend.log(metrics, step, strict=False)
 
     def on_train_epoch_end(self, trainer: "Trainer", module: "TrainModule") -> None:
         self._write(trainer)
@@ -200,19 +208,9 @@ class CSVLogger(VersionedLogger):
         self._write(trainer)
 
     def _write(self, trainer: "Trainer") -> None:
-        if not trainer.is_global_zero or not self.rows:
-            return
-        from fabric_lite.checkpoint import files as checkpoint_io
-
-        columns = ["step"] + sorted({k for row in self.rows for k in row if k != "step"})
-        buffer = io.StringIO()
-        writer = csv.DictWriter(buffer, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(self.rows)
-        fs, path = checkpoint_io.filesystem(self.log_dir)
-        fs.makedirs(path, exist_ok=True)
-        with fs.open(f"{path}/metrics.csv", "w") as f:
-            f.write(buffer.getvalue())
+        if trainer.is_global_zero and self.backend.rows:
+            self.backend.directory = self.log_dir
+            self.backend.write_all()
 
 
 class _NoOpExperiment:
@@ -284,65 +282,43 @@ class MLFlowLogger(_RunLogger):
         self._prefix = prefix
         self._artifact_location = artifact_location
         self._run_id = run_id
-        self._experiment_id: Optional[str] = None
-        self._client: Any = None
-        self._resolved_uri: Optional[str] = None
-        self._warned: set = set()
+        self.backend: Optional[MLflowBackend] = None
 
     @property
     def experiment(self) -> Any:
         """The `mlflow.MlflowClient` (on other processes than the main one, an object that does nothing)."""
         if not self._main_process:
             return _NoOpExperiment()
-        if self._client is None:
-            self._start()
-        return self._client
+        return self.open().client
 
-    def _start(self) -> None:
-        from fabric_lite.accelerator.tracker_base import require
-        from fabric_lite.accelerator.tracker_mlflow import mlflow_experiment_id, mlflow_local_uri
-
-        mlflow = require("mlflow", "MLFlowLogger", "mlflow")
-        uri, artifact_location = self._tracking_uri, self._artifact_location
-        if uri is None:
-            if self._save_dir is None:
-                raise ValueError("MLFlowLogger needs a tracking_uri, MLFLOW_TRACKING_URI or a save_dir.")
-            uri = mlflow_local_uri(self._save_dir)
-            if artifact_location is None:
-                artifact_location = os.path.abspath(os.path.join(self._save_dir, "mlartifacts"))
-        client = mlflow.MlflowClient(uri)
-        self._resolved_uri = uri
-        if self._run_id is None:
-            self._experiment_id = mlflow_experiment_id(client, self._experiment_name, artifact_location)
-            run = client.create_run(self._experiment_id, tags=self._tags or None, run_name=self._run_name)
-            self._run_id = run.info.run_id
-        else:
-            run = client.get_run(self._run_id)
-            self._experiment_id = run.info.experiment_id
-            if run.info.status != "RUNNING":
-                client.update_run(self._run_id, status="RUNNING")
-        self._client = client
+    def open(self) -> MLflowBackend:
+        """The backend, its run started (or resumed) on first use."""
+        if self.backend is None:
+            self.backend = MLflowBackend.create(
+                "MLFlowLogger", self._experiment_name, self._tracking_uri, self._save_dir, self._artifact_location,
+                self._tags, self._run_name, self._run_id)
+        return self.backend
 
     def setup(self, trainer: "Trainer", module: "TrainModule", stage: str) -> None:
-        reopen = self._finalized and self._client is not None
+        reopen = self._finalized and self.backend is not None
         super().setup(trainer, module, stage)
         if reopen and self._main_process:  # a second fit goes on in the same run
-            self._client.update_run(self._run_id, status="RUNNING")
+            self.open().reopen()
 
     @property
     def tracking_uri(self) -> Optional[str]:
         """The URI the run is logged to (known once it has started, or when one was given)."""
-        return self._resolved_uri or self._tracking_uri
+        return self.backend.tracking_uri if self.backend is not None else self._tracking_uri
 
     @property
     def run_id(self) -> Optional[str]:
         _ = self.experiment
-        return self._run_id
+        return self.backend.run_id if self.backend is not None else self._run_id
 
     @property
     def experiment_id(self) -> Optional[str]:
         _ = self.experiment
-        return self._experiment_id
+        return self.backend.experiment_id if self.backend is not None else None
 
     @property
     def name(self) -> Optional[str]:  # type: ignore[override]
@@ -358,24 +334,19 @@ class MLFlowLogger(_RunLogger):
         return self._save_dir if self._tracking_uri is None else None
 
     def log_hyperparams(self, params: Any) -> None:
-        from fabric_lite.accelerator.tracker_mlflow import mlflow_log_params
-
         if self._main_process:
-            mlflow_log_params(self.experiment, self._run_id, params, self._warned)
+            self.open().log_config(params)
 
     def log_metrics(self, metrics: Mapping[str, float], step: Optional[int] = None) -> None:
-        from fabric_lite.accelerator.tracker_mlflow import mlflow_log_metrics
-
         if self._main_process:
-            mlflow_log_metrics(self.experiment, self._run_id, _with_prefix(metrics, self._prefix, "-"), step,
-                               self._warned)
+            self.open().log(_with_prefix(metrics, self._prefix, "-"), step)
 
     def finalize(self, status: str = "success") -> None:
         self._finalized = True
-        if self._client is None or not self._main_process:
+        if self.backend is None or not self._main_process:
             return
         state = {"success": "FINISHED", "finished": "FINISHED", "failed": "FAILED", "killed": "KILLED"}
-        self._client.set_terminated(self._run_id, state.get(status, "FINISHED"))
+        self.backend.finish(state.get(status, "FINISHED"))
 
 
 class WandbLogger(_RunLogger):
@@ -401,29 +372,29 @@ class WandbLogger(_RunLogger):
         self._init_kwargs: Dict[str, Any] = {"name": name, "project": self._project, "dir": self._save_dir, **kwargs}
         if offline:
             self._init_kwargs["mode"] = "offline"
-        self._experiment = experiment
+        self.backend: Optional[WandbBackend] = None
         if experiment is not None:
-            self._id = experiment.id
+            self.backend, self._id = WandbBackend("WandbLogger", run=experiment), experiment.id
 
     @property
     def experiment(self) -> Any:
         """The wandb run (on other processes than the main one, an object that does nothing)."""
         if not self._main_process:
             return _NoOpExperiment()
-        if self._experiment is None:
-            from fabric_lite.accelerator.tracker_base import require
+        return self.open().run
 
-            wandb = require("wandb", "WandbLogger", "wandb")
+    def open(self) -> WandbBackend:
+        """The backend, its run started (or resumed) on first use."""
+        if self.backend is None:
             kwargs = dict(self._init_kwargs)
             if self._id is not None:  # the same run again (a second fit, or `version=`)
                 kwargs.setdefault("id", self._id)
                 kwargs.setdefault("resume", "allow")
-            os.makedirs(kwargs["dir"], exist_ok=True)
-            run = wandb.init(**kwargs)
-            run.define_metric("trainer/global_step")
-            run.define_metric("*", step_metric="trainer/global_step", step_sync=True)
-            self._experiment, self._id = run, run.id
-        return self._experiment
+            self.backend = WandbBackend("WandbLogger", **kwargs)
+            self.backend.run.define_metric("trainer/global_step")
+            self.backend.run.define_metric("*", step_metric="trainer/global_step", step_sync=True)
+            self._id = self.backend.run.id
+        return self.backend
 
     @property
     def name(self) -> Optional[str]:  # type: ignore[override]
@@ -433,31 +404,27 @@ class WandbLogger(_RunLogger):
     @property
     def version(self) -> Optional[str]:  # type: ignore[override]
         """The run id (once the run has started, or when one was given)."""
-        return self._experiment.id if self._experiment is not None else self._id
+        return self.backend.run.id if self.backend is not None else self._id
 
     @property
     def save_dir(self) -> Optional[str]:  # type: ignore[override]
         return self._save_dir
 
     def log_hyperparams(self, params: Any) -> None:
-        from fabric_lite.accelerator.tracker_base import config_for_file
-
         if self._main_process:
-            self.experiment.config.update(config_for_file(params), allow_val_change=True)
+            self.open().log_config(params)
 
     def log_metrics(self, metrics: Mapping[str, float], step: Optional[int] = None) -> None:
-        from fabric_lite.accelerator.tracker_base import scalar
-
         if not self._main_process:
             return
-        values = {k: scalar(v) for k, v in _with_prefix(metrics, self._prefix, "-").items()}
+        values: Dict[str, Any] = _with_prefix(metrics, self._prefix, "-")
         if step is not None:
             values["trainer/global_step"] = step
-        self.experiment.log(values)
+        self.open().log(values)
 
     def finalize(self, status: str = "success") -> None:
         self._finalized = True
-        if self._experiment is None or not self._main_process:
+        if self.backend is None or not self._main_process:
             return
-        run, self._experiment = self._experiment, None  # used again (another fit), it resumes this run
-        run.finish(exit_code=0 if status == "success" else 1)
+        backend, self.backend = self.backend, None  # used again (another fit), it resumes this run
+        backend.finish(exit_code=0 if status == "success" else 1)

@@ -3,7 +3,7 @@ on logs a configuration and three steps in a child process (tests/workers/offlin
 records any connection beyond this machine; each test then reads back what its tracker wrote, with the tool's
 own reader where it has one: Comet's offline archive, ClearML's offline session, DVCLive's files, SwanLab's
 backup log, Aim's repository, Trackio's SQLite database. Then "all" on a machine where no service is set up
-(tests/workers/unconfigured_trackers.py), and what decides it (fabric_lite/accelerator/tracker_setup.py).
+(tests/workers/unconfigured_trackers.py), and what decides it (fabric_lite/trackers/setup.py).
 
 comet_ml, clearml and dvclive are in the `dev` extra; aim, swanlab and trackio are not (docs/guides/trackers.md
 says why), so their tests skip where the package is missing.

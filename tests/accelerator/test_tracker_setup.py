@@ -1,5 +1,5 @@
 """What `log_with="all"` asks of each installed tracker before starting it: can it start here as things are, or
-does it need an account nobody set up (fabric_lite/accelerator/tracker_setup.py), read from each service's own
+does it need an account nobody set up (fabric_lite/trackers/setup.py), read from each service's own
 variables and config files in an empty HOME; and what `make_trackers` does with the answer, with stand-in
 trackers. tests/accelerator/test_more_trackers.py runs the real packages under "all"."""
 
@@ -14,7 +14,7 @@ import pytest
 
 from fabric_lite.accelerator import tracking
 from fabric_lite.accelerator.tracker_base import GeneralTracker
-from fabric_lite.accelerator.tracker_setup import (
+from fabric_lite.trackers.setup import (
     clearml_setup_missing, comet_setup_missing, nested_ini_values, swanlab_setup_missing, trackio_setup_missing,
     wandb_setup_missing,
 )

@@ -177,3 +177,25 @@ def test_missing_packages_are_named_with_what_to_install(tmp_path):
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == \
         "ModuleNotFoundError: log_with='mlflow' needs mlflow: pip install 'fabric-lite[mlflow]'"
+
+
+def test_one_backend_per_service_under_both_doors(tmp_path):
+    """The raw door's trackers and the Trainer's loggers hand their work to the same backend classes, and the
+    backends' package imports nothing of the doors (it sits below accelerator/ and callbacks/)."""
+    import ast
+    import pathlib
+
+    import fabric_lite.trackers as trackers
+    from fabric_lite.callbacks import CSVLogger, TensorBoardLogger
+    from fabric_lite.trackers import CSVBackend, TensorBoardBackend
+
+    tracker, logger = CSVTracker("run", tmp_path), CSVLogger(tmp_path)
+    assert type(tracker.backend) is type(logger.backend) is CSVBackend
+    assert TensorBoardLogger(tmp_path).open().__class__ is TensorBoardBackend
+    for path in pathlib.Path(trackers.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fabric_lite"):
+                assert node.module.startswith("fabric_lite.trackers"), (path.name, node.module)
+            if isinstance(node, ast.Import):
+                assert not any(a.name.startswith("fabric_lite") and not a.name.startswith("fabric_lite.trackers")
+                               for a in node.names), path.name

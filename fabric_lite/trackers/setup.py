@@ -2,9 +2,9 @@
 each service documents (environment variables, its config files, `init_kwargs`), without the network and
 without importing the service's package.
 
-`log_with="all"` asks this of every installed tracker and skips, with one warning, those that would stop for
-an account nobody set up (an API key, a login) and have no offline mode switched on; a tracker named in
-`log_with` is started whatever this says, and when it fails the error says what is missing.
+The raw door's `log_with="all"` asks this of every installed tracker and skips, with one warning, those that
+would stop for an account nobody set up (an API key, a login) and have no offline mode switched on; a tracker
+named in `log_with` is started whatever this says, and when it fails the error says what is missing.
 
 Each `*_setup_missing(init_kwargs)` returns None when the tracker can start, else what is missing and how to
 enable it, in a few words: the variable or login for online use, and the switch for offline use.
