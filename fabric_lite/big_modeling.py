@@ -7,7 +7,7 @@ do it. The names import, so a script that only imports them runs; calling one ra
 
 from __future__ import annotations
 
-from fabric_lite.utils.refusals import NotSupportedError, refused
+from fabric_lite.refusals import NotSupportedError, refused
 
 FEATURE = "big-model inference (a model spread over devices, or offloaded to the CPU or the disk)"
 INSTEAD = ("load the model whole on one device (or shard it for training with FSDPStrategy / "

@@ -5,7 +5,7 @@ big-model inference. fabric_lite has no such hooks: the names import, and using 
 from __future__ import annotations
 
 from fabric_lite.big_modeling import FEATURE, INSTEAD, attach_layerwise_casting_hooks  # noqa: F401
-from fabric_lite.utils.refusals import refused, refused_class
+from fabric_lite.refusals import refused, refused_class
 
 ModelHook = refused_class("ModelHook", FEATURE, INSTEAD)
 AlignDevicesHook = refused_class("AlignDevicesHook", FEATURE, INSTEAD)

@@ -3,7 +3,7 @@ does not do it; the name imports and calling it raises `NotSupportedError`."""
 
 from __future__ import annotations
 
-from fabric_lite.utils.refusals import refused
+from fabric_lite.refusals import refused
 
 prepare_pippy = refused(
     "prepare_pippy", "pipeline-parallel inference (PiPPy)",

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from fabric_lite.callbacks.base import Callback
-from fabric_lite.utils.refusals import refused_class
+from fabric_lite.refusals import refused_class
 
 __all__ = ["BatchSizeFinder", "LearningRateFinder", "RichModelSummary", "Checkpoint"]
 

@@ -94,7 +94,7 @@ class ProgressBarBase(Callback):
     @staticmethod
     def _train_total(trainer: "Trainer") -> Optional[int]:
         """Batches this train epoch will run (the loader length under `limit_train_batches`), if known."""
-        from fabric_lite.trainer.loops import batch_limit, loader_length
+        from fabric_lite.data.limits import batch_limit, loader_length
 
         return batch_limit(trainer.limits["train"], loader_length(trainer.train_dataloader))
 

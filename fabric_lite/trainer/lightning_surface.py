@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, 
 
 import torch
 
-from fabric_lite.utils.refusals import NotSupportedError, message, refused
+from fabric_lite.refusals import NotSupportedError, message, refused
 
 if TYPE_CHECKING:
     from fabric_lite.callbacks.base import Callback

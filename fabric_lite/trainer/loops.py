@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 
+from fabric_lite.data.limits import batch_limit, loader_length
 from fabric_lite.trainer.data_connector import reload_loaders
 from fabric_lite.trainer.module import TrainModule
 
@@ -26,31 +27,11 @@ __all__ = ["run_fit", "run_evaluation", "batch_limit", "loader_length", "empty_l
            "takes_dataloader_idx"]
 
 
-def batch_limit(limit: Any, length: Optional[int]) -> Optional[int]:
-    """How many batches to run: `limit` as a count (int) or a fraction of the loader (float)."""
-    if limit is None:
-        return length
-    if isinstance(limit, float) and 0.0 <= limit <= 1.0:
-        if length is None:
-            raise ValueError(f"A fractional batch limit ({limit}) needs a dataloader with a length.")
-        return int(length * limit)
-    if isinstance(limit, int) and limit >= 0:
-        return limit if length is None else min(limit, length)
-    raise ValueError(f"Batch limit {limit!r} must be an int >= 0 or a float in [0.0, 1.0].")
-
-
 def takes_dataloader_idx(fn: Any) -> bool:
     """Whether a step method accepts `dataloader_idx` (passed only with several loaders, and only to a step
     that takes it: a step written for one loader still runs over several)."""
     params = inspect.signature(fn).parameters.values()
     return any(p.name == "dataloader_idx" or p.kind is p.VAR_POSITIONAL for p in params)
-
-
-def loader_length(loader: Any) -> Optional[int]:
-    try:
-        return len(loader)
-    except TypeError:
-        return None
 
 
 class _StepHooks:

@@ -230,7 +230,7 @@ def _precision_from_plugins(check: ArgumentCheck, plugins: Any, precision: Any) 
     if plugins is None:
         return precision
     from fabric_lite.strategies.precision import Precision
-    from fabric_lite.utils.refusals import NotSupportedError
+    from fabric_lite.refusals import NotSupportedError
 
     items = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
     chosen = None
