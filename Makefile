@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: example test venv bench clean venv-xla test-xla system-tools docs docs-serve
+.PHONY: example test lint venv bench clean venv-xla test-xla system-tools docs docs-serve
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -19,8 +19,14 @@ example: $(STAMP)
 	$(BIN)/python examples/trainer_digits.py --root runs/trainer_digits
 	@echo "TensorBoard logs: runs/digits and runs/trainer_digits/logs  (view: $(BIN)/tensorboard --logdir runs)"
 
-test: $(STAMP)
+test: $(STAMP) lint
 	$(BIN)/python -m pytest -q -ra
+
+# The layers contract and the type checker (pyproject.toml: [tool.importlinter], [tool.mypy]); `make test` runs it
+# first. PYTHONPATH: they check this checkout's fabric_lite/, also where the environment was installed from another.
+lint: $(STAMP)
+	PYTHONPATH=$(CURDIR) $(BIN)/lint-imports --no-logo
+	PYTHONPATH=$(CURDIR) $(BIN)/mypy fabric_lite
 
 # The documentation site (mkdocs.yml, docs/): built strictly, so a broken link or an API page that
 # does not render is an error. docs-serve rebuilds on every change, on http://127.0.0.1:8000.
