@@ -24,8 +24,9 @@ def tree_map(fn: Callable[[torch.Tensor], Any], data: Any, other: Callable[[Any]
         return [tree_map(fn, d, other) for d in data]
     if isinstance(data, Mapping):
         items = [(k, tree_map(fn, v, other)) for k, v in data.items()]
+        kind: Callable[..., Any] = type(data)  # the concrete mapping class, called with its items
         try:
-            return type(data)(items)
+            return kind(items)
         except TypeError:  # a Mapping whose constructor takes something else (e.g. BatchEncoding)
             return dict(items)
     if dataclasses.is_dataclass(data) and not isinstance(data, type):

@@ -152,6 +152,8 @@ def _dispatches(obj: Any) -> bool:
 class _LoaderKind(AcceptingType):
     """The metaclass of the loader kinds below: calling the class builds a prepared loader (`build`)."""
 
+    build: Callable[..., Any]  # each loader kind's classmethod
+
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         return cls.build(*args, **kwargs)
 

@@ -151,7 +151,8 @@ class _BatchSizeSearch:
     def run(self, args: tuple, kwargs: Dict[str, Any]) -> Any:
         _refuse_batch_size_argument(self.function, self.name, args, kwargs)
         clear_device_cache(garbage_collection=True)
-        size, tried, last_error = self.batch_size, [], ""
+        size, last_error = self.batch_size, ""
+        tried: List[int] = []
         while True:
             size = self._agree_on_size(size, tried, last_error)
             self.batch_size = size

@@ -94,7 +94,7 @@ class ModelCheckpoint(Callback):
 
     # -- saving ------------------------------------------------------------------------------------
     def _format(self, trainer: "Trainer") -> str:
-        values = {"epoch": trainer.current_epoch, "step": trainer.global_step}
+        values: Dict[str, float] = {"epoch": trainer.current_epoch, "step": trainer.global_step}
         values.update({k: float(v) for k, v in trainer.callback_metrics.items()})
 
         def fill(match: "re.Match[str]") -> str:
@@ -143,6 +143,7 @@ class ModelCheckpoint(Callback):
             return
         self._settle(trainer)
         current, filename = self._decide(trainer)
+        assert self.dirpath is not None  # (setup placed it)
         base = self.dirpath.rstrip("/")
         # The checkpoint carries this callback's state as it will be once the save is done (itself in, the ones
         # it displaces out, `last` pointing at it), so a run resumed from it prunes exactly what it should.

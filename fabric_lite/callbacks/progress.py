@@ -138,7 +138,7 @@ class ProgressBarBase(Callback):
         self._start_eval(trainer, "Sanity checking" if trainer.sanity_checking else "Validation")
 
     def on_validation_batch_end(self, trainer: "Trainer", module: "TrainModule", outputs: Any, batch: Any,
-                                batch_idx: int) -> None:
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
         self._eval_batch_end(batch_idx)
 
     def on_validation_end(self, trainer: "Trainer", module: "TrainModule") -> None:
@@ -148,7 +148,7 @@ class ProgressBarBase(Callback):
         self._start_eval(trainer, "Testing")
 
     def on_test_batch_end(self, trainer: "Trainer", module: "TrainModule", outputs: Any, batch: Any,
-                          batch_idx: int) -> None:
+                          batch_idx: int, dataloader_idx: int = 0) -> None:
         self._eval_batch_end(batch_idx)
 
     def on_test_epoch_end(self, trainer: "Trainer", module: "TrainModule") -> None:

@@ -23,7 +23,7 @@ __all__ = ["ModelPruning"]
 
 log = logging.getLogger(__name__)
 
-_FUNCTIONS = {"ln_structured": prune.ln_structured, "l1_unstructured": prune.l1_unstructured,
+_FUNCTIONS: Dict[str, Callable[..., Any]] = {"ln_structured": prune.ln_structured, "l1_unstructured": prune.l1_unstructured,
               "random_structured": prune.random_structured, "random_unstructured": prune.random_unstructured}
 _METHODS = {"ln_structured": prune.LnStructured, "l1_unstructured": prune.L1Unstructured,
             "random_structured": prune.RandomStructured, "random_unstructured": prune.RandomUnstructured}

@@ -42,7 +42,8 @@ class AcceptingType(ABCMeta):
         return accepts is not None and bool(accepts(obj))
 
 
-class BatchSamplerShard(sharding.ShardedBatchSampler, BatchSampler, metaclass=AcceptingType):
+# (a BatchSampler for isinstance checks, whose batch_size may be None: batches of varying size)
+class BatchSamplerShard(sharding.ShardedBatchSampler, BatchSampler, metaclass=AcceptingType):  # type: ignore[misc]
     """One process's batches of `batch_sampler` (Accelerate's `BatchSamplerShard`), exactly as Accelerate deals them.
 
     Without `split_batches`, process p takes batches p, p + W, p + 2W, ... of the sampler (W = `num_processes`);
@@ -67,23 +68,25 @@ class BatchSamplerShard(sharding.ShardedBatchSampler, BatchSampler, metaclass=Ac
             raise ValueError(f"BatchSamplerShard(split_batches=True) cuts each batch by the batch sampler's "
                              f"batch_size, and this {type(batch_sampler).__name__} has none. Use "
                              f"split_batches=False, or a batch sampler with a batch_size.")
+        piece = batch_size // num_processes if split_batches and batch_size is not None else None
         super().__init__(batch_sampler, num_processes, process_index, batch_size, split_batches=split_batches,
                          even_batches=even_batches, drop_last=bool(getattr(batch_sampler, "drop_last", False)),
-                         split_piece=batch_size // num_processes if split_batches else None)
+                         split_piece=piece)
 
     def __iter__(self) -> Iterator[List[int]]:
         batches = super().__iter__()
         if self.num_replicas > 1 or self.drop_last or not self.even_batches or self.batch_size is None:
             return batches
-        return self._completed(batches)
+        return self._completed(batches, self.batch_size)
 
-    def _completed(self, batches: Iterator[List[int]]) -> Iterator[List[int]]:
+    @staticmethod
+    def _completed(batches: Iterator[List[int]], size: int) -> Iterator[List[int]]:
         """One process, `even_batches`: the batches, a short last one completed with the epoch's first indices."""
         head: List[int] = []
         for batch in batches:
             head = head or list(batch)
-            if len(batch) < self.batch_size:
-                batch = list(batch) + list(itertools.islice(itertools.cycle(head), self.batch_size - len(batch)))
+            if len(batch) < size:
+                batch = list(batch) + list(itertools.islice(itertools.cycle(head), size - len(batch)))
             yield batch
 
     @property
@@ -94,8 +97,9 @@ class BatchSamplerShard(sharding.ShardedBatchSampler, BatchSampler, metaclass=Ac
     def set_epoch(self, epoch: int) -> None:
         """Tell the wrapped batch sampler (or its sampler) the epoch, where it listens."""
         for obj in (self.batch_sampler, getattr(self.batch_sampler, "sampler", None)):
-            if callable(getattr(obj, "set_epoch", None)):
-                obj.set_epoch(epoch)
+            set_epoch = getattr(obj, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(epoch)
                 return
 
     @staticmethod
@@ -138,7 +142,9 @@ class IterableDatasetShard(sharding.IterableDatasetShard, metaclass=AcceptingTyp
 
     def _whole_batches(self) -> Iterator[Any]:
         """One process: the samples in batches of `batch_size`, the short last one dropped or completed."""
-        b, batch, head = self.batch_size, [], []
+        b = self.batch_size
+        batch: List[Any] = []
+        head: List[Any] = []
         for item in self.dataset:
             batch.append(item)
             if len(batch) == b:

@@ -69,8 +69,9 @@ def slice_rows(batch: Any, lo: int, hi: int, rows: int) -> Any:
         return batch[lo:hi] if batch.dim() and batch.shape[0] == rows else batch
     if isinstance(batch, Mapping):
         items = {k: slice_rows(v, lo, hi, rows) for k, v in batch.items()}
+        kind: Callable[..., Any] = type(batch)  # the concrete mapping class, called with its items
         try:
-            return type(batch)(items)
+            return kind(items)
         except TypeError:
             return items
     if isinstance(batch, (list, tuple)):

@@ -84,7 +84,9 @@ class EpochRandomness:
         self.num_replicas = num_replicas
         self.broadcast = broadcast
         #: The epoch in progress: the states it started from (see the module docstring); None between epochs.
-        self.record: Optional[Dict[str, Optional[torch.Tensor]]] = None
+        #: Generator states (tensors, or None) under "base", "loader" and "order"; the global RNGs' states
+        #: (`HostRngStates`, or their checkpoint form once loaded) under the keys `replay_global` records.
+        self.record: Optional[Dict[str, Any]] = None
         #: The epoch replays `record` (loaded from a checkpoint) instead of drawing.
         self.resuming = False
         #: The resumed epoch's skipped draws from the global RNGs were replayed: later ones are recorded again.
@@ -158,9 +160,10 @@ class EpochRandomness:
             self.replay_global("the order drawn by " + self.global_order)
         if self.resuming:
             saved = (self.record or {}).get("order")
-            if gen is None or saved is not None:
-                if gen is not None:
-                    gen.set_state(saved)
+            if gen is None:
+                return
+            if saved is not None:
+                gen.set_state(saved)
                 return
             # nothing saved to replay (the checkpoint's loader had no shuffling sampler): draw afresh
         if self.own is not None:

@@ -97,7 +97,7 @@ def sharded_loader_arguments(
             "Give it a batch_size (or sampler=BatchSampler(...)), or batch inside the dataset and shard it "
             "yourself with split_between_processes."
         )
-    sampler = loader.sampler if batches is None else getattr(batches, "sampler", None)
+    sampler: Any = loader.sampler if batches is None else getattr(batches, "sampler", None)
     replaced = use_seedable_sampler and isinstance(sampler, RandomSampler)
     if replaced:  # (the same on every rank: so is the broadcast)
         seed = data_seed
@@ -131,12 +131,13 @@ def sharded_loader_arguments(
             kwargs.update(sampler=sharded, batch_size=None)
         else:
             kwargs.update(batch_sampler=sharded)
-    total = None if batch_size is None else (batch_size if split_batches else batch_size * num_replicas)
+    global_batch = None if batch_size is None else (batch_size if split_batches else batch_size * num_replicas)
     remainder = -1
-    if num_replicas > 1 and total is not None and not drop_last and sampler is not None and hasattr(sampler, "__len__"):
-        remainder = len(sampler) % total
+    if num_replicas > 1 and global_batch is not None and not drop_last and sampler is not None \
+            and hasattr(sampler, "__len__"):
+        remainder = len(sampler) % global_batch
     return dict(dataset=dataset, sharded_sampler=sharded, randomness=randomness, remainder=remainder,
-                total_batch_size=total, dispatch=dispatch, **kwargs)
+                total_batch_size=global_batch, dispatch=dispatch, **kwargs)
 
 
 

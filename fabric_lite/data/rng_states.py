@@ -22,13 +22,15 @@ class HostRngStates:
 
     def __init__(self) -> None:
         self.python = random.getstate()
-        self.numpy = np.random.get_state()
+        self.numpy = np.random.get_state(legacy=True)  # the global MT19937's: always the tuple form
         self.torch = torch.get_rng_state().numpy().tobytes()
 
     def checkpointable(self) -> Dict[str, Any]:
         """In `fabric_lite.seed.capture_rng_state`'s format (what `torch.load(weights_only=True)` reads)."""
         version, internal, gauss = self.python
-        _, keys, pos, has_gauss, cached = self.numpy
+        numpy_state = self.numpy
+        assert isinstance(numpy_state, tuple)
+        _, keys, pos, has_gauss, cached = numpy_state
         return {"python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
                 "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                           "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},

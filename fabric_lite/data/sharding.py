@@ -168,6 +168,7 @@ class ShardedBatchSampler:
     def _part(self, group: List[List[int]], head: List[List[int]], r: int) -> Optional[List[int]]:
         W = self.num_replicas
         flat = [i for batch in group for i in batch]
+        full: Optional[int]
         if self.split_batches:
             full = self.batch_size or len(flat)
         else:
@@ -175,7 +176,7 @@ class ShardedBatchSampler:
         complete = (len(flat) == full) if full is not None else len(group) == W
         if complete:
             if self.split_batches:
-                per = full // W
+                per = len(flat) // W  # (complete: len(flat) == full)
                 return flat[r * per:(r + 1) * per]
             return group[r]
         if self.drop_last:
@@ -246,8 +247,8 @@ class ShardedBatchSampler:
             tail = [rest[i:i + b] for i in range(0, len(rest) - len(rest) % b if self.batch_sampler.drop_last
                                                   else len(rest), b)]
             if tail:
-                head = [order[j * b:(j + 1) * b] for j in range(W)] if whole else tail
-                mine = self._this_rank(tail, head)
+                first = [order[j * b:(j + 1) * b] for j in range(W)] if whole else tail
+                mine = self._this_rank(tail, first)
                 if mine is not None:
                     yield mine
             return
@@ -256,11 +257,11 @@ class ShardedBatchSampler:
         groups = self._groups(drawn)
         try:
             for _ in range(skip):  # (pulled under the replayed RNG states, see `after_skip`)
-                group = next(groups, None)
-                if group is None:
+                pulled = next(groups, None)
+                if pulled is None:
                     break
                 if not head:
-                    head = group[0]
+                    head = pulled[0]
         finally:
             if replaying:
                 self._skipped()
@@ -280,7 +281,7 @@ class ShardedBatchSampler:
         if self.split_batches and W > 1 and not self.even_batches and not self.drop_last and n \
                 and self.rank is not None:
             # the short last batch is cut in pieces of `_short_piece`: the last ranks may get none
-            sampler = getattr(self.batch_sampler, "sampler", None)
+            sampler: Any = getattr(self.batch_sampler, "sampler", None)
             last = (len(sampler) - self.skip_samples) % self.batch_size if self.batch_size and hasattr(sampler, "__len__") else 0
             if last:
                 return n - 1 + (1 if self.rank * self._short_piece(last) < last else 0)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, Mapping
+from typing import Any, List, Mapping, Optional
 
 import torch
 
@@ -50,7 +50,7 @@ class CudaFeed:
             self.pending = False
 
     def __call__(self, batch: Any, non_blocking: bool = False) -> Any:
-        kind = type(batch)
+        kind: Optional[type] = type(batch)
         leaves: Any = None
         if kind is torch.Tensor:
             leaves = (batch,)

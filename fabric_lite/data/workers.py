@@ -56,8 +56,9 @@ class WorkerStart:
     def __call__(self, worker_id: int) -> None:
         if self.init is not None:
             self.init(worker_id)
-        if self.states is not None and self.states[worker_id] is not None:
-            restore(self.states[worker_id])
+        state = self.states[worker_id] if self.states is not None else None
+        if state is not None:
+            restore(state)
 
 
 class WorkerRandomness:

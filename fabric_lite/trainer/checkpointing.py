@@ -20,28 +20,30 @@ class TrainerCheckpointState:
         self.trainer = trainer
 
     def state_dict(self) -> Dict[str, Any]:
-        t = self.trainer
+        t, module = self.trainer, self.trainer.module
+        assert module is not None  # (saved and loaded while a run holds its module)
         extra: Dict[str, Any] = {}
-        t.module.on_save_checkpoint(extra)
+        module.on_save_checkpoint(extra)
         for cb in t.callbacks:
-            cb.on_save_checkpoint(t, t.module, extra)
+            cb.on_save_checkpoint(t, module, extra)
         return {
             "epoch": t.current_epoch, "global_step": t.global_step, "epoch_finished": t.epoch_finished,
             "callbacks": {cb.state_key: cb.state_dict() for cb in t.callbacks},
-            "hyper_parameters": dict(t.module.hparams), "extra": extra,
+            "hyper_parameters": dict(module.hparams), "extra": extra,
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        t = self.trainer
+        t, module = self.trainer, self.trainer.module
+        assert module is not None
         t.current_epoch = int(state["epoch"]) + (1 if state.get("epoch_finished") else 0)
         t.global_step = int(state["global_step"])
         for cb in t.callbacks:
             if cb.state_key in state["callbacks"]:
                 cb.load_state_dict(state["callbacks"][cb.state_key])
         extra = state.get("extra", {})
-        t.module.on_load_checkpoint(extra)
+        module.on_load_checkpoint(extra)
         for cb in t.callbacks:
-            cb.on_load_checkpoint(t, t.module, extra)
+            cb.on_load_checkpoint(t, module, extra)
 
 
 class LoggedAggregates:
@@ -120,4 +122,5 @@ def load_eval_weights(trainer: "Trainer", stage: str, ckpt_path: str) -> None:
             warnings.warn(f'{stage}(ckpt_path="last"): there is no checkpoint yet; the module runs with the '
                           f'weights it has.', UserWarning, stacklevel=4)
             return
+    assert trainer.model is not None  # (the module was attached before its loaders)
     trainer.accelerator.load_model_weights(trainer.model, path)

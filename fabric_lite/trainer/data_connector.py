@@ -10,7 +10,7 @@ stage ends, `teardown(stage)` in the same order. A loader that came from a metho
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sized, Tuple, cast
 
 from fabric_lite.trainer.data_hooks import defines_loader
 
@@ -132,7 +132,8 @@ def sequential_loader(loader: Any, stage: str, overfit_batches: Any) -> Any:
                   generator=loader.generator, persistent_workers=loader.persistent_workers)
     if loader.num_workers > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
-    return DataLoader(loader.dataset, sampler=SequentialSampler(loader.dataset), **kwargs)
+    dataset = cast(Sized, loader.dataset)  # (map-style here: its samplers read indices below its length)
+    return DataLoader(loader.dataset, sampler=SequentialSampler(dataset), **kwargs)
 
 
 def prepare_unsharded(trainer: "Trainer", loader: Any, even_batches: Optional[bool] = None,

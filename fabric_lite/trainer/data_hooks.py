@@ -87,10 +87,10 @@ def batch_transfer(module: Any, datamodule: Any, device: torch.device,
     before, transfer, after = (getattr(datamodule if _overrides(datamodule, name) else module, name)
                                for name in TRANSFER_HOOKS)
     if feed is not None and not any(_overrides(obj, "transfer_batch_to_device") for obj in (module, datamodule)):
-        def run(batch: Any, dataloader_idx: int) -> Any:
+        def run_fed(batch: Any, dataloader_idx: int) -> Any:
             return after(feed(before(batch, dataloader_idx)), dataloader_idx)
 
-        return run
+        return run_fed
 
     def run(batch: Any, dataloader_idx: int) -> Any:
         return after(transfer(before(batch, dataloader_idx), device, dataloader_idx), dataloader_idx)

@@ -195,7 +195,7 @@ class TrainerLightningNames:
     def init_module(self, empty_init: Optional[bool] = None) -> Any:
         """Build the model inside this context: on the meta device under a strategy that shards parameters (or with
         empty_init=True), else on this process's device (the Accelerator's init_module)."""
-        return self.accelerator.init_module(empty_init=empty_init)  # type: ignore[attr-defined]
+        return self.accelerator.init_module(empty_init=empty_init)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """`print` on the first process of each machine only."""

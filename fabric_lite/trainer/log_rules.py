@@ -92,6 +92,7 @@ _CALLABLE_REDUCTIONS: Dict[Any, str] = {torch.mean: "mean", torch.sum: "sum", su
 
 def parse_reduce_fx(name: str, reduce_fx: Any) -> str:
     """`reduce_fx` as one of mean/sum/max/min: a string (any case, "avg" = "mean") or torch.mean/sum/max/min."""
+    found: Optional[str]
     if isinstance(reduce_fx, str):
         found = "mean" if reduce_fx.lower() == "avg" else reduce_fx.lower()
         if found in REDUCTIONS:
@@ -128,7 +129,8 @@ def as_scalar_tensor(name: str, value: Any, device: torch.device, enable_graph: 
             value = value.reshape(())
         return value if value.dtype in (torch.float32, torch.float64) else value.float()
     if isinstance(value, numbers.Number) and not isinstance(value, complex):
-        return torch.tensor(float(value), device=device)
+        # (typeshed's Number has no __float__; every Number but complex has one: int, float, Fraction, Decimal, numpy's)
+        return torch.tensor(float(value), device=device)  # type: ignore[arg-type]
     if isinstance(value, dict):
         raise ValueError(f"self.log({name!r}) got a dict; log several values with self.log_dict({{...}}).")
     raise ValueError(

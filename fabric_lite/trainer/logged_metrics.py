@@ -90,14 +90,15 @@ class MetricStore:
         # self.log runs on every training step.
         call = (self.stage, self.fx, self.dataloader_idx, name, prog_bar, logger, on_step, on_epoch, reduce_fx,
                 enable_graph, sync_dist, sync_dist_group, add_dataloader_idx, metric_attribute, rank_zero_only)
+        hashable = True
         try:
             entry = self._checked.get(call)
         except TypeError:  # an unhashable argument: checked every time
-            entry, call = None, None
+            entry, hashable = None, False
         if entry is None:
             entry = self._entry(name, prog_bar, logger, on_step, on_epoch, reduce_fx, enable_graph, sync_dist,
                                 sync_dist_group, add_dataloader_idx, rank_zero_only)
-            if call is not None:
+            if hashable:
                 self._checked[call] = entry
         entry.fresh = True
         if value.__class__ is torch.Tensor and not enable_graph:
@@ -138,6 +139,7 @@ class MetricStore:
         """The entry a first call of its kind logs to, after checking it against Lightning's rules."""
         fx = self.fx
         rule = hook_rule(name, fx)
+        assert fx is not None  # (hook_rule refuses a call outside the loops)
         on_step = rule.step_default if on_step is None else bool(on_step)
         on_epoch = rule.epoch_default if on_epoch is None else bool(on_epoch)
         check_levels(name, fx, rule, on_step, on_epoch)
@@ -283,7 +285,9 @@ class MetricStore:
         pending = [e for e in entries if e.synced and not e.last_synced]
         check_same_sync_names(self.strategy, self.stage, [e.step_name for e in pending], "per-step ")
         for e in pending:
-            e.last = reduce_value(self.strategy, e.last, e.reduce_fx, e.group)
+            last = e.last
+            assert last is not None  # (a step's entries hold its value: `_current_step_entries`)
+            e.last = reduce_value(self.strategy, last, e.reduce_fx, e.group)
             e.last_synced = True
 
     # -- epoch values ------------------------------------------------------------------------------

@@ -100,19 +100,22 @@ def dtype_byte_size(dtype: torch.dtype) -> float:
 
 def compute_module_sizes(model: nn.Module, dtype: Union[str, torch.dtype, None] = None,
                          special_dtypes: Optional[Dict[str, Union[str, torch.dtype]]] = None,
-                         buffers_only: bool = False) -> Dict[str, int]:
+                         buffers_only: bool = False) -> Dict[str, float]:
     """Bytes of parameters and buffers under every module name (``""``: the whole model). `dtype` counts floating
-    tensors as that dtype; `special_dtypes` gives some tensors (by full name) a dtype of their own."""
-    as_dtype = lambda d: getattr(torch, d) if isinstance(d, str) else d  # noqa: E731
-    dtype = as_dtype(dtype)
+    tensors as that dtype; `special_dtypes` gives some tensors (by full name) a dtype of their own. (A bool tensor
+    counts 1/8 byte an element: a size may be fractional.)"""
+    def as_dtype(d: Union[str, torch.dtype]) -> torch.dtype:
+        return getattr(torch, d) if isinstance(d, str) else d
+
+    counted = as_dtype(dtype) if dtype is not None else None
     special = {k: as_dtype(v) for k, v in (special_dtypes or {}).items()}
     tensors = list(model.named_buffers()) if buffers_only else [*model.named_parameters(), *model.named_buffers()]
-    sizes: Dict[str, int] = {}
+    sizes: Dict[str, float] = {}
     for name, tensor in tensors:
         if name in special:
             size = tensor.numel() * dtype_byte_size(special[name])
-        elif dtype is not None and tensor.is_floating_point():
-            size = tensor.numel() * min(dtype_byte_size(dtype), dtype_byte_size(tensor.dtype))
+        elif counted is not None and tensor.is_floating_point():
+            size = tensor.numel() * min(dtype_byte_size(counted), dtype_byte_size(tensor.dtype))
         else:
             size = tensor.numel() * dtype_byte_size(tensor.dtype)
         parts = name.split(".")
@@ -122,11 +125,12 @@ def compute_module_sizes(model: nn.Module, dtype: Union[str, torch.dtype, None] 
     return sizes
 
 
-def get_max_layer_size(modules: List[Tuple[str, Any]], module_sizes: Dict[str, int],
-                       no_split_module_classes: List[str]) -> Tuple[int, List[str]]:
+def get_max_layer_size(modules: List[Tuple[str, Any]], module_sizes: Dict[str, float],
+                       no_split_module_classes: List[str]) -> Tuple[float, List[str]]:
     """The largest "layer" among `modules` (named modules or tensors) and the names that reach it: a layer is a
     module without children, a module whose class is in `no_split_module_classes`, or a tensor."""
-    largest, names = 0, []
+    largest: float = 0
+    names: List[str] = []
     pending = list(modules)
     while pending:
         name, module = pending.pop(0)
@@ -142,7 +146,7 @@ def get_max_layer_size(modules: List[Tuple[str, Any]], module_sizes: Dict[str, i
     return largest, names
 
 
-def calculate_maximum_sizes(model: nn.Module) -> Tuple[int, Tuple[int, List[str]]]:
+def calculate_maximum_sizes(model: nn.Module) -> Tuple[float, Tuple[float, List[str]]]:
     """(bytes of the whole model, (bytes of its largest layer, that layer's names))."""
     sizes = compute_module_sizes(model)
     no_split = getattr(model, "_no_split_modules", None) or []

@@ -53,7 +53,8 @@ def recursively_apply(func: Callable[..., Any], data: Any, *args: Any,
         return honor_type(data, (recursively_apply(func, d, *args, test_type=test_type,
                                                    error_on_other_type=error_on_other_type, **kwargs) for d in data))
     if isinstance(data, Mapping):
-        return type(data)({k: recursively_apply(func, v, *args, test_type=test_type,
+        kind: Callable[..., Any] = type(data)  # the concrete mapping class, called with its items
+        return kind({k: recursively_apply(func, v, *args, test_type=test_type,
                                                 error_on_other_type=error_on_other_type, **kwargs)
                            for k, v in data.items()})
     if test_type(data):
@@ -78,8 +79,9 @@ def send_to_device(tensor: Any, device: Union[str, int, torch.device], non_block
             return honor_type(data, (move(d) for d in data))
         if isinstance(data, Mapping):
             items = {k: v if k in skip else move(v) for k, v in data.items()}
+            kind: Callable[..., Any] = type(data)  # the concrete mapping class, called with its items
             try:
-                return type(data)(items)
+                return kind(items)
             except TypeError:  # a Mapping whose constructor takes something else
                 return items
         to = getattr(data, "to", None)
@@ -124,7 +126,8 @@ def concatenate(data: List[Any], dim: int = 0) -> Any:
     if isinstance(first, (tuple, list)):
         return honor_type(first, (concatenate([d[i] for d in data], dim=dim) for i in range(len(first))))
     if isinstance(first, Mapping):
-        return type(first)({k: concatenate([d[k] for d in data], dim=dim) for k in first})
+        kind: Callable[..., Any] = type(first)  # the concrete mapping class, called with its items
+        return kind({k: concatenate([d[k] for d in data], dim=dim) for k in first})
     if not isinstance(first, torch.Tensor):
         raise TypeError(f"Can only concatenate tensors, got {type(first).__name__}.")
     return torch.cat(data, dim=dim)
@@ -149,6 +152,9 @@ class ConvertOutputsToFp32:
     """A forward function whose outputs come back in float32 (picklable, unlike a closure)."""
 
     def __init__(self, model_forward: Callable[..., Any]):
+        self._wrap(model_forward)
+
+    def _wrap(self, model_forward: Callable[..., Any]) -> None:
         self.model_forward = model_forward
         functools.update_wrapper(self, model_forward)
 
@@ -159,7 +165,7 @@ class ConvertOutputsToFp32:
         return {"model_forward": self.model_forward}
 
     def __setstate__(self, state: Any) -> None:
-        self.__init__(state["model_forward"])
+        self._wrap(state["model_forward"])
 
 
 def convert_outputs_to_fp32(model_forward: Callable[..., Any]) -> Callable[..., Any]:
