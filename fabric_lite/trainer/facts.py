@@ -4,7 +4,7 @@ directory, its checkpoint callback, the logged metrics. A base class of `Trainer
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -24,6 +24,8 @@ class TrainerFacts:
     callbacks: List[Callback]
     default_root_dir: str
     metric_store: Any
+    loaded_epoch: int  # (set by the loops: the epoch the loaders were last asked for)
+    train_dataloader_source: Tuple[Any, str]  # (set by data_connector: the user's training loader, its origin)
 
     @property
     def callback_metrics(self) -> Dict[str, torch.Tensor]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -53,11 +53,6 @@ __all__ = ["Trainer", "convert_sync_batchnorm", "SYNC_BATCHNORM_DEVICES"]
 
 class Trainer(TrainerFacts, TrainerLightningNames):
     """Fit a TrainModule: `Trainer(max_epochs=3, precision="bf16-mixed").fit(module, train_loader, val_loader)`."""
-
-    #: Set by the loops and data_connector: the epoch the loaders were last asked for, and the user's training
-    #: loader with where it came from (named where it yields no batch).
-    loaded_epoch: int
-    train_dataloader_source: Tuple[Any, str]
 
     #: Under `fabric-lite explain`, the arguments this Trainer was given; None otherwise.
     explain_arguments: Optional[Dict[str, Any]] = None
