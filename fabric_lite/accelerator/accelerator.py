@@ -20,7 +20,7 @@ from fabric_lite.accelerator.configs import (
     GradScalerKwargs, KwargsHandler, ProjectConfiguration, TorchDynamoPlugin, strategy_from_handlers,
 )
 from fabric_lite.accelerator.enums import DistributedType
-from fabric_lite.strategies.connector import connect, resolve_accelerator
+from fabric_lite.strategies.connector import connect, default_strategy
 from fabric_lite.data.loader import DataLoaderShard, shard_dataloader, skip_first_batches
 from fabric_lite.engine import LOSS_DIVISIONS, StepEngine
 from fabric_lite.strategies.environments import (
@@ -189,8 +189,7 @@ class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerCo
             strategy = launch.strategy  # from `fabric-lite config` through `fabric-lite launch`
         accelerator = "cpu" if (cpu or launch.use_cpu) else (
             launch.accelerator if accelerator == "auto" and launch.accelerator else accelerator)
-        if strategy == "auto" and resolve_accelerator(accelerator) == "xla":
-            strategy = "xla"  # (DDP's kwargs handlers, if any, do not apply there)
+        strategy = default_strategy(strategy, accelerator)  # a device runtime's own (DDP's kwargs handlers: not there)
         strategy = strategy_from_handlers(strategy, handlers, process.world_size)  # (an instance: hook checked)
         scaler = handlers.get(GradScalerKwargs)
         strategy = connect(
@@ -376,7 +375,7 @@ class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerCo
             even_batches=config.even_batches if even_batches is None else even_batches,
             broadcast_seed=self.strategy.broadcast_object,
             non_blocking=config.non_blocking,
-            device_feed=self.strategy.device_feed(config.non_blocking) if place else None,
+            device_feed=self.strategy.runtime.device_feed(config.non_blocking) if place else None,
             # (use_stateful_dataloader: every prepared loader answers state_dict/load_state_dict and resumes exactly)
             dispatch_batches=config.dispatch_batches, use_seedable_sampler=config.use_seedable_sampler,
             data_seed=config.data_seed,
