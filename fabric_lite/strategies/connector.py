@@ -162,6 +162,7 @@ def connect(
             f"replica per device) or 'xla_spmd' (one process over every device), or leave strategy 'auto'.")
     if needs is not None:  # the runtime owns the world (XLA's PJRT): it says where this replica is
         process, root = runtime.start(process, devices)
+        runtime.check_precision(precision_name)
         instance.configure(process, root, make_precision(device_type))
         return instance
     check_devices(devices, device_type, process)

@@ -54,6 +54,10 @@ class Runtime:
         it and its device. `launched`: what the launch environment said; `devices`: what the user asked for."""
         raise NotImplementedError(f"{type(self).__name__} trains where the accelerator says; it starts nothing.")
 
+    def check_precision(self, precision: str) -> None:
+        """Refuse, in one sentence, a precision (a canonical name: "16-mixed", ...) this runtime's device cannot train
+        in; the connector asks before building the precision plugin."""
+
     def device_feed(self, non_blocking: bool = False) -> Optional[Callable[[Any], Any]]:
         """A callable that moves one batch to this process's device, which the prepared loader calls on every batch
         (it stays the one object with position, epoch and sizes). None: the loader moves batches to the strategy's

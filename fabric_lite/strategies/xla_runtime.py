@@ -150,6 +150,12 @@ class XLARuntime(Runtime):
         self.threads = not spmd and xr.addressable_device_count() > 1
         return process, torch_xla.device()
 
+    def check_precision(self, precision: str) -> None:
+        if precision == "16-mixed":
+            raise ValueError(
+                f"precision={precision!r} (float16 with loss scaling) is not supported on XLA devices (TPU): they "
+                f"compute in bfloat16. Use precision='bf16-mixed' (or 'bf16-true').")
+
     def sync(self) -> None:
         """Run the pending graph (the step marker). Replicas that are threads of one process enter it together:
         a replica waiting in a collective holds Python's lock, so a peer still running Python would never
