@@ -13,7 +13,7 @@ import torch
 from fabric_lite.strategies.environments import ProcessInfo
 from fabric_lite.strategies.fp8 import FP8Recipe, default_fp8_recipe
 from fabric_lite.strategies.precision import Precision, resolve_precision
-from fabric_lite.strategies.runtime import Runtime
+from fabric_lite.strategies.runtime import PROCESS_PER_DEVICE, Runtime
 from fabric_lite.strategies.xla_env import read_xla_settings
 from fabric_lite.strategies import Strategy, create_strategy, strategy_class
 
@@ -82,7 +82,7 @@ def runtime_class(accelerator: str, strategy: Any) -> Type[Runtime]:
         cls = None if str(strategy).lower() == "auto" else strategy_class(str(strategy))
     runtime: Type[Runtime] = Runtime if cls is None else cls.runtime
     device = _runtime_device(str(accelerator).lower())
-    if runtime.device_type is None and runtime.kind == Runtime.kind and device is not None:
+    if runtime.device_type is None and runtime.kind == PROCESS_PER_DEVICE and device is not None:
         runtime = strategy_class(RUNTIME_DEVICES[device]).runtime
     return runtime
 
