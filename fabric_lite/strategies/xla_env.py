@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
-from fabric_lite.strategies.environments import ProcessInfo
+if TYPE_CHECKING:  # (imported when used: environments.py may import this module at its top)
+    from fabric_lite.strategies.environments import ProcessInfo
 
 __all__ = ["XLASettings", "read_xla_settings", "detect_xla_process"]
 
@@ -39,6 +40,8 @@ def detect_xla_process(runtime: Any, spmd: bool = False) -> ProcessInfo:
     """This replica's place in an XLA job, asked of torch_xla's runtime (`torch_xla.runtime`), which owns
     it: replicas may be threads of one process (XLA's CPU device, TPU v2/v3), so environment variables,
     shared by the threads, cannot tell them apart. Under SPMD one process drives every device: world 1."""
+    from fabric_lite.strategies.environments import ProcessInfo
+
     if spmd:
         return ProcessInfo(source=f"torch_xla SPMD over {runtime.global_runtime_device_count()} device(s)")
     world = runtime.world_size()
