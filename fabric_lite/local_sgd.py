@@ -13,8 +13,8 @@ averaged over the processes.
 Inside the block DDP's gradient all-reduce is off (gradient accumulation still works: its windows close as usual,
 with local gradients); `step()` counts calls and averages the parameters at every `local_sgd_steps`-th; leaving the
 block averages them once more. The optimizers' states stay each process's own. On one process, or with
-`enabled=False`, it does nothing. It needs whole parameters in every process: strategies that shard them (FSDP,
-DeepSpeed) or run XLA's collectives are refused.
+`enabled=False`, it does nothing. It needs whole parameters in every process, averaged by DDP's reducer: strategies
+that shard them (FSDP, DeepSpeed) or reduce over a device runtime's own collectives are refused.
 """
 
 from __future__ import annotations

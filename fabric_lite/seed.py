@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import random
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 import torch
 
-__all__ = ["set_seed", "seed_everything", "capture_rng_state", "restore_rng_state", "xla_runtime_started"]
+__all__ = ["set_seed", "seed_everything", "capture_rng_state", "restore_rng_state", "add_runtime_rng", "runtime_rng"]
 
-# The XLA random stream is touched only once an XLA strategy started the runtime in this process: before that,
-# asking torch_xla for it would start the runtime itself (too early for SPMD, and for torch_xla's launcher), and
-# a process that merely imported torch_xla does not train on XLA. A seed set before (set_seed, then
-# Accelerator(accelerator="tpu")) is applied when the runtime starts: set_seed's place in a script does not matter.
-_xla_started = False
-_xla_seed_pending: Optional[int] = None
+# A device runtime's random stream, by name: (get_state, set_state), added by the runtime once it started in this
+# process (before that, asking for it could start the runtime itself, too early). A seed set before (set_seed, then
+# the Accelerator) is applied when the stream is added: set_seed's place in a script does not matter.
+_RUNTIME_RNGS: Dict[str, Tuple[Callable[[], int], Callable[[int], None]]] = {}
+_seed_pending: Optional[int] = None
 
 
 def set_seed(seed: int, deterministic: bool = False, device_specific: bool = False,
@@ -36,11 +35,10 @@ def set_seed(seed: int, deterministic: bool = False, device_specific: bool = Fal
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-    global _xla_seed_pending
-    xm = _xla_model()
-    if xm is not None:
-        xm.set_rng_state(seed)
-    _xla_seed_pending = None if xm is not None else seed
+    global _seed_pending
+    for _, set_state in _RUNTIME_RNGS.values():
+        set_state(seed)
+    _seed_pending = None if _RUNTIME_RNGS else seed
     if deterministic:
         torch.use_deterministic_algorithms(True)
     return seed
@@ -60,30 +58,24 @@ def capture_rng_state() -> Dict[str, Any]:
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    xm = _xla_model()
-    if xm is not None:
-        state["xla"] = int(xm.get_rng_state())
+    for name, (get_state, _) in _RUNTIME_RNGS.items():
+        state[name] = int(get_state())
     return state
 
 
-def xla_runtime_started() -> None:
-    """Called by the XLA strategy once it started the runtime: from now on the XLA random stream is seeded,
-    saved and restored with the others; the seed `set_seed` was given before, if any, is applied now."""
-    global _xla_started, _xla_seed_pending
-    _xla_started = True
-    xm = _xla_model()
-    if xm is not None and _xla_seed_pending is not None:
-        xm.set_rng_state(_xla_seed_pending)
-        _xla_seed_pending = None
+def add_runtime_rng(name: str, get_state: Callable[[], int], set_state: Callable[[int], None]) -> None:
+    """Called by a device runtime once it started: from now on its random stream `name` is seeded, saved and
+    restored with the others; the seed `set_seed` was given before, if any, is applied now."""
+    global _seed_pending
+    _RUNTIME_RNGS[name] = (get_state, set_state)
+    if _seed_pending is not None:
+        set_state(_seed_pending)
+        _seed_pending = None
 
 
-def _xla_model() -> Any:
-    """torch_xla's xla_model where an XLA strategy started the runtime in this process, else None."""
-    if not _xla_started:
-        return None
-    import torch_xla.core.xla_model as xm
-
-    return xm
+def runtime_rng(name: str) -> Optional[Tuple[Callable[[], int], Callable[[int], None]]]:
+    """The (get_state, set_state) of the runtime's random stream `name` started in this process, or None."""
+    return _RUNTIME_RNGS.get(name)
 
 
 def _python_state_to_tensor(state: tuple) -> Dict[str, Any]:
@@ -104,7 +96,6 @@ def restore_rng_state(state: Dict[str, Any]) -> None:
     cuda: Optional[list] = state.get("cuda")
     if cuda is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda)
-    xla = state.get("xla")
-    xm = _xla_model() if xla is not None else None
-    if xm is not None:
-        xm.set_rng_state(int(xla))
+    for name, (_, set_state) in _RUNTIME_RNGS.items():
+        if state.get(name) is not None:
+            set_state(int(state[name]))

@@ -48,8 +48,8 @@ class DistributedDataParallelKwargs(KwargsHandler):
 
     `comm_hook`: FP16/BF16 compress the all-reduced gradients, POWER_SGD approximates them (torch's hooks).
     `comm_wrapper` (FP16/BF16): casts the gradients a PowerSGD hook compresses. `comm_state_option`: keywords of
-    torch's `PowerSGDState` (PowerSGD only). On one process nothing is all-reduced and the hook goes unused; FSDP,
-    DeepSpeed and XLA reduce gradients their own way and refuse a hook. Checked when built.
+    torch's `PowerSGDState` (PowerSGD only). On one process nothing is all-reduced and the hook goes unused;
+    strategies that reduce gradients their own way (FSDP, DeepSpeed, device runtimes) refuse a hook. Checked when built.
     """
 
     accelerator_attribute: ClassVar[str] = "ddp_handler"  # (Accelerator.ddp_handler)

@@ -1,12 +1,14 @@
 """The string enums of Accelerate's names (`DistributedType`, `LoggerType`, `PrecisionType`, `DynamoBackend`,
-`DDPCommunicationHookType`) and their base `StrEnum`: plain values, importable without the configuration objects."""
+`DDPCommunicationHookType`, `RNGType`) and their base `StrEnum`: plain values, importable without the configuration
+objects. Accelerate's device names (XLA, TPU, ...) live here as members, whatever fabric_lite runs."""
 
 from __future__ import annotations
 
 import enum
 from typing import Any
 
-__all__ = ["StrEnum", "DDPCommunicationHookType", "DistributedType", "LoggerType", "PrecisionType", "DynamoBackend"]
+__all__ = ["StrEnum", "DDPCommunicationHookType", "DistributedType", "LoggerType", "PrecisionType", "DynamoBackend",
+           "RNGType"]
 
 
 class StrEnum(str, enum.Enum):
@@ -112,3 +114,20 @@ class DynamoBackend(StrEnum):
     TENSORRT = "tensorrt"
     OPENXLA = "openxla"
     TVM = "tvm"
+
+
+class RNGType(StrEnum):
+    """A random number generator that Accelerate's `rng_types` names. fabric_lite seeds and saves every one of
+    them itself (the data order is seeded and the same on every process), so `rng_types` is accepted and not
+    needed; `synchronize_rng_state` takes these names."""
+
+    TORCH = "torch"
+    CUDA = "cuda"
+    MLU = "mlu"
+    SDAA = "sdaa"
+    MUSA = "musa"
+    NPU = "npu"
+    XLA = "xla"
+    XPU = "xpu"
+    HPU = "hpu"
+    GENERATOR = "generator"

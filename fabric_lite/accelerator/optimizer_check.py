@@ -9,7 +9,7 @@ prompt) beside a model that another optimizer trains or that is frozen, and a mo
 optimizer, and either the call is one model with one optimizer, or the optimizer's parameters have that
 model's shapes (a copy of it, or of a part of it).
 
-Strategies may replace parameters while preparing (FSDP's DTensors, a move to an XLA device) and then point
+Strategies may replace parameters while preparing (FSDP's DTensors, a move to a lazy device) and then point
 the optimizers at the new ones: both the parameters a model was given with and the prepared ones count as
 the model's.
 """

@@ -63,7 +63,7 @@ class ProcessFacts:
 
     @property
     def distributed_type(self) -> DistributedType:
-        """Accelerate's name of this kind of run: the strategy's own (DEEPSPEED, FSDP, XLA), else NO for one
+        """Accelerate's name of this kind of run: the strategy's own (`accelerate_type`), else NO for one
         process, else `MULTI_<device>` (MULTI_GPU on CUDA)."""
         if self.strategy.accelerate_type is not None:
             return DistributedType(self.strategy.accelerate_type)

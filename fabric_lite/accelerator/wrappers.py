@@ -28,8 +28,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self._gradient_state = gradient_state
         self._stepped: Any = True  # a bool, or a device tensor read only when someone asks
         # The step marker, looked up once: strategies without one cost no call per step.
-        marker = type(strategy).after_optimizer_step
-        self._after_step = None if marker is Strategy.after_optimizer_step else strategy.after_optimizer_step
+        self._after_step = strategy.runtime.step_marker
 
     @property
     def state(self) -> Dict[Any, Any]:  # type: ignore[override]

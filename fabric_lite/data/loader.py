@@ -89,7 +89,7 @@ class DataLoaderShard(DataLoader):
         self.total_batch_size = total_batch_size
         self._convert = convert_batch
         self._non_blocking = non_blocking
-        self._device_feed = device_feed  # the strategy's own transfer (see Strategy.device_feed), or None
+        self._device_feed = device_feed  # the strategy's own transfer (see Runtime.device_feed), or None
         self._skip_request = 0
         self._at_last = False
         #: `dispatch_batches`: how this loader's global batches are shared (read on rank 0 only), or None.

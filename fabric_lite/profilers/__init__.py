@@ -20,5 +20,7 @@ from fabric_lite.profilers.resolve import PROFILERS, resolve_profiler
 from fabric_lite.profilers.simple import SimpleProfiler
 from fabric_lite.profilers.xla import XLAProfiler
 
+PROFILERS["xla"] = XLAProfiler  # (always imported with the package: resolve_profiler knows the name)
+
 __all__ = ["Profiler", "PassThroughProfiler", "SimpleProfiler", "AdvancedProfiler", "PyTorchProfiler", "XLAProfiler",
            "RegisterRecordFunction", "TimedHooks", "resolve_profiler", "PROFILERS"]

@@ -9,13 +9,13 @@ from fabric_lite.profilers.advanced import AdvancedProfiler
 from fabric_lite.profilers.profiler import PassThroughProfiler, Profiler
 from fabric_lite.profilers.pytorch import PyTorchProfiler
 from fabric_lite.profilers.simple import SimpleProfiler
-from fabric_lite.profilers.xla import XLAProfiler
 
 __all__ = ["resolve_profiler", "PROFILERS"]
 
-#: The names `Trainer(profiler=...)` takes (Lightning's), each with the profiler it builds with its defaults.
+#: The names `Trainer(profiler=...)` takes (Lightning's), each with the profiler it builds with its defaults; a
+#: device runtime's profiler adds its own name where the package imports it (profilers/__init__.py).
 PROFILERS: Dict[str, Callable[[], Profiler]] = {"simple": SimpleProfiler, "advanced": AdvancedProfiler,
-                                                 "pytorch": PyTorchProfiler, "xla": XLAProfiler}
+                                                 "pytorch": PyTorchProfiler}
 
 
 def resolve_profiler(value: Any, owner: str = "Trainer") -> Profiler:

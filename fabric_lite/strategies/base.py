@@ -15,13 +15,9 @@ May override (the defaults suit one device or plain data parallel):
 `adapt_precision`              the Precision to train with (an engine may take loss scaling over)
 `setup`                        wrap models and optimizers in one call (when `setup_takes_optimizers`)
 `setup_optimizer`              an optimizer prepared on its own
-`start_runtime`                for a strategy whose runtime owns the world (`runtime_device_type`, XLA's PJRT):
-                               start it, and say where this replica is and which device it has
 `set_run_hints`                what the door knows before `setup` (micro-batch size, accumulation, clip)
 `distributed_sampler_kwargs`   how the data is sharded
-`device_feed`                  the per-batch device transfer the prepared loader calls (XLA's loader)
 `backward`, `optimizer_step`   through the precision plugin (scaling, unscale, inf/NaN skip)
-`after_optimizer_step`         the step marker, called after each real optimizer step (XLA mark_step)
 `force_backward_sync`          inside `no_backward_sync`, sync after all
 `clip_gradients_norm/value`    the right way for this strategy (sharded norms, engine-side clipping)
 `module_state_dict`, `load_module_state_dict`, `optimizer_state_dict(module, optimizer)`, `to_host`,
@@ -30,6 +26,8 @@ May override (the defaults suit one device or plain data parallel):
 `save_engine_state`, `read_engine_state`, `consolidate_checkpoint`
                                checkpoints in the engine's own files (when `checkpoint_engine` is set)
 `new_side_group`               a process group of its own for collectives off the training thread
+`runtime`                      how its processes meet its devices: device feed, step marker, re-launcher
+                               (`strategies/runtime.py`; a class attribute `RuntimeSlot(...)`)
 `_primitive_*`                 the backend's collectives (torch.distributed by default)
 =============================  =========================================================================
 """
@@ -45,6 +43,7 @@ from torch import nn
 
 from fabric_lite.strategies.environments import ProcessInfo
 from fabric_lite.strategies.precision import Precision
+from fabric_lite.strategies.runtime import Runtime, RuntimeSlot
 
 __all__ = ["Strategy", "ReduceOp"]
 
@@ -82,12 +81,6 @@ class Strategy(abc.ABC):
     reads_weights_on_rank_zero: ClassVar[bool] = False
     #: Hugging Face Accelerate's `DistributedType` name for this strategy, where it has its own one.
     accelerate_type: ClassVar[Optional[str]] = None
-    #: The device type this strategy trains on whatever else is asked ("xla"), or None (cpu, cuda or mps, as the
-    #: accelerator says). Such a strategy's runtime places the replicas: the connector calls `start_runtime`.
-    runtime_device_type: ClassVar[Optional[str]] = None
-    #: One process drives every device of the machine (SPMD): `devices` counts the devices it spreads each batch
-    #: over, not processes to start.
-    drives_all_devices: ClassVar[bool] = False
     #: Every forward is a collective (ZeRO-3 gathers parameters): evaluation must give every process
     #: the same number of batches, padding included.
     forward_is_collective: bool = False
@@ -99,6 +92,9 @@ class Strategy(abc.ABC):
     #: background thread from such a copy (`save_state(blocking=False)`); with several processes, the saves
     #: agree over `new_side_group()`.
     background_checkpoints: ClassVar[bool] = True
+    #: How its processes meet its devices (process per device, runtime replicas, one SPMD process): the device
+    #: feed, the step marker, the device type it forces and the re-launcher (`strategies/runtime.py`).
+    runtime = RuntimeSlot(Runtime)
 
     def __init__(self) -> None:
         self.process = ProcessInfo()
@@ -112,12 +108,6 @@ class Strategy(abc.ABC):
         self.process = process
         self.root_device = root_device
         self.precision = self.adapt_precision(precision)
-
-    def start_runtime(self, launched: ProcessInfo, devices: Any) -> Tuple[ProcessInfo, torch.device]:
-        """Start the runtime that owns the world (only where `runtime_device_type` is set); return this
-        replica's place in it and its device. `launched`: what the launch environment said; `devices`: what
-        the user asked for (checked against what the runtime has)."""
-        raise NotImplementedError(f"{type(self).__name__} trains where the accelerator says; it has no runtime.")
 
     def adapt_precision(self, precision: Precision) -> Precision:
         """The precision plugin this strategy trains with, given the one the user asked for."""
@@ -184,12 +174,6 @@ class Strategy(abc.ABC):
             return None
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
-    def device_feed(self, non_blocking: bool = False) -> Optional[Callable[[Any], Any]]:
-        """The device-feed hook: a callable that moves one batch to this process's device, which the
-        prepared loader calls on every batch (it stays the one object with position, epoch and sizes).
-        None: the loader moves batches to `root_device` itself (on a CUDA side stream where it can)."""
-        return None
-
     # -- the step ----------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, module: Optional[nn.Module] = None, **kwargs: Any) -> None:
         self.precision.backward(loss, **kwargs)
@@ -198,9 +182,6 @@ class Strategy(abc.ABC):
         """Step through the precision plugin; the result is falsy when the step was skipped (inf/NaN
         gradients). It may be a device tensor, so that reading it is the caller's choice."""
         return self.precision.optimizer_step(optimizer, **kwargs)
-
-    def after_optimizer_step(self) -> None:
-        """The step marker: called after each optimizer step that the doors run (XLA's mark_step)."""
 
     @abc.abstractmethod
     def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:

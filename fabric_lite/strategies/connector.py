@@ -6,18 +6,32 @@ environment, and the place that refuses combinations that cannot work.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Optional, Type, Union
 
 import torch
 
-from fabric_lite.strategies.environments import ProcessInfo, read_xla_settings
+from fabric_lite.strategies.environments import ProcessInfo
 from fabric_lite.strategies.fp8 import FP8Recipe, default_fp8_recipe
 from fabric_lite.strategies.precision import Precision, resolve_precision
-from fabric_lite.strategies import Strategy, create_strategy
+from fabric_lite.strategies.runtime import PROCESS_PER_DEVICE, Runtime
+from fabric_lite.strategies.xla_env import read_xla_settings
+from fabric_lite.strategies import Strategy, create_strategy, strategy_class
 
-__all__ = ["connect", "resolve_accelerator", "check_devices", "ACCELERATORS"]
+__all__ = ["connect", "resolve_accelerator", "check_devices", "default_strategy", "runtime_class", "ACCELERATORS",
+           "RUNTIME_DEVICES"]
 
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps", "tpu", "xla")
+#: Device types whose own runtime places the processes, each with the registry name strategy="auto" becomes there.
+RUNTIME_DEVICES = {"xla": "xla"}
+
+
+def _runtime_device(name: str) -> Optional[str]:
+    """The device type among RUNTIME_DEVICES that accelerator `name` (lower case) picks, without probing hardware:
+    'tpu' and 'xla' name XLA, and 'auto' picks it only where PJRT_DEVICE names a TPU (or another XLA accelerator);
+    replicas that `fabric-lite launch --tpu` started are told by the launch settings (the doors read them)."""
+    if name in ("tpu", "xla") or (name == "auto" and read_xla_settings().wants_xla):
+        return "xla"
+    return None
 
 
 def _mps_available() -> bool:
@@ -25,19 +39,16 @@ def _mps_available() -> bool:
 
 
 def resolve_accelerator(accelerator: str) -> str:
-    """'auto' -> the best device type here; 'gpu' -> 'cuda' (or 'mps' on Apple silicon); 'tpu' -> 'xla'.
-
-    'auto' picks XLA only where PJRT_DEVICE names a TPU (or another XLA accelerator); replicas that
-    `fabric-lite launch --tpu` started are told by the launch settings (the doors read them)."""
+    """'auto' -> the best device type here (a device runtime's first, see `_runtime_device`); 'gpu' -> 'cuda' (or
+    'mps' on Apple silicon); 'tpu' -> 'xla'."""
     name = str(accelerator).lower()
     if name not in ACCELERATORS:
         raise ValueError(
             f"Unknown accelerator {accelerator!r}. Allowed values: {', '.join(map(repr, ACCELERATORS))}."
         )
-    if name in ("tpu", "xla"):
-        return "xla"
-    if name == "auto" and read_xla_settings().wants_xla:
-        return "xla"
+    runtime_device = _runtime_device(name)
+    if runtime_device is not None:
+        return runtime_device
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else ("mps" if _mps_available() else "cpu")
     if name == "gpu":
@@ -51,6 +62,29 @@ def resolve_accelerator(accelerator: str) -> str:
     if name == "mps" and not _mps_available():
         raise ValueError(f"accelerator={accelerator!r} was asked for, but MPS is not available. Use 'cpu'.")
     return name
+
+
+def default_strategy(strategy: Any, accelerator: str) -> Any:
+    """`strategy` as given, except "auto" on a device whose own runtime places the processes: that runtime's
+    strategy (checks `accelerator` as `resolve_accelerator` does)."""
+    if isinstance(strategy, str) and strategy.lower() == "auto":
+        return RUNTIME_DEVICES.get(resolve_accelerator(accelerator), strategy)
+    return strategy
+
+
+def runtime_class(accelerator: str, strategy: Any) -> Type[Runtime]:
+    """The runtime class a run with these arguments gets, known before anything starts and without probing
+    hardware (the Trainer re-launches by it): the strategy's, or, where the accelerator names a device with
+    a runtime of its own, that device's strategy's."""
+    if isinstance(strategy, Strategy):
+        cls: Any = type(strategy)
+    else:
+        cls = None if str(strategy).lower() == "auto" else strategy_class(str(strategy))
+    runtime: Type[Runtime] = Runtime if cls is None else cls.runtime
+    device = _runtime_device(str(accelerator).lower())
+    if runtime.device_type is None and runtime.kind == PROCESS_PER_DEVICE and device is not None:
+        runtime = strategy_class(RUNTIME_DEVICES[device]).runtime
+    return runtime
 
 
 def check_devices(devices: Union[int, str, None], device_type: str, process: ProcessInfo) -> None:
@@ -107,26 +141,28 @@ def connect(
     if isinstance(strategy, Strategy):
         instance = strategy
     elif isinstance(strategy, str):
-        if device_type == "xla" and strategy.lower() == "auto":
-            strategy = "xla"
+        if strategy.lower() == "auto":
+            strategy = RUNTIME_DEVICES.get(device_type, strategy)
         instance = create_strategy(strategy, process.world_size)
     else:
         raise TypeError(f"strategy must be a name or a Strategy instance, got {type(strategy).__name__}.")
-    needs = instance.runtime_device_type
+    runtime = instance.runtime
+    needs = runtime.device_type
     if needs is not None and accelerator == "auto":
         device_type = needs  # strategy="xla" alone says where it trains
     if needs is not None and device_type != needs:
         raise ValueError(
             f"strategy {type(instance).__name__} trains on XLA devices (TPU), but accelerator={accelerator!r} was "
             f"asked for. Pass accelerator='tpu' (or leave it 'auto'), or pick a strategy for {device_type!r}.")
-    if needs is None and device_type == "xla":
+    if needs is None and device_type in RUNTIME_DEVICES:
         why = f"PJRT_DEVICE={read_xla_settings().pjrt_device} made accelerator='auto'" if accelerator == "auto" \
             else f"accelerator={accelerator!r} was asked for"
         raise ValueError(
             f"strategy {type(instance).__name__} does not train on XLA devices, but {why}. Use strategy='xla' (a "
             f"replica per device) or 'xla_spmd' (one process over every device), or leave strategy 'auto'.")
     if needs is not None:  # the runtime owns the world (XLA's PJRT): it says where this replica is
-        process, root = instance.start_runtime(process, devices)
+        process, root = runtime.start(process, devices)
+        runtime.check_precision(precision_name)
         instance.configure(process, root, make_precision(device_type))
         return instance
     check_devices(devices, device_type, process)

@@ -12,9 +12,10 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
-__all__ = ["ProcessInfo", "LaunchSettings", "XLASettings", "LaunchEnvironment", "NodeLayout", "detect_process",
-           "detect_xla_process", "detect_node_layout", "read_launch_environment", "read_launch_settings",
-           "read_xla_settings", "first_host", "torchrun_master_port"]
+from fabric_lite.strategies.xla_env import XLASettings, read_xla_settings
+
+__all__ = ["ProcessInfo", "LaunchSettings", "LaunchEnvironment", "NodeLayout", "detect_process", "detect_node_layout",
+           "read_launch_environment", "read_launch_settings", "first_host", "torchrun_master_port"]
 
 # Variables the `fabric-lite launch` command and `notebook_launcher` use to hand settings to the
 # Accelerator running inside each worker.
@@ -23,7 +24,7 @@ ENV_GRAD_ACCUM = "FABRIC_LITE_GRADIENT_ACCUMULATION_STEPS"
 ENV_USE_CPU = "FABRIC_LITE_USE_CPU"
 ENV_STRATEGY = "FABRIC_LITE_STRATEGY"
 ENV_LAUNCHED = "FABRIC_LITE_LAUNCHED"  # set by `fabric-lite launch` / notebook_launcher in every worker
-ENV_ACCELERATOR = "FABRIC_LITE_ACCELERATOR"  # what accelerator="auto" becomes in the workers ("xla")
+ENV_ACCELERATOR = "FABRIC_LITE_ACCELERATOR"  # what accelerator="auto" becomes in the workers (a runtime's device)
 # `fabric-lite explain`: print the plan at the first prepare(dataloader) / Trainer.fit and exit (explain.py).
 ENV_EXPLAIN = "FABRIC_LITE_EXPLAIN"
 
@@ -411,27 +412,17 @@ def read_launch_settings(env: Optional[Mapping[str, str]] = None) -> LaunchSetti
     )
 
 
-@dataclass(frozen=True)
-class XLASettings:
-    """What the environment tells torch_xla's PJRT runtime: the device kind and, on the CPU, how many."""
-
-    pjrt_device: Optional[str] = None  # PJRT_DEVICE: "TPU", "CPU", "CUDA", ... (None: not set)
-
-    @property
-    def names_device(self) -> bool:
-        """PJRT_DEVICE is set: notebook_launcher starts XLA replicas (on XLA's CPU device too)."""
-        return bool(self.pjrt_device)
-
-    @property
-    def wants_xla(self) -> bool:
-        """PJRT_DEVICE names an XLA accelerator: accelerator="auto" picks XLA. Not "CPU": importing torch_xla sets
-        PJRT_DEVICE=CPU where it finds no TPU, and a CPU run must not turn into one on XLA's CPU device."""
-        return self.pjrt_device not in (None, "CPU")
+#: Names a device runtime's own file defines (its launch variables), importable from here as before.
+_RUNTIME_NAMES = dict.fromkeys(("detect_xla_process",),
+                               "fabric_lite.strategies.xla_env")
 
 
-def read_xla_settings(env: Optional[Mapping[str, str]] = None) -> XLASettings:
-    env = os.environ if env is None else env
-    return XLASettings(pjrt_device=(env.get("PJRT_DEVICE") or "").strip().upper() or None)
+def __getattr__(name: str) -> Any:
+    if name in _RUNTIME_NAMES:
+        import importlib
+
+        return getattr(importlib.import_module(_RUNTIME_NAMES[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -450,20 +441,3 @@ def read_launch_environment(env: Optional[Mapping[str, str]] = None) -> LaunchEn
     env = os.environ if env is None else env
     return LaunchEnvironment(process=detect_process(env), launch=read_launch_settings(env),
                              xla=read_xla_settings(env))
-
-
-def detect_xla_process(runtime: Any, spmd: bool = False) -> ProcessInfo:
-    """This replica's place in an XLA job, asked of torch_xla's runtime (`torch_xla.runtime`), which owns
-    it: replicas may be threads of one process (XLA's CPU device, TPU v2/v3), so environment variables,
-    shared by the threads, cannot tell them apart. Under SPMD one process drives every device: world 1."""
-    if spmd:
-        return ProcessInfo(source=f"torch_xla SPMD over {runtime.global_runtime_device_count()} device(s)")
-    world = runtime.world_size()
-    if world == 1:
-        return ProcessInfo(source="torch_xla (one replica)")
-    local_world = runtime.local_device_count()
-    return ProcessInfo(
-        world_size=world, global_rank=runtime.global_ordinal(), local_rank=runtime.local_ordinal(),
-        local_world_size=local_world, node_rank=runtime.host_index(),
-        source=f"torch_xla ({world} replicas, {runtime.addressable_device_count()} per process)",
-    )

@@ -1,7 +1,7 @@
 """Parameters a strategy replaced while preparing a model, so optimizers built on the old ones follow.
 
-`fully_shard` turns parameters into DTensors, and a move to an XLA device makes new Parameter objects
-(torch cannot swap an XLA tensor into a CPU parameter in place). An optimizer the user built before
+`fully_shard` turns parameters into DTensors, and a move to a lazy device makes new Parameter objects
+(torch cannot swap a lazy tensor into a CPU parameter in place). An optimizer the user built before
 `prepare` still holds the old objects: it would step tensors that no longer train. The strategy records
 each replacement by parameter name, and points such optimizers at the new parameters.
 """

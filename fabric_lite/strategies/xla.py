@@ -1,24 +1,18 @@
 """TPUs (and other XLA devices) through torch_xla: data-parallel replicas ("xla") or SPMD over a mesh ("xla_spmd").
 
-torch_xla records operations lazily and runs them as one compiled graph at each step marker
-(`torch_xla.sync()`). This strategy places models and batches on the replica's XLA device, averages
-gradients with XLA's all-reduce when a backward closes an accumulation window (as DDP does, so clipping
-and the optimizer see global gradients), marks a step after each optimizer step and at each batch the
-prepared loader hands over (what torch_xla's MpDeviceLoader does: the device runs step k while the host
-builds batch k+1), and maps the collectives to XLA's. Checkpoints hold plain CPU tensors: one written on
-a TPU loads on a CPU and back.
+This strategy places models and batches on the replica's XLA device, averages gradients with XLA's all-reduce
+when a backward closes an accumulation window (as DDP does, so clipping and the optimizer see global gradients),
+and maps the collectives to XLA's. Its runtime (`xla_runtime.py`) starts torch_xla, places the replicas, feeds
+batches and marks steps. Checkpoints hold plain CPU tensors: one written on a TPU loads on a CPU and back.
 
 `XLASPMDStrategy` drives every device from one process: parameters stay replicated, each batch is split
 along its first dimension over a one-axis mesh ("data"), and the compiler inserts the gradient reduction.
-
-torch_xla is optional and must match torch's version exactly: `import_torch_xla` says which to install.
 """
 
 from __future__ import annotations
 
 import contextlib
 import pickle
-import threading
 import weakref
 from typing import Any, Callable, ClassVar, ContextManager, Dict, List, Optional, Tuple
 
@@ -27,75 +21,13 @@ from torch import nn
 
 from fabric_lite._tree import tree_map
 from fabric_lite.strategies.parallel import ParallelStrategy
-from fabric_lite.strategies.environments import ProcessInfo, detect_xla_process, read_xla_settings
 from fabric_lite.strategies.moved_params import MovedParameters
+from fabric_lite.strategies.runtime import RuntimeSlot
+from fabric_lite.strategies.xla_runtime import (  # (import_torch_xla & co.: importable from here as before)
+    XLARuntime, XLASPMDRuntime, abort_replica_barriers, import_torch_xla, torch_xla_problem,
+)
 
 __all__ = ["XLAStrategy", "XLASPMDStrategy", "import_torch_xla", "torch_xla_problem", "abort_replica_barriers"]
-
-#: The newest torch_xla release, and so the torch it needs (torch_xla X.Y runs only on torch X.Y).
-NEWEST_TORCH_XLA = "2.9.0"
-INSTALL = f"pip install torch=={NEWEST_TORCH_XLA} torch_xla=={NEWEST_TORCH_XLA} (in an environment of its own: `make venv-xla`)"
-
-
-def _release(version: str) -> Tuple[str, ...]:
-    return tuple(version.split("+")[0].split(".")[:2])
-
-
-def torch_xla_problem() -> Optional[str]:
-    """Why torch_xla cannot run next to this torch (one sentence with the fix), or None when it can.
-    Reads package metadata only: no import, so it is cheap."""
-    from importlib import metadata
-
-    try:
-        xla_version = metadata.version("torch_xla")
-    except metadata.PackageNotFoundError:
-        return f"XLA (accelerator='tpu') needs torch_xla, which is not installed here (torch {torch.__version__}): {INSTALL}."
-    if _release(xla_version) != _release(torch.__version__):
-        return (f"torch_xla {xla_version} is installed next to torch {torch.__version__}, but torch_xla runs only on "
-                f"the torch of its own version: pip install torch=={xla_version.split('+')[0]} torch_xla=={xla_version.split('+')[0]} "
-                f"(in an environment of its own: `make venv-xla`).")
-    return None
-
-
-def import_torch_xla() -> Any:
-    """`import torch_xla`, or an ImportError of one sentence naming torch's and torch_xla's versions and the fix."""
-    problem = torch_xla_problem()
-    if problem is not None:
-        raise ImportError(problem)
-    try:
-        import torch_xla
-    except (ImportError, OSError) as err:
-        raise ImportError(f"torch_xla failed to import next to torch {torch.__version__} ({err}); reinstall the pair "
-                          f"that matches: {INSTALL}.") from err
-    return torch_xla
-
-
-def _check_devices(devices: Any, process: ProcessInfo, runtime: Any, spmd: bool) -> None:
-    if devices is None or devices == "auto":
-        return
-    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
-        raise ValueError(f"devices={devices!r} is not valid: pass a positive integer or 'auto'.")
-    kind = read_xla_settings().pjrt_device or "TPU"
-    available = runtime.global_runtime_device_count()
-    hint = "set CPU_NUM_DEVICES (or pass --nproc-per-node to `fabric-lite launch --tpu`)" if kind == "CPU" else \
-        "check TPU_VISIBLE_CHIPS"
-    if devices > available:
-        raise ValueError(f"devices={devices} was asked for, but the XLA runtime (PJRT_DEVICE={kind}) has {available} "
-                         f"device(s). Pass devices<={available}, or {hint}.")
-    if spmd:
-        if devices != available:
-            raise ValueError(f"devices={devices}: strategy='xla_spmd' spreads each batch over all {available} XLA "
-                             f"devices of this process. Leave devices out (or pass {available}), or {hint}.")
-        return
-    if process.world_size == 1 and devices > 1:
-        raise ValueError(
-            f"devices={devices} needs {devices} XLA replicas, but this is a lone one. Start them with "
-            f"`fabric-lite launch --tpu --nproc-per-node {devices} train.py` or notebook_launcher(fn, num_processes="
-            f"{devices}) with PJRT_DEVICE set; or use strategy='xla_spmd', which drives every device from one process.")
-    if process.world_size > 1 and devices != process.world_size:
-        raise ValueError(f"devices={devices} disagrees with the launch, which started {process.world_size} XLA "
-                         f"replicas. Drop `devices` or make them match.")
-
 
 class XLAStrategy(ParallelStrategy):
     """One replica per XLA device (a TPU core, or XLA's CPU device); gradients averaged by XLA's all-reduce.
@@ -105,7 +37,7 @@ class XLAStrategy(ParallelStrategy):
 
     aliases: ClassVar[Tuple[str, ...]] = ("xla",)
     accelerate_type: ClassVar[Optional[str]] = "XLA"
-    runtime_device_type: ClassVar[Optional[str]] = "xla"
+    runtime = RuntimeSlot(XLARuntime)
     #: Reading XLA tensors to the host runs the pending graph (a step of the runtime, which moves its RNG).
     background_checkpoints: ClassVar[bool] = False
 
@@ -114,40 +46,11 @@ class XLAStrategy(ParallelStrategy):
         self.sync_module_states = sync_module_states
         self._modules: List["weakref.ref[nn.Module]"] = []  # in preparation order: every replica reduces alike
         self._syncing: Dict[int, bool] = {}  # id(module) -> gradients are reduced by the next backward
-        self._torch_xla: Any = None
-        self._xm: Any = None
         self._moved = MovedParameters()
-        self._marked = True  # no work was traced since the last step marker (see device_feed)
-        self._threads = False  # the replicas are threads of one process (see the collectives below)
 
     # -- set-up ------------------------------------------------------------------------------------
-    def start_runtime(self, launched: ProcessInfo, devices: Any) -> Tuple[ProcessInfo, torch.device]:
-        torch_xla = import_torch_xla()
-        import torch_xla.core.xla_model as xm
-        import torch_xla.runtime as xr
-
-        self._torch_xla, self._xm = torch_xla, xm
-        if self.drives_all_devices:
-            xr.use_spmd()  # before any tensor reaches a device
-            if xr.process_count() > 1:
-                raise RuntimeError(
-                    f"strategy='xla_spmd' over {xr.process_count()} hosts is not supported: each host would feed and "
-                    f"save the whole global batch. Use strategy='xla' (one replica per device) on a multi-host TPU.")
-        process = detect_xla_process(xr, spmd=self.drives_all_devices)
-        if launched.world_size > 1 and process.world_size != launched.world_size:
-            raise RuntimeError(
-                f"{launched.world_size} processes were started by {launched.source}, but torch_xla sees "
-                f"{process.world_size} replica(s) in this one: XLA replicas are started by torch_xla's own launcher. "
-                f"Use `fabric-lite launch --tpu --nproc-per-node N train.py`.")
-        _check_devices(devices, process, xr, self.drives_all_devices)
-        from fabric_lite.seed import xla_runtime_started
-
-        xla_runtime_started()
-        self._threads = not self.drives_all_devices and xr.addressable_device_count() > 1
-        return process, torch_xla.device()
-
     def setup_environment(self) -> None:
-        if self._torch_xla is None:
+        if not self.runtime.started:
             raise RuntimeError(f"{type(self).__name__} was not started: build it through Accelerator/Trainer "
                                f"(accelerator='tpu'), which start the XLA runtime.")
 
@@ -157,8 +60,7 @@ class XLAStrategy(ParallelStrategy):
         self._moved.record(before, dict(module.named_parameters()))
         if self.world_size > 1 and self.sync_module_states:  # replica 0's weights everywhere, as under DDP
             self._broadcast_in_place([*module.parameters(), *module.buffers()])
-            self.sync()
-            self._marked = True  # (as at the start: a run resumed from a checkpoint marks the same steps)
+            self.runtime.mark_step()  # (as at the start: a run resumed from a checkpoint marks the same steps)
         self._modules.append(weakref.ref(module))
         return module
 
@@ -173,8 +75,8 @@ class XLAStrategy(ParallelStrategy):
         return module
 
     def teardown(self) -> None:
-        if self._torch_xla is not None:
-            self.sync()
+        if self.runtime.started:
+            self.runtime.sync()
         self._modules.clear()
 
     # -- the step ----------------------------------------------------------------------------------
@@ -219,37 +121,8 @@ class XLAStrategy(ParallelStrategy):
                     grads.append(p.grad)
         if grads:
             self._average_in_place(grads)
-            if self._threads:
-                self.sync()  # the exchange runs now, with every replica in it, not at a read of the gradients
-
-    def after_optimizer_step(self) -> None:
-        self.sync()
-        self._marked = True
-
-    def sync(self) -> None:
-        """Run the pending graph (the step marker). Replicas that are threads of one process enter it together:
-        a replica waiting in a collective holds Python's lock, so a peer still running Python would never
-        arrive (see the collectives below)."""
-        if self._threads:
-            _thread_barrier(self.world_size)
-        self._torch_xla.sync()
-        self._marked = False
-
-    def device_feed(self, non_blocking: bool = False) -> Optional[Callable[[Any], Any]]:
-        to_device = self.batch_to_device
-
-        def feed(batch: Any) -> Any:
-            # The pending work (an evaluation batch, a micro-step) is dispatched while this batch is built, as
-            # MpDeviceLoader does; not right after an optimizer step's marker: a marker with nothing new waits for
-            # the step before to finish, and the host could not prepare the next step meanwhile. (Start, and
-            # resume, count as marked: a resumed run marks the same steps as one that never stopped.)
-            if self._marked:
-                self._marked = False
-            else:
-                self.sync()
-            return to_device(batch)
-
-        return feed
+            if self.runtime.threads:
+                self.runtime.sync()  # the exchange runs now, with every replica in it, not at a read of the gradients
 
     def batch_to_device(self, batch: Any) -> Any:
         device = self.root_device
@@ -280,24 +153,24 @@ class XLAStrategy(ParallelStrategy):
         """Every replica's `tensor`, stacked along a new first dimension (on this replica's device); `now`:
         the exchange runs before returning, with every replica in it (reading the result is then safe)."""
         t = tensor if tensor.device.type == "xla" else tensor.to(self.root_device)
-        rows = self._xm.all_gather(t.unsqueeze(0), dim=0, pin_layout=False, channel_id=1,
+        rows = self.runtime.xm.all_gather(t.unsqueeze(0), dim=0, pin_layout=False, channel_id=1,
                                    use_global_device_ids=True, groups=[list(range(self.world_size))])
         if now:
-            self.sync()
+            self.runtime.sync()
         return rows
 
     def _average_in_place(self, tensors: List[torch.Tensor]) -> None:
-        if self._threads and self.world_size > 1:
+        if self.runtime.threads and self.world_size > 1:
             self._exchange_flat(tensors, lambda rows: rows.sum(0) / self.world_size)
         else:
-            xm = self._xm
+            xm = self.runtime.xm
             xm.all_reduce(xm.REDUCE_SUM, tensors, scale=1.0 / self.world_size)
 
     def _broadcast_in_place(self, tensors: List[torch.Tensor], src: int = 0) -> None:
-        if self._threads:
+        if self.runtime.threads:
             self._exchange_flat(tensors, lambda rows: rows[src])
         else:
-            self._xm.collective_broadcast(tensors, root_ordinal=src)
+            self.runtime.xm.collective_broadcast(tensors, root_ordinal=src)
 
     def _exchange_flat(self, tensors: List[torch.Tensor], combine: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """One all-gather per dtype of the tensors flattened together; `combine(rows)` gives the new flat values,
@@ -341,32 +214,6 @@ class XLAStrategy(ParallelStrategy):
         box[0] = self._exchange(box[0] if self.global_rank == src else None)[src]
 
 
-_BARRIERS: Dict[int, threading.Barrier] = {}
-_BARRIERS_LOCK = threading.Lock()
-#: How long a replica thread waits for its peers at a step marker before giving up (as DDP's default timeout).
-THREAD_BARRIER_TIMEOUT_S = 1800.0
-
-
-def _thread_barrier(parties: int) -> None:
-    """Wait until every replica thread of this process is here (one barrier per process: they are its threads)."""
-    with _BARRIERS_LOCK:
-        barrier = _BARRIERS.setdefault(parties, threading.Barrier(parties, timeout=THREAD_BARRIER_TIMEOUT_S))
-    try:
-        barrier.wait()
-    except threading.BrokenBarrierError:
-        raise RuntimeError(
-            f"An XLA replica thread waited {THREAD_BARRIER_TIMEOUT_S:.0f} s for its {parties - 1} peer(s) at a step "
-            f"marker, or a peer failed: every replica must run the same steps (same number of batches and optimizer "
-            f"steps, the same collectives in the same order).") from None
-
-
-def abort_replica_barriers() -> None:
-    """A replica thread failed: its peers waiting at a step marker get an error now instead of after the timeout."""
-    with _BARRIERS_LOCK:
-        for barrier in _BARRIERS.values():
-            barrier.abort()
-
-
 def _by_dtype(tensors: List[torch.Tensor]) -> List[List[torch.Tensor]]:
     groups: Dict[torch.dtype, List[torch.Tensor]] = {}
     for t in tensors:
@@ -379,7 +226,7 @@ class XLASPMDStrategy(XLAStrategy):
     mesh; the compiler inserts the gradient reduction. Global batches must divide by the device count."""
 
     aliases: ClassVar[Tuple[str, ...]] = ("xla_spmd",)
-    drives_all_devices: ClassVar[bool] = True
+    runtime = RuntimeSlot(XLASPMDRuntime)
 
     def __init__(self) -> None:
         super().__init__(sync_module_states=False)
@@ -397,7 +244,7 @@ class XLASPMDStrategy(XLAStrategy):
     def batch_to_device(self, batch: Any) -> Any:
         import torch_xla.distributed.spmd as xs
 
-        xm, device, mesh = self._xm, self.root_device, self.mesh
+        xm, device, mesh = self.runtime.xm, self.root_device, self.mesh
 
         def send(t: torch.Tensor) -> torch.Tensor:
             if t.dim() == 0:

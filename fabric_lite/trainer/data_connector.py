@@ -149,7 +149,7 @@ def prepare_unsharded(trainer: "Trainer", loader: Any, even_batches: Optional[bo
         loader, num_replicas=1, rank=0, device=acc.device if place and acc.device.type != "cpu" else None,
         gradient_state=acc.gradient_state, split_batches=config.split_batches,
         even_batches=config.even_batches if even_batches is None else even_batches,
-        non_blocking=config.non_blocking, device_feed=acc.strategy.device_feed(config.non_blocking) if place else None,
+        non_blocking=config.non_blocking, device_feed=acc.strategy.runtime.device_feed(config.non_blocking) if place else None,
     )
     acc.dataloaders.append(prepared)
     return prepared

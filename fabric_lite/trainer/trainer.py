@@ -33,7 +33,7 @@ from fabric_lite.trainer.data_connector import (
     teardown_data,
 )
 from fabric_lite.trainer.configure_optimizers import SchedulerConfig, parse_optimizers
-from fabric_lite.trainer.relaunch import relaunch_if_needed, xla_replicas
+from fabric_lite.trainer.relaunch import relaunch_if_needed, runtime_class
 from fabric_lite.trainer.sync_batchnorm import SYNC_BATCHNORM_DEVICES, convert_sync_batchnorm
 from fabric_lite.trainer.settings import (
     apply_torch_settings, check_unknown, resolve_settings, resolve_trainer_run_config,
@@ -93,7 +93,7 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         if run_config.explain_dry_run:  # one process stands in for the planned launch
             num_nodes = 1  # the plan compares the requested nodes with the launch
         else:
-            relaunch_if_needed(devices, num_nodes, xla_replicas(settings.accelerator, settings.strategy))
+            relaunch_if_needed(devices, num_nodes, runtime_class(settings.accelerator, settings.strategy))
         # The Trainer's micro-steps run through the Accelerator's step engine, built from the same RunConfig.
         self.settings = settings
         self.accelerator = Accelerator.from_run_config(run_config)
@@ -250,7 +250,7 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         order_callbacks(self.callbacks)
         self.train_source, self.val_source = connect_data(self, module, datamodule, "fit",
                                                           (train_dataloaders, val_dataloaders))
-        self.batch_transfer = batch_transfer(module, self.datamodule, self.device, self.strategy.device_feed(False))
+        self.batch_transfer = batch_transfer(module, self.datamodule, self.device, self.strategy.runtime.device_feed(False))
         train = self.train_source.request()
         if train is None:
             raise ValueError("fit() needs train_dataloaders, a datamodule with train_dataloader(), or a module that "
@@ -409,7 +409,7 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         self.callbacks[:] = merge_module_callbacks(self.callbacks, module.configure_callbacks())
         order_callbacks(self.callbacks)
         source, = connect_data(self, module, datamodule, stage, (dataloaders,))
-        self.batch_transfer = batch_transfer(module, self.datamodule, self.device, self.strategy.device_feed(False))
+        self.batch_transfer = batch_transfer(module, self.datamodule, self.device, self.strategy.runtime.device_feed(False))
         loaders = source.request()
         if loaders is None:
             name = STAGE_LOADERS[stage][0]
@@ -426,10 +426,10 @@ class Trainer(TrainerFacts, TrainerLightningNames):
 
     def evaluation_context(self) -> Any:
         """What evaluation and prediction run under: torch.inference_mode (`inference_mode=True`, the default) or
-        torch.no_grad; no_grad on XLA and over a gloo process group, where inference tensors are not supported."""
+        torch.no_grad; no_grad where the device runtime or a gloo process group does not support inference tensors."""
         import torch.distributed as dist
 
-        if not self.settings.inference_mode or self.device.type == "xla" or (
+        if not self.settings.inference_mode or not self.strategy.runtime.inference_tensors or (
                 dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo"):
             return torch.no_grad()
         return torch.inference_mode()

@@ -67,7 +67,7 @@ _LAZY: Dict[str, str] = {
         "has_transformer_engine_layers", "contextual_fp8_autocast", "apply_fp8_autowrap", "DummyOptim",
         "DummyScheduler", "DeepSpeedEngineWrapper", "DeepSpeedOptimizerWrapper", "DeepSpeedSchedulerWrapper",
         "BnbQuantizationConfig", "load_and_quantize_model", "fsdp2_load_full_state_dict",
-        "fsdp2_switch_optimizer_parameters", "fsdp2_prepare_model", "fsdp2_prepare_auto_wrap_policy", "install_xla",
+        "fsdp2_switch_optimizer_parameters", "fsdp2_prepare_model", "fsdp2_prepare_auto_wrap_policy",
         "set_numa_affinity", "override_numa_affinity"), _NO),
     **dict.fromkeys(("infer_auto_device_map", "get_balanced_memory", "load_offloaded_weights", "offload_state_dict",
                      "set_module_tensor_to_device", "has_offloaded_params", "align_module_device", "retie_parameters"),

@@ -1,15 +1,17 @@
 """Accelerate's ``is_*_available()`` checks and `is_torch_version`. A package check answers whether the package
-is installed (`importlib.util.find_spec`) and imports nothing; a device check asks torch."""
+is installed (`importlib.util.find_spec`) and imports nothing; a device check asks torch. Accelerate's XLA names
+(`is_torch_xla_available`, `is_tpu_available`, `install_xla`) are here too, answered by XLA's runtime file."""
 
 from __future__ import annotations
 
 import importlib.util
 import operator
-from typing import Callable, Dict
+from typing import Any, Callable, Dict
 
 import torch
 
-__all__ = ["installed", "is_torch_version", "is_torch_xla_available", "is_tpu_available", "is_cuda_available",
+__all__ = ["installed", "is_torch_version", "is_torch_xla_available", "is_tpu_available", "install_xla",
+           "is_cuda_available",
            "is_mps_available", "is_bf16_available", "is_fp16_available", "is_fp8_available", "is_xpu_available",
            "is_npu_available", "is_mlu_available", "is_musa_available", "is_sdaa_available", "is_hpu_available",
            "is_ipex_available", "is_torchdata_stateful_dataloader_available", "PACKAGES"]
@@ -68,16 +70,9 @@ def is_torch_version(operation: str, version: str) -> bool:
 def is_torch_xla_available(check_is_tpu: bool = False, check_is_gpu: bool = False) -> bool:
     """Whether torch_xla can run here (installed, and built for this torch); `check_is_tpu` / `check_is_gpu`: and
     PJRT_DEVICE names a TPU / a GPU (torch_xla itself is not imported: that would start its runtime)."""
-    from fabric_lite.strategies.xla import torch_xla_problem
+    from fabric_lite.strategies.xla_runtime import torch_xla_runs_here
 
-    if torch_xla_problem() is not None:
-        return False
-    if not (check_is_tpu or check_is_gpu):
-        return True
-    from fabric_lite.strategies.environments import read_xla_settings
-
-    kind = read_xla_settings().pjrt_device
-    return (check_is_tpu and kind == "TPU") or (check_is_gpu and kind in ("GPU", "CUDA"))
+    return torch_xla_runs_here(check_is_tpu, check_is_gpu)
 
 
 def is_tpu_available(check_device: bool = True) -> bool:
@@ -159,3 +154,16 @@ def is_torchdata_stateful_dataloader_available() -> bool:
         return False
     places = list(spec.submodule_search_locations or []) if spec is not None else []
     return any(os.path.isdir(os.path.join(p, "stateful_dataloader")) for p in places)
+
+
+def __getattr__(name: str) -> Any:
+    """`install_xla`, Accelerate's torch_xla wheel installer: refused (NotSupportedError naming what to do instead);
+    built on first use, so importing this module stays light."""
+    if name != "install_xla":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from fabric_lite.utils.refusals import refused
+
+    value = refused("install_xla", "installing torch_xla wheels from a script",
+                    "pip install torch_xla matching your torch version (see requirements-xla.txt)")
+    globals()[name] = value
+    return value

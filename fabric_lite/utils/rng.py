@@ -4,13 +4,20 @@ scripts call it to make the processes draw the same numbers from here on."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Tuple
 
 import torch
 
+from fabric_lite.seed import runtime_rng
+
 __all__ = ["synchronize_rng_state", "synchronize_rng_states"]
 
-_KINDS = ("torch", "cuda", "xla", "generator")
+
+def _kinds() -> Tuple[str, ...]:
+    """torch, cuda, the device runtimes' own streams (one per device type the connector lists), generator."""
+    from fabric_lite.strategies.connector import RUNTIME_DEVICES
+
+    return ("torch", "cuda", *RUNTIME_DEVICES, "generator")
 
 
 def _get(kind: str, generator: Optional[torch.Generator]) -> Any:
@@ -18,10 +25,9 @@ def _get(kind: str, generator: Optional[torch.Generator]) -> Any:
         return torch.get_rng_state()
     if kind == "cuda":
         return torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-    if kind == "xla":
-        from fabric_lite.seed import capture_rng_state
-
-        return capture_rng_state().get("xla")
+    if kind != "generator":  # a device runtime's stream, where that runtime started here
+        stream = runtime_rng(kind)
+        return None if stream is None else int(stream[0]())
     return generator.get_state()
 
 
@@ -32,24 +38,24 @@ def _set(kind: str, value: Any, generator: Optional[torch.Generator]) -> None:
         torch.set_rng_state(value)
     elif kind == "cuda":
         torch.cuda.set_rng_state(value)
-    elif kind == "xla":
-        import torch_xla.core.xla_model as xm
-
-        xm.set_rng_state(int(value))
+    elif kind != "generator":
+        stream = runtime_rng(kind)
+        if stream is not None:
+            stream[1](int(value))
     else:
         generator.set_state(value)
 
 
 def synchronize_rng_state(rng_type: Optional[str] = None, generator: Optional[torch.Generator] = None) -> None:
-    """Set this process's random state of kind `rng_type` ("torch", "cuda", "xla" or "generator": `generator`'s
-    state) to process 0's. A collective: every process calls it. On one process, or with no `rng_type`, nothing
-    changes."""
+    """Set this process's random state of kind `rng_type` ("torch", "cuda", a device runtime's own (Accelerate's
+    `RNGType` names it) or "generator": `generator`'s state) to process 0's. A collective: every process calls it.
+    On one process, or with no `rng_type`, nothing changes."""
     if rng_type is None:
         return
     kind = str(getattr(rng_type, "value", rng_type)).lower()
-    if kind not in _KINDS:
+    if kind not in _kinds():
         raise ValueError(f"synchronize_rng_state: rng_type={rng_type!r} is not one fabric_lite synchronizes; use "
-                         f"one of {list(_KINDS)}.")
+                         f"one of {list(_kinds())}.")
     if kind == "generator" and generator is None:
         raise ValueError("synchronize_rng_state('generator') needs the generator to synchronize: pass generator=.")
     from fabric_lite.state import PartialState

@@ -54,8 +54,6 @@ fsdp2_switch_optimizer_parameters = refused("fsdp2_switch_optimizer_parameters",
 fsdp2_prepare_model = refused("fsdp2_prepare_model", _FSDP2_INTERNALS, _FSDP2_INSTEAD)
 fsdp2_prepare_auto_wrap_policy = refused("fsdp2_prepare_auto_wrap_policy", _FSDP2_INTERNALS, _FSDP2_INSTEAD)
 
-install_xla = refused("install_xla", "installing torch_xla wheels from a script",
-                      "pip install torch_xla matching your torch version (see requirements-xla.txt)")
 _NUMA = "NUMA affinity pinning"
 _NUMA_INSTEAD = "pin the processes with numactl or taskset in front of the launch command"
 set_numa_affinity = refused("set_numa_affinity", _NUMA, _NUMA_INSTEAD)
@@ -67,6 +65,6 @@ __all__ = [
     "has_transformer_engine_layers", "contextual_fp8_autocast", "apply_fp8_autowrap", "DummyOptim", "DummyScheduler",
     "DeepSpeedEngineWrapper", "DeepSpeedOptimizerWrapper", "DeepSpeedSchedulerWrapper", "BnbQuantizationConfig",
     "load_and_quantize_model", "fsdp2_load_full_state_dict", "fsdp2_switch_optimizer_parameters",
-    "fsdp2_prepare_model", "fsdp2_prepare_auto_wrap_policy", "install_xla", "set_numa_affinity",
+    "fsdp2_prepare_model", "fsdp2_prepare_auto_wrap_policy", "set_numa_affinity",
     "override_numa_affinity",
 ]

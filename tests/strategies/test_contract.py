@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from fabric_lite import Accelerator, Trainer, TrainModule
 from fabric_lite.strategies import SingleDeviceStrategy, Strategy, available_strategies, create_strategy
 from fabric_lite.strategies.registry import strategy_class, strategy_for_checkpoint_engine
+from fabric_lite.strategies.runtime import Runtime, RuntimeSlot
 
 
 def test_the_base_is_abstract_and_names_what_is_missing():
@@ -65,15 +66,22 @@ class Recording(SingleDeviceStrategy):
         self.adapted = precision.name
         return precision
 
-    def device_feed(self, non_blocking=False):
-        def feed(batch):
-            self.fed += 1
-            return batch
+    class runtime_type(Runtime):  # the runtime's hooks: its device feed and its step marker
+        def __init__(self, strategy):
+            super().__init__(strategy)
+            self.step_marker = self.mark
 
-        return feed
+        def device_feed(self, non_blocking=False):
+            def feed(batch):
+                self.strategy.fed += 1
+                return batch
 
-    def after_optimizer_step(self):
-        self.marks += 1
+            return feed
+
+        def mark(self):
+            self.strategy.marks += 1
+
+    runtime = RuntimeSlot(runtime_type)
 
     def optimizer_state_dict(self, module, optimizer):
         self.optimizer_modules.append(module)

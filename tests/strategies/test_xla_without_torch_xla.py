@@ -115,7 +115,7 @@ def runtime(world, ordinal, local, devices_per_process, hosts=1):
 
 
 def test_the_pjrt_world_comes_from_torch_xla_runtime_not_the_environment():
-    from fabric_lite.strategies.environments import detect_xla_process
+    from fabric_lite.strategies.xla_env import detect_xla_process
 
     one = detect_xla_process(runtime(1, 0, 0, 1))
     assert (one.world_size, one.global_rank, one.is_distributed) == (1, 0, False)

@@ -1,0 +1,97 @@
+"""The runtime a strategy holds (`strategy.runtime`): how its processes meet its devices.
+
+Three kinds, each a `Runtime` class:
+
+- process per device (`Runtime`, the default: single device, DDP, FSDP, DeepSpeed): a launcher starts one
+  process per device, the accelerator says the device type, the prepared loader moves batches itself, and
+  the Trainer re-launches a plain `python train.py` under torchrun;
+- runtime replicas (`kind = REPLICAS`): a device runtime owns the world (it starts, numbers and places the
+  replicas: `start`), forces its device type, and may feed batches and mark steps of its own;
+- one SPMD process (`kind = SPMD`) drives every device of the machine: `devices` counts the devices each
+  batch is spread over, and nothing is re-launched.
+
+A new device runtime is a subclass in its own file; the strategy names it with `runtime = RuntimeSlot(...)`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar, List, Optional, Tuple, Type
+
+import torch
+
+from fabric_lite.strategies.environments import ProcessInfo
+
+__all__ = ["Runtime", "RuntimeSlot", "PROCESS_PER_DEVICE", "REPLICAS", "SPMD"]
+
+PROCESS_PER_DEVICE, REPLICAS, SPMD = "process_per_device", "replicas", "spmd"
+
+
+class Runtime:
+    """Process per device (the default); subclasses describe a device runtime of their own."""
+
+    #: PROCESS_PER_DEVICE, REPLICAS or SPMD.
+    kind: ClassVar[str] = PROCESS_PER_DEVICE
+    #: The device type it trains on whatever else is asked, or None (cpu, cuda or mps, as the accelerator says).
+    #: Where set, the connector calls `start` instead of placing the process itself.
+    device_type: ClassVar[Optional[str]] = None
+    #: Evaluation may run under torch.inference_mode (False where the device has no inference tensors).
+    inference_tensors: ClassVar[bool] = True
+    #: What `fabric-lite launch` needs besides `--nproc-per-node N` to start this runtime's processes.
+    launch_flags: ClassVar[str] = ""
+
+    def __init__(self, strategy: Any = None) -> None:
+        self.strategy = strategy
+        #: Called after each optimizer step the doors run, or None (then no call per step at all).
+        self.step_marker: Optional[Callable[[], None]] = None
+
+    @property
+    def drives_all_devices(self) -> bool:
+        """One process drives every device of the machine (SPMD)."""
+        return self.kind == SPMD
+
+    def start(self, launched: ProcessInfo, devices: Any) -> Tuple[ProcessInfo, torch.device]:
+        """Start the runtime that owns the world (only where `device_type` is set); return this replica's place in
+        it and its device. `launched`: what the launch environment said; `devices`: what the user asked for."""
+        raise NotImplementedError(f"{type(self).__name__} trains where the accelerator says; it starts nothing.")
+
+    def check_precision(self, precision: str) -> None:
+        """Refuse, in one sentence, a precision (a canonical name: "16-mixed", ...) this runtime's device cannot train
+        in; the connector asks before building the precision plugin."""
+
+    def device_feed(self, non_blocking: bool = False) -> Optional[Callable[[Any], Any]]:
+        """A callable that moves one batch to this process's device, which the prepared loader calls on every batch
+        (it stays the one object with position, epoch and sizes). None: the loader moves batches to the strategy's
+        `root_device` itself (on a CUDA side stream where it can)."""
+        return None
+
+    @classmethod
+    def started_by_launcher(cls) -> bool:
+        """This process is one that the runtime's own launcher started (nothing to re-launch)."""
+        return False
+
+    @classmethod
+    def relaunch_command(cls, devices: int, num_nodes: int, script: str, args: List[str]) -> List[str]:
+        """The command that starts `script` again on `devices` processes (the Trainer's re-launch)."""
+        from fabric_lite.launch.launcher import torchrun_command
+
+        return torchrun_command(devices, num_nodes, script, args)
+
+
+class RuntimeSlot:
+    """`runtime = RuntimeSlot(SomeRuntime)` on a strategy class: the class reads the runtime class (what the Trainer
+    re-launches by, before anything is built), each instance its own runtime, built on first use."""
+
+    def __init__(self, runtime: Type[Runtime]) -> None:
+        self.runtime = runtime
+        self.name = "runtime"
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: Optional[type] = None) -> Any:
+        if obj is None:
+            return self.runtime
+        built = self.runtime(obj)
+        obj.__dict__[self.name] = built  # later reads find it there, without this call
+        return built
+
