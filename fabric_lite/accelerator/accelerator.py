@@ -304,7 +304,7 @@ class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerCo
             even_batches=config.even_batches if even_batches is None else even_batches,
             broadcast_seed=self.strategy.broadcast_object,
             non_blocking=config.non_blocking,
-            device_feed=self.strategy.device_feed(config.non_blocking) if place else None,
+            device_feed=self.strategy.runtime.device_feed(config.non_blocking) if place else None,
             # (use_stateful_dataloader: every prepared loader answers state_dict/load_state_dict and resumes exactly)
             dispatch_batches=config.dispatch_batches, use_seedable_sampler=config.use_seedable_sampler,
             data_seed=config.data_seed,
