@@ -57,7 +57,7 @@ class LocalSGD:
             raise ValueError(f"LocalSGD(local_sgd_steps={local_sgd_steps!r}): pass the number of optimizer steps between "
                              f"parameter averages, an integer >= 1 (or enabled=False to turn LocalSGD off).")
         self.accelerator = accelerator
-        self.local_sgd_steps = local_sgd_steps
+        self.local_sgd_steps: int = local_sgd_steps or 1  # (checked above when enabled)
         self.enabled = bool(enabled) and accelerator.num_processes > 1
         self.num_steps = 0
         self.model = _prepared(accelerator, model) if self.enabled else model

@@ -49,7 +49,7 @@ seed_everything = set_seed
 
 def capture_rng_state() -> Dict[str, Any]:
     """Every RNG state of this process, in types `torch.load(weights_only=True)` accepts."""
-    np_state = np.random.get_state()
+    np_state: Any = np.random.get_state()  # the legacy tuple: (name, keys, pos, has_gauss, cached_gaussian)
     state: Dict[str, Any] = {
         "python": _python_state_to_tensor(random.getstate()),
         "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),

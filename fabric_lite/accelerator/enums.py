@@ -18,7 +18,8 @@ class StrEnum(str, enum.Enum):
     def __str__(self) -> str:
         return str.__str__(self)
 
-    __format__ = str.__format__
+    def __format__(self, format_spec: str) -> str:
+        return str.__format__(self, format_spec)
 
     @classmethod
     def list(cls) -> list:

@@ -204,10 +204,24 @@ class ProcessFacts:
 class ProcessControl(ProcessFacts):
     """The Accelerator's process control beyond `ProcessFacts`: metrics gathering, triggers, uneven inputs."""
 
+    # set by the Accelerator that mixes this in
+    gradient_state: Any
+    flag_tensor: torch.Tensor
+    dataloader_config: Any
+
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """Gather for evaluation, dropping the samples that even-batch padding repeated at the end."""
         leaves: List[bool] = []
-        tree_map(lambda t: leaves.append(True) or t, input_data, lambda o: leaves.append(False) or o)
+
+        def tensor_leaf(t: Any) -> Any:
+            leaves.append(True)
+            return t
+
+        def other_leaf(o: Any) -> Any:
+            leaves.append(False)
+            return o
+
+        tree_map(tensor_leaf, input_data, other_leaf)
         if use_gather_object or not all(leaves):
             data = self.gather_object(input_data)
         else:

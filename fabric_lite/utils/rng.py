@@ -28,7 +28,7 @@ def _get(kind: str, generator: Optional[torch.Generator]) -> Any:
     if kind != "generator":  # a device runtime's stream, where that runtime started here
         stream = runtime_rng(kind)
         return None if stream is None else int(stream[0]())
-    return generator.get_state()
+    return None if generator is None else generator.get_state()
 
 
 def _set(kind: str, value: Any, generator: Optional[torch.Generator]) -> None:
@@ -42,7 +42,7 @@ def _set(kind: str, value: Any, generator: Optional[torch.Generator]) -> None:
         stream = runtime_rng(kind)
         if stream is not None:
             stream[1](int(value))
-    else:
+    elif generator is not None:
         generator.set_state(value)
 
 
