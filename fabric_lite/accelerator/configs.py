@@ -394,9 +394,10 @@ def strategy_from_handlers(name: Any, handlers: Dict[type, Any], world_size: int
         apply_comm_hook(instance, hook)
     if ddp is not None and hasattr(instance, "ddp_kwargs"):
         instance.ddp_kwargs.update(ddp.to_kwargs())
-    if pg is not None:
-        if pg.timeout is not None and hasattr(instance, "timeout"):
-            instance.timeout = pg.timeout
-        if pg.backend is not None and hasattr(instance, "process_group_backend"):
-            instance.process_group_backend = pg.backend
+    group = instance.process_group if pg is not None else None
+    if group is not None:
+        if pg.timeout is not None:
+            group.timeout = pg.timeout
+        if pg.backend is not None:
+            group.requested_backend = pg.backend
     return instance

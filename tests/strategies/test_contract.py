@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fabric_lite import Accelerator, Trainer, TrainModule
 from fabric_lite.strategies import SingleDeviceStrategy, Strategy, available_strategies, create_strategy
+from fabric_lite.strategies.engine_step import EngineStep
 from fabric_lite.strategies.registry import strategy_class, strategy_for_checkpoint_engine
 
 
@@ -128,9 +129,11 @@ def test_trainer_calls_the_hooks(tmp_path):
 
 
 class Joint(Recording):
-    """A strategy that must see models and optimizers together (as FSDP2 and DeepSpeed do)."""
+    """A strategy that must see models and optimizers together (an engine that owns the step, as DeepSpeed's)."""
 
-    setup_takes_optimizers = True
+    def __init__(self):
+        super().__init__()
+        self.engine_step = EngineStep()
 
     def setup(self, modules, optimizers):
         self.joint = (len(modules), len(optimizers))
