@@ -223,7 +223,7 @@ class DeepSpeedPlugin:
         strategy = DeepSpeedStrategy(stage=self.zero_stage, config=self.hf_ds_config,
                                      offload_optimizer=self.offload_optimizer_device == "cpu",
                                      offload_parameters=self.offload_param_device == "cpu")
-        strategy.gradient_clip_val = self.gradient_clipping
+        strategy.engine_step.gradient_clip_val = self.gradient_clipping
         return strategy
 
 
