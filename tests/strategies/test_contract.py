@@ -185,3 +185,28 @@ def test_launch_refuses_a_one_process_strategy_on_several():
     with pytest.raises(LaunchError, match=r"--strategy single trains in one process.*--strategy ddp"):
         check_launch(args)
     check_launch(launch_command_parser().parse_args(["--strategy", "single", "train.py"]))  # one process: fine
+
+
+def test_topology_names_the_data_parallel_group():
+    strategy = SingleDeviceStrategy()
+    assert (strategy.dp_size, strategy.dp_rank) == (strategy.world_size, strategy.global_rank) == (1, 0)
+    assert strategy.mesh.names == ("dp",) and strategy.mesh.size("dp") == 1
+    with pytest.raises(KeyError, match="no dimension 'tp'"):
+        strategy.mesh.size("tp")
+
+
+def test_collaborators_each_say_one_thing():
+    from fabric_lite.strategies.ddp import DDPStrategy
+    from fabric_lite.strategies.fsdp import FSDPStrategy
+
+    single, ddp = SingleDeviceStrategy(), DDPStrategy(process_group_backend="gloo")
+    assert single.process_group is None and single.engine_step is None and single.checkpoint_format.engine is None
+    assert ddp.process_group.backend == ddp.backend == "gloo" and ddp.timeout == ddp.process_group.timeout
+    assert FSDPStrategy().checkpoint_format.kind == "dcp" and FSDPStrategy(state_dict_type="full").checkpoint_format.engine is None
+    step = EngineStep()
+    with step.micro_step():
+        assert not step.boundary
+        with step.closing_step():
+            assert step.boundary
+        assert not step.boundary
+    assert step.boundary
