@@ -7,7 +7,7 @@ strategy is one file with a subclass and one line in `strategies/registry.py`.
 The core:
 
 =====================================  ==================================================================
-topology                               `mesh` (named dimensions; one "dp" dimension today), `world_size`,
+topology                               `device_mesh` (named dimensions; one "dp" dimension today), `world_size`,
                                        `global_rank`, `dp_size`, `dp_rank` (the data-parallel group the doors
                                        shard data over), `is_global_zero`, `distributed_sampler_kwargs`
 `setup_environment()` / `teardown()`   start and release communication (abstract)
@@ -143,19 +143,20 @@ class Strategy(abc.ABC):
 
     # -- where this process is ---------------------------------------------------------------------
     @property
-    def mesh(self) -> "Mesh":
-        """The device mesh this process sits in, by named dimension: one "dp" dimension over the world today."""
+    def device_mesh(self) -> "Mesh":
+        """The device mesh this process sits in, by named dimension: one "dp" dimension over the world today.
+        (Named apart from XLASPMDStrategy's `mesh`, torch_xla's own mesh object.)"""
         return Mesh(("dp",), (self.world_size,), (self.global_rank,))
 
     @property
     def dp_size(self) -> int:
         """The size of this process's data-parallel group (the doors shard data and gather metrics over it)."""
-        return self.mesh.size("dp")
+        return self.device_mesh.size("dp")
 
     @property
     def dp_rank(self) -> int:
         """This process's rank in its data-parallel group."""
-        return self.mesh.rank("dp")
+        return self.device_mesh.rank("dp")
 
     @property
     def world_size(self) -> int:

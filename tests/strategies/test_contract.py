@@ -190,9 +190,9 @@ def test_launch_refuses_a_one_process_strategy_on_several():
 def test_topology_names_the_data_parallel_group():
     strategy = SingleDeviceStrategy()
     assert (strategy.dp_size, strategy.dp_rank) == (strategy.world_size, strategy.global_rank) == (1, 0)
-    assert strategy.mesh.names == ("dp",) and strategy.mesh.size("dp") == 1
+    assert strategy.device_mesh.names == ("dp",) and strategy.device_mesh.size("dp") == 1
     with pytest.raises(KeyError, match="no dimension 'tp'"):
-        strategy.mesh.size("tp")
+        strategy.device_mesh.size("tp")
 
 
 def test_collaborators_each_say_one_thing():
