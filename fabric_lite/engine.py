@@ -135,12 +135,13 @@ class StepEngine:
         strategy = self.strategy
         if self.gradient_state.sync_gradients:
             return _SYNCS
-        # sync_each_batch all-reduces every micro-step (saves memory) but still steps every N; an engine
-        # that owns the window (DeepSpeed) must always hear that a micro-step does not end it.
-        owns = strategy.owns_accumulation_window
-        if self.gradient_accumulation_plugin.sync_each_batch and not owns:
+        # An engine that owns the window (DeepSpeed) must always hear that a micro-step does not end it;
+        # otherwise sync_each_batch all-reduces every micro-step (saves memory) but still steps every N.
+        engine_step = strategy.engine_step
+        if engine_step is not None:
+            return engine_step.micro_step()
+        if self.gradient_accumulation_plugin.sync_each_batch:
             return _SYNCS
-        models = models or (self.models if owns else ())
         if len(models) == 1:
             return strategy.no_backward_sync(models[0])
         stack = contextlib.ExitStack()

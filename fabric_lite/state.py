@@ -63,10 +63,11 @@ def _start_strategy(cpu: bool, mixed_precision: Optional[str], backend: Optional
     process = detect_process()
     accelerator = "cpu" if (cpu or launch.use_cpu) else (launch.accelerator or "auto")
     strategy = create_strategy("auto", process.world_size)
-    if backend is not None and hasattr(strategy, "process_group_backend"):
-        strategy.process_group_backend = backend
-    if timeout is not None and hasattr(strategy, "timeout"):
-        strategy.timeout = timeout
+    group = strategy.process_group  # (None for one process on one device)
+    if backend is not None and group is not None:
+        group.requested_backend = backend
+    if timeout is not None and group is not None:
+        group.timeout = timeout
     strategy = connect(strategy, accelerator=accelerator, precision=mixed_precision or launch.mixed_precision or "no",
                        process=process)
     strategy.setup_environment()
@@ -119,7 +120,8 @@ class PartialState(ProcessFacts):
         """The process group's backend ("nccl", "gloo", ...), None on one process."""
         if not self.use_distributed:
             return None
-        return getattr(self.strategy, "backend", None) or getattr(self.strategy, "process_group_backend", None)
+        group = self.strategy.process_group
+        return group.backend if group is not None else None
 
     @property
     def num_processes_per_node(self) -> int:

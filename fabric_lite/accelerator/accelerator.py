@@ -178,7 +178,7 @@ class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerCo
         placement = list(device_placement) if device_placement is not None else [self.device_placement] * len(args)
         if len(placement) != len(args):
             raise ValueError(f"device_placement has {len(placement)} entries for {len(args)} objects to prepare.")
-        joint = self.strategy.setup_takes_optimizers and any(isinstance(a, nn.Module) for a in args)
+        joint = self.strategy.engine_step is not None and any(isinstance(a, nn.Module) for a in args)
         if not joint:  # (the joint set-up checks what it is given itself)
             self.check_optimizers([a for a in args if isinstance(a, torch.optim.Optimizer)
                                    and not isinstance(a, AcceleratedOptimizer)],
@@ -215,7 +215,7 @@ class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerCo
 
     def setup_jointly(self, models: Sequence[nn.Module], optimizers: Sequence[Any], accumulation_steps: int,
                       loaders: Sequence[Any] = (), gradient_clip_val: Optional[float] = None) -> tuple:
-        """Hand models and optimizers to the strategy in one call (when it `setup_takes_optimizers`), with
+        """Hand models and optimizers to the strategy in one call (when it has an `engine_step`), with
         what it must be configured with; returns the prepared models and optimizers."""
         self.check_optimizers(optimizers, models)
         batch_size = None
@@ -225,8 +225,8 @@ class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerCo
                 batch_size //= self.num_processes
         elif self.dataloaders and self.dataloaders[0].total_batch_size:  # prepared earlier (the Trainer)
             batch_size = self.dataloaders[0].total_batch_size // self.num_processes
-        self.strategy.set_run_hints(micro_batch_size=batch_size, accumulation_steps=accumulation_steps,
-                                    gradient_clip_val=gradient_clip_val)
+        self.strategy.engine_step.set_run_hints(micro_batch_size=batch_size, accumulation_steps=accumulation_steps,
+                                                gradient_clip_val=gradient_clip_val)
         records = [self._prepared_params.record(m) for m in models]
         prepared, engine_optimizers = self.strategy.setup(list(models), list(optimizers))
         for record, done in zip(records, prepared):

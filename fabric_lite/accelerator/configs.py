@@ -225,7 +225,7 @@ class DeepSpeedPlugin:
         strategy = DeepSpeedStrategy(stage=self.zero_stage, config=self.hf_ds_config,
                                      offload_optimizer=self.offload_optimizer_device == "cpu",
                                      offload_parameters=self.offload_param_device == "cpu")
-        strategy.gradient_clip_val = self.gradient_clipping
+        strategy.engine_step.gradient_clip_val = self.gradient_clipping
         return strategy
 
 
@@ -397,9 +397,10 @@ def strategy_from_handlers(name: Any, handlers: Dict[type, Any], world_size: int
         apply_comm_hook(instance, hook)
     if ddp is not None and hasattr(instance, "ddp_kwargs"):
         instance.ddp_kwargs.update(ddp.to_kwargs())
-    if pg is not None:
-        if pg.timeout is not None and hasattr(instance, "timeout"):
-            instance.timeout = pg.timeout
-        if pg.backend is not None and hasattr(instance, "process_group_backend"):
-            instance.process_group_backend = pg.backend
+    group = instance.process_group if pg is not None else None
+    if group is not None:
+        if pg.timeout is not None:
+            group.timeout = pg.timeout
+        if pg.backend is not None:
+            group.requested_backend = pg.backend
     return instance

@@ -140,7 +140,7 @@ class ModelState:
     def load_model_weights(self, model: nn.Module, source: Any, strict: bool = True) -> None:
         """Load full weights (a state dict, a .safetensors/.pt/.bin file, or a `save_model` directory) into a
         prepared model. Under FSDP only the main process reads them, and each tensor is scattered to the shards."""
-        one_reader = self.strategy.reads_weights_on_rank_zero
+        one_reader = self.strategy.checkpoint_format.weights_on_rank_zero
         state: Dict[str, Any] = {}
         error = None
         if isinstance(source, dict):

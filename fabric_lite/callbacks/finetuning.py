@@ -130,7 +130,7 @@ class BaseFinetuning(Callback):
     def setup(self, trainer: "Trainer", module: "TrainModule", stage: str) -> None:
         if stage != "fit":
             return
-        if trainer.strategy.setup_takes_optimizers:
+        if trainer.strategy.engine_step is not None:
             raise RuntimeError(f"{type(self).__name__}: {type(trainer.strategy).__name__} builds its engine over the "
                                f"optimizer's parameter groups once, so groups cannot be added later. Use another "
                                f"strategy, or drop the callback.")

@@ -57,7 +57,7 @@ class GradientAccumulationScheduler(Callback):
                 f"GradientAccumulationScheduler accumulates for automatic optimization, and "
                 f"{type(module).__name__} sets automatic_optimization=False (its training_step steps the optimizers "
                 f"itself). Remove the callback, or accumulate in training_step.")
-        if trainer.strategy.owns_accumulation_window:
+        if trainer.strategy.engine_step is not None:
             raise RuntimeError(
                 f"{type(trainer.strategy).__name__} fixes the accumulation window when its engine is built, so it "
                 f"cannot change between epochs. Remove GradientAccumulationScheduler, or use another strategy.")

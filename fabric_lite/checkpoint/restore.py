@@ -251,7 +251,8 @@ def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]],
     if problem:
         raise CheckpointError(f"{url}/{TRAINING_STATE} is damaged: {problem}. Nothing was loaded.")
     saved_models = [f for f in manifest["files"] if re.fullmatch(r"model_\d+\.pt", f)]
-    engine = strategy.checkpoint_engine
+    fmt = strategy.checkpoint_format
+    engine = fmt.kind if fmt.engine_owned else None  # (DCP shards and state dicts load into each other)
     saved_as = manifest["meta"].get("engine")
     if saved_as != engine and not (engine is None and saved_as == sharded.ENGINE):
         saved_by = {None: "a strategy that saves state dicts (single, ddp, fsdp with state_dict_type='full')",
@@ -274,7 +275,7 @@ def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]],
         apply_engine = sharded.read(url, manifest, strategy, acc.models,
                                     [(opt.module, opt.optimizer) for opt in acc.optimizers], strict)
     else:
-        apply_engine = strategy.read_engine_state(url, manifest, strict) if engine else None
+        apply_engine = fmt.read_engine_state(url, manifest, strict) if engine else None
     weights = [] if saved_as else [load_file(url, f"model_{i}.pt", manifest, weights_only=weights_only)
                                    for i in range(len(acc.models))]
     problems: List[str] = []

@@ -31,7 +31,7 @@ import torch
 from fabric_lite.checkpoint import files as checkpoint_io
 from fabric_lite.checkpoint.files import CheckpointError, CheckpointWriter
 
-__all__ = ["SaveJob", "run_job", "CheckpointSaver", "IF_BUSY", "SaveRecord", "checkpoint_format", "snapshot"]
+__all__ = ["SaveJob", "run_job", "CheckpointSaver", "IF_BUSY", "SaveRecord", "snapshot"]
 
 #: What a save does while another is in flight: wait for it, or be skipped.
 IF_BUSY = ("wait", "skip")
@@ -173,16 +173,6 @@ def _abort_quietly(writer: Optional[CheckpointWriter]) -> None:
             writer.abort()
     except Exception:  # the staging directory is cleaned up by the next save of this name
         pass
-
-
-def checkpoint_format(strategy: Any) -> Optional[str]:
-    """How a strategy's checkpoints hold model and optimizer state: None (state dicts), "dcp" (sharded), or the
-    name of its own engine."""
-    from fabric_lite.checkpoint import sharded
-
-    if strategy.checkpoint_engine:
-        return strategy.checkpoint_engine
-    return sharded.ENGINE if strategy.sharded_checkpoints else None
 
 
 # -- snapshots ------------------------------------------------------------------------------------------
@@ -329,12 +319,14 @@ class CheckpointSaver:
     def why_blocking(self) -> Optional[str]:
         """Why a save cannot run in the background with this strategy (None: it can)."""
         strategy = self.strategy
-        engine = checkpoint_format(strategy)
-        if engine is not None:
-            return (f"{type(strategy).__name__} writes its checkpoints through its own engine ({engine}) on the "
+        fmt = strategy.checkpoint_format
+        if fmt.engine is not None:
+            return (f"{type(strategy).__name__} writes its checkpoints through its own engine ({fmt.engine}) on the "
                     f"training thread")
-        if not strategy.background_checkpoints:
+        if not fmt.background:
             return f"{type(strategy).__name__} cannot copy its state to the host without a step of its runtime"
+        if strategy.world_size > 1 and strategy.process_group is None:
+            return f"{type(strategy).__name__} has no process group to agree over off the training thread"
         return None
 
     def warn_once(self, reason: str) -> None:
@@ -403,7 +395,7 @@ class CheckpointSaver:
                 record.blocked = record.finished - blocked_since
             return
         if self.strategy.world_size > 1 and self._group is None:
-            self._group = self.strategy.new_side_group()  # collective: every process is in this save
+            self._group = self.strategy.process_group.new_side_group()  # collective: every process is in this save
         agreement = _SideAgreement(self.strategy, self._group)
 
         def work() -> None:

@@ -6,9 +6,9 @@ schedulers, dataloader positions, registered objects, loss scaler) from the main
 ``rng_{rank}.pt`` (random states, partial accumulation gradients) from every process;
 ``manifest.json`` (checksums, format version, step counters) written last.
 
-A strategy with `sharded_checkpoints` (FSDP) writes model and optimizer state shard by shard
-instead of ``model_{i}.pt`` (see `sharded.py`; the manifest says ``"engine": "dcp"``); a strategy
-with a `checkpoint_engine` (DeepSpeed) lets its engine write them. Which of the three a checkpoint
+A strategy whose `checkpoint_format` is "dcp" (FSDP) writes model and optimizer state shard by shard
+instead of ``model_{i}.pt`` (see `sharded.py`; the manifest says ``"engine": "dcp"``); one whose format
+is an engine's (DeepSpeed) lets its engine write them. Which of the three a checkpoint
 holds is read from its manifest, so a run loads whichever it is given where that can work: state
 dicts and sharded checkpoints load into every strategy but an engine's, at any world size.
 
@@ -32,7 +32,7 @@ from fabric_lite.checkpoint import fit, locks, names, sharded
 from fabric_lite.checkpoint.files import CheckpointError, CheckpointWriter
 from fabric_lite.checkpoint.loading import load_file
 from fabric_lite.checkpoint.restore import CHECKPOINT_RE, PER_PROCESS_LOADER_KEYS, TRAINING_STATE, load_state
-from fabric_lite.checkpoint.saver import SaveJob, checkpoint_format, snapshot
+from fabric_lite.checkpoint.saver import SaveJob, snapshot
 from fabric_lite.seed import capture_rng_state
 
 if TYPE_CHECKING:
@@ -194,7 +194,7 @@ def save_state(acc: "Accelerator", output_dir: Optional[Union[str, os.PathLike]]
         return None
     strategy = acc.strategy
     token = strategy.broadcast_object(os.urandom(6).hex())
-    engine = checkpoint_format(strategy)
+    engine = strategy.checkpoint_format.engine  # None (state dicts), "dcp" (sharded) or the engine's name
     reason = None if blocking else saver.why_blocking()
     if reason is not None:
         saver.warn_once(reason)
@@ -246,7 +246,7 @@ def _collect(acc: "Accelerator", url: str, engine: Optional[str]) -> Tuple[Dict[
         write_more = lambda writer: sharded.save(writer, strategy, acc.models, optimizers)  # noqa: E731
     else:  # the engine writes model and optimizer state itself, each rank its own files
         weights = []
-        write_more = strategy.save_engine_state
+        write_more = strategy.checkpoint_format.save_engine_state
     for hook in acc.save_state_pre_hooks.values():
         hook(acc.models, weights, url)
     files: Dict[str, Any] = {f"model_{i}.pt": w for i, w in enumerate(weights)}
@@ -273,7 +273,7 @@ def _process_local_state(acc: "Accelerator", loaders: List[Dict[str, Any]]) -> D
     when its epoch was drawn, its workers' states), and mid-accumulation gradients (not yet all-reduced)."""
     state: Dict[str, Any] = {"rng": capture_rng_state(), "objects": [o.state_dict() for o in acc.per_process_objects],
                              "loaders": [{k: s[k] for k in PER_PROCESS_LOADER_KEYS if k in s} for s in loaders]}
-    if not acc.gradient_state.sync_gradients and not acc.strategy.saves_partial_gradients:
+    if not acc.gradient_state.sync_gradients and not acc.strategy.checkpoint_format.partial_gradients:
         warnings.warn(
             f"save_state inside a gradient accumulation window: {type(acc.strategy).__name__} keeps "
             f"the window's partial gradients in its own buffers, which are not saved. A run resumed from this "
@@ -309,15 +309,15 @@ def _export(url: str, manifest: Dict[str, Any], out: str, model_index: int) -> i
         save_object(state, out, safe_serialization=out.endswith(".safetensors"))
         return len(state)
     if engine:  # written by a strategy's own engine: that strategy consolidates it
-        from fabric_lite.strategies.registry import strategy_for_checkpoint_engine
+        from fabric_lite.strategies.registry import checkpoint_format_for_engine
 
-        owner = strategy_for_checkpoint_engine(engine)
+        owner = checkpoint_format_for_engine(engine)
         if owner is None:
             raise CheckpointError(f"{url} was written by the {engine!r} checkpoint engine, which no registered "
                                   f"strategy provides; register the strategy that wrote it.")
         if model_index != 0:
             raise CheckpointError(f"{url} is a {engine} checkpoint, which holds one model; model_index must be 0.")
-        state = owner.consolidate_checkpoint(url, manifest)
+        state = owner.consolidate(url, manifest)
         save_object(state, out, safe_serialization=out.endswith(".safetensors"))
         return len(state)
     name = f"model_{model_index}.pt"

@@ -1,51 +1,63 @@
-"""The Strategy contract: what every strategy implements, and the machinery they share.
+"""The Strategy contract: a small core every strategy implements, and the collaborators it may hold.
 
-A strategy answers, for a whole run, where this process is, how a model is wrapped, how gradients
-move and how training state is saved. The doors never ask *which* strategy they hold: they call the
-members below and read the capabilities, each of which has exactly one meaning. A new strategy is
-one file with a subclass (it implements the five abstract members, overrides what differs) and one
-line in `strategies/registry.py`.
+A strategy answers, for a whole run, where this process is, how a model is wrapped and how gradients
+move; it owns *where* and *how*, never *when*. The doors never ask *which* strategy they hold. A new
+strategy is one file with a subclass and one line in `strategies/registry.py`.
 
-Must implement (abstract): `setup_environment`, `setup_module`, `unwrap_module`, `no_backward_sync`,
-`teardown`.
+The core:
 
-May override (the defaults suit one device or plain data parallel):
+=====================================  ==================================================================
+topology                               `device_mesh` (named dimensions; one "dp" dimension today), `world_size`,
+                                       `global_rank`, `dp_size`, `dp_rank` (the data-parallel group the doors
+                                       shard data over), `is_global_zero`, `distributed_sampler_kwargs`
+`setup_environment()` / `teardown()`   start and release communication (abstract)
+`setup(modules, optimizers)`           wrap for this strategy; `setup_module` (abstract), `setup_optimizer`
+`unwrap_module`                        the user's module without the wrapper (abstract)
+`backward` / `optimizer_step`          through the precision plugin (scaling, unscale, inf/NaN skip)
+`no_backward_sync(module)`             one meaning: skip the gradient reduction (abstract);
+                                       `force_backward_sync` undoes it for one backward
+`clip_gradients_norm/value`            the right way for this strategy
+collectives                            `barrier`, `all_reduce`, `all_gather(_object)`, `broadcast(_object)`:
+                                       identities on one process, torch.distributed (`_primitive_*`) otherwise
+full state                             `module_state_dict`, `load_module_state_dict`, `optimizer_state_dict`,
+                                       `load_optimizer_state_dict`, `to_host`
+=====================================  ==================================================================
 
-=============================  =========================================================================
-`adapt_precision`              the Precision to train with (an engine may take loss scaling over)
-`setup`                        wrap models and optimizers in one call (when `setup_takes_optimizers`)
-`setup_optimizer`              an optimizer prepared on its own
-`set_run_hints`                what the door knows before `setup` (micro-batch size, accumulation, clip)
-`distributed_sampler_kwargs`   how the data is sharded
-`backward`, `optimizer_step`   through the precision plugin (scaling, unscale, inf/NaN skip)
-`force_backward_sync`          inside `no_backward_sync`, sync after all
-`clip_gradients_norm/value`    the right way for this strategy (sharded norms, engine-side clipping)
-`module_state_dict`, `load_module_state_dict`, `optimizer_state_dict(module, optimizer)`, `to_host`,
-`load_optimizer_state_dict`    full (unsharded) state; the optimizer's with its module (FSDP2, DCP)
-`explain_lines`                what `fabric-lite explain` shows about the strategy (sharding, dtypes, bytes)
-`save_engine_state`, `read_engine_state`, `consolidate_checkpoint`
-                               checkpoints in the engine's own files (when `checkpoint_engine` is set)
-`new_side_group`               a process group of its own for collectives off the training thread
-`runtime`                      how its processes meet its devices: device feed, step marker, re-launcher
-                               (`strategies/runtime.py`; a class attribute `RuntimeSlot(...)`)
-`_primitive_*`                 the backend's collectives (torch.distributed by default)
-=============================  =========================================================================
+Collaborators it holds, each with one meaning:
+
+- `process_group` (`process_group.py`): backend, timeout, store, hang guard, side group; None where there is
+  no torch.distributed group of its own (one device, a runtime that owns the world).
+- `checkpoint_format` (`checkpoint_format.py`): "state_dict" | "dcp" | an engine's own files, with save, read,
+  consolidate and what a save may do (partial gradients, background writes, rank-0 weight reads).
+- `engine_step` (`engine_step.py`): for an engine that owns the step (DeepSpeed): joint set-up, run hints and
+  the accumulation boundary; None elsewhere.
+
+Capabilities, each with one reader: `initializes_on_meta`, `forward_is_collective`,
+`syncs_gradients_per_forward`; `accelerate_type` names it for Accelerate's `DistributedType`.
+- `runtime` (`runtime.py`, a class attribute `RuntimeSlot(...)`): how its processes meet its devices (process
+  per device, runtime replicas, one SPMD process): the device feed, the step marker, the device type it forces,
+  the start of a runtime that owns the world, and the Trainer's re-launcher.
 """
 
 from __future__ import annotations
 
 import abc
 import contextlib
-from typing import Any, Callable, ClassVar, ContextManager, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, ContextManager, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
+from fabric_lite.strategies.checkpoint_format import CheckpointFormat
 from fabric_lite.strategies.environments import ProcessInfo
 from fabric_lite.strategies.precision import Precision
 from fabric_lite.strategies.runtime import Runtime, RuntimeSlot
 
-__all__ = ["Strategy", "ReduceOp"]
+if TYPE_CHECKING:
+    from fabric_lite.strategies.engine_step import EngineStep
+    from fabric_lite.strategies.process_group import ProcessGroup
+
+__all__ = ["Strategy", "ReduceOp", "Mesh"]
 
 ReduceOp = str  # "sum" | "mean" | "max" | "min"
 _REDUCE_OPS = ("sum", "mean", "max", "min")
@@ -56,31 +68,12 @@ class Strategy(abc.ABC):
 
     #: Registry names this class answers to (see ``strategies/registry.py``).
     aliases: ClassVar[Tuple[str, ...]] = ()
+    #: Hugging Face Accelerate's `DistributedType` name for this strategy, where it has its own one.
+    accelerate_type: ClassVar[Optional[str]] = None
     # Capabilities the front doors ask instead of isinstance checks; each means one thing.
-    #: `setup()` must receive the models together with their optimizers, in one call (an engine that
-    #: owns both, or a sharding that must see both); `setup_module` alone is refused.
-    setup_takes_optimizers: ClassVar[bool] = False
-    #: The strategy counts the accumulation window itself: every backward that does not close a window
-    #: must run inside `no_backward_sync` (DeepSpeed's gradient accumulation boundary).
-    owns_accumulation_window: ClassVar[bool] = False
-    #: The name of an engine that saves model and optimizer state in its own per-rank files (written by
-    #: `save_engine_state`, read by `read_engine_state`), recorded in each checkpoint's manifest, or
-    #: None: the doors save state dicts.
-    checkpoint_engine: ClassVar[Optional[str]] = None
-    #: Checkpoints hold model and optimizer state shard by shard (torch.distributed.checkpoint, written by
-    #: every process, reloadable on any number of processes) instead of whole state dicts from rank 0.
-    sharded_checkpoints: bool = False
-    #: Inside an accumulation window the partial gradients are in `param.grad`, where a checkpoint can save them
-    #: (an engine or a sharding that keeps them in its own buffers cannot resume mid-window exactly).
-    saves_partial_gradients: ClassVar[bool] = True
     #: `setup_module` takes a model built on the meta device and gives each process its own shards only
     #: (`init_module` builds there by default).
     initializes_on_meta: ClassVar[bool] = False
-    #: `load_module_state_dict` needs the full state on global rank 0 only (the others pass {}): big weights
-    #: are read by one process and scattered.
-    reads_weights_on_rank_zero: ClassVar[bool] = False
-    #: Hugging Face Accelerate's `DistributedType` name for this strategy, where it has its own one.
-    accelerate_type: ClassVar[Optional[str]] = None
     #: Every forward is a collective (ZeRO-3 gathers parameters): evaluation must give every process
     #: the same number of batches, padding included.
     forward_is_collective: bool = False
@@ -88,19 +81,22 @@ class Strategy(abc.ABC):
     #: reducer). A loop that runs several backwards per forward (a module stepping its own optimizers, as a GAN
     #: does) forwards through the unwrapped model and averages each optimizer's gradients as it steps instead.
     syncs_gradients_per_forward: ClassVar[bool] = False
-    #: Its state copies to host memory without a step of its runtime, so a checkpoint can be written by a
-    #: background thread from such a copy (`save_state(blocking=False)`); with several processes, the saves
-    #: agree over `new_side_group()`.
-    background_checkpoints: ClassVar[bool] = True
     #: How its processes meet its devices (process per device, runtime replicas, one SPMD process): the device
     #: feed, the step marker, the device type it forces and the re-launcher (`strategies/runtime.py`).
     runtime = RuntimeSlot(Runtime)
+    # Collaborators (see the module docstring); a strategy that has one sets it in its __init__.
+    #: The torch.distributed group it trains over (strategies/process_group.py), or None.
+    process_group: Optional["ProcessGroup"] = None
+    #: For an engine that owns the step (strategies/engine_step.py): the doors hand it models and optimizers
+    #: together, tell it the run's hints and its accumulation boundary. None for every other strategy.
+    engine_step: Optional["EngineStep"] = None
 
     def __init__(self) -> None:
         self.process = ProcessInfo()
         self.root_device = torch.device("cpu")
         self.precision = Precision("32-true", "cpu")
-        self.hang_guard: Any = None  # a HangGuard once a process group exists (strategies/hang_guard.py)
+        #: How checkpoints hold model and optimizer state (strategies/checkpoint_format.py).
+        self.checkpoint_format = CheckpointFormat()
 
     # -- set-up ------------------------------------------------------------------------------------
     def configure(self, process: ProcessInfo, root_device: torch.device, precision: Precision) -> None:
@@ -127,22 +123,34 @@ class Strategy(abc.ABC):
     def setup(
         self, modules: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]
     ) -> Tuple[List[nn.Module], List[torch.optim.Optimizer]]:
-        """Wrap models together with their optimizers (the doors call it when `setup_takes_optimizers`)."""
+        """Wrap models together with their optimizers (the doors call it for an `engine_step`)."""
         return [self.setup_module(m) for m in modules], [self.setup_optimizer(o) for o in optimizers]
 
     @abc.abstractmethod
     def unwrap_module(self, module: nn.Module) -> nn.Module:
         """The user's module without the strategy's wrapper."""
 
-    def set_run_hints(self, micro_batch_size: Optional[int] = None, accumulation_steps: int = 1,
-                      gradient_clip_val: Optional[float] = None) -> None:
-        """What the front door knows about the run before `setup`, for engines configured with it (DeepSpeed)."""
-
     @abc.abstractmethod
     def teardown(self) -> None:
         """Release what `setup_environment` took."""
 
     # -- where this process is ---------------------------------------------------------------------
+    @property
+    def device_mesh(self) -> "Mesh":
+        """The device mesh this process sits in, by named dimension: one "dp" dimension over the world today.
+        (Named apart from XLASPMDStrategy's `mesh`, torch_xla's own mesh object.)"""
+        return Mesh(("dp",), (self.world_size,), (self.global_rank,))
+
+    @property
+    def dp_size(self) -> int:
+        """The size of this process's data-parallel group (the doors shard data and gather metrics over it)."""
+        return self.device_mesh.size("dp")
+
+    @property
+    def dp_rank(self) -> int:
+        """This process's rank in its data-parallel group."""
+        return self.device_mesh.rank("dp")
+
     @property
     def world_size(self) -> int:
         return self.process.world_size
@@ -170,9 +178,9 @@ class Strategy(abc.ABC):
     @property
     def distributed_sampler_kwargs(self) -> Optional[Dict[str, int]]:
         """How the data is sharded: ``{"num_replicas": W, "rank": r}``, or None for no sharding."""
-        if self.world_size == 1:
+        if self.dp_size == 1:
             return None
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+        return {"num_replicas": self.dp_size, "rank": self.dp_rank}
 
     # -- the step ----------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, module: Optional[nn.Module] = None, **kwargs: Any) -> None:
@@ -226,20 +234,6 @@ class Strategy(abc.ABC):
     def load_optimizer_state_dict(self, module: Optional[nn.Module], optimizer: torch.optim.Optimizer,
                                   state: Dict[str, Any]) -> None:
         optimizer.load_state_dict(state)
-
-    def save_engine_state(self, writer: Any) -> None:
-        """Every rank: write the engine's files through `writer` (only when `checkpoint_engine` is set)."""
-        raise NotImplementedError(f"{type(self).__name__} has no checkpoint engine.")
-
-    def read_engine_state(self, url: str, manifest: Dict[str, Any], strict: bool) -> Callable[[], None]:
-        """Read and verify the engine's files; return what applies them (after every other check passed)."""
-        raise NotImplementedError(f"{type(self).__name__} has no checkpoint engine.")
-
-    @classmethod
-    def consolidate_checkpoint(cls, url: str, manifest: Dict[str, Any]) -> Dict[str, torch.Tensor]:
-        """The full weights of a checkpoint written by this engine, in one state dict, without a process
-        group (`fabric-lite consolidate`). Only for strategies with a `checkpoint_engine`."""
-        raise NotImplementedError(f"{cls.__name__} has no checkpoint engine.")
 
     def explain_lines(self, modules: Sequence[nn.Module], optimizers: Sequence[Any], world: int) -> List[Tuple[str, str, str]]:
         """What `fabric-lite explain` adds about this strategy, as (section, label, text); section is
@@ -305,20 +299,14 @@ class Strategy(abc.ABC):
         self._primitive_broadcast_object_list(box, src)
         return box[0]
 
-    def new_side_group(self) -> Any:
-        """A process group of its own (gloo) for collectives off the training thread, which must never use the
-        training group: background checkpoint saves agree over it. Every process calls it at the same point;
-        None on one process."""
-        if self.world_size == 1:
-            return None
-        import torch.distributed as dist
-
-        timeout = getattr(self, "timeout", None)
-        return dist.new_group(backend="gloo", **({"timeout": timeout} if timeout is not None else {}))
-
     # -- backend primitives (torch.distributed by default) -----------------------------------------
+    @property
+    def hang_guard(self) -> Any:
+        """The process group's HangGuard (strategies/hang_guard.py), once it exists; else None."""
+        return self.process_group.hang_guard if self.process_group is not None else None
+
     def _collective(self, name: str, fn: Callable[[], Any]) -> Any:
-        """Run one torch.distributed collective, under the hang guard where the strategy set one up."""
+        """Run one torch.distributed collective, under the hang guard where the process group has one."""
         guard = self.hang_guard
         return fn() if guard is None else guard.run(name, fn)
 
@@ -360,3 +348,26 @@ class Strategy(abc.ABC):
             f"{type(self).__name__}(device={self.root_device}, precision={self.precision.name!r}, "
             f"rank={self.global_rank}/{self.world_size})"
         )
+
+
+class Mesh:
+    """Named dimensions of a device mesh: each one's size and this process's coordinate on it."""
+
+    __slots__ = ("names", "sizes", "coords")
+
+    def __init__(self, names: Tuple[str, ...], sizes: Tuple[int, ...], coords: Tuple[int, ...]) -> None:
+        self.names, self.sizes, self.coords = tuple(names), tuple(sizes), tuple(coords)
+
+    def size(self, name: str) -> int:
+        return self.sizes[self._index(name)]
+
+    def rank(self, name: str) -> int:
+        return self.coords[self._index(name)]
+
+    def _index(self, name: str) -> int:
+        if name not in self.names:
+            raise KeyError(f"The mesh has no dimension {name!r}; it has {', '.join(map(repr, self.names))}.")
+        return self.names.index(name)
+
+    def __repr__(self) -> str:
+        return "Mesh(" + ", ".join(f"{n}={s}" for n, s in zip(self.names, self.sizes)) + ")"

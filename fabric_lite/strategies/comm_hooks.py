@@ -186,7 +186,7 @@ def apply_comm_hook(strategy: Any, hook: CommHook) -> None:
 
     if not hook.enabled or isinstance(strategy, SingleDeviceStrategy):
         return
-    # (FSDP and DeepSpeed are DDPStrategy subclasses that wrap models their own way)
+    # (a DDPStrategy subclass that wraps models its own way has no DDP model to hook)
     if isinstance(strategy, DDPStrategy) and type(strategy).setup_module is DDPStrategy.setup_module:
         strategy.comm_hook = hook
         return

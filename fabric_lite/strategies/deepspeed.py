@@ -21,7 +21,9 @@ import torch
 from torch import nn
 
 from fabric_lite._tree import tree_map
-from fabric_lite.strategies.ddp import DDPStrategy
+from fabric_lite.strategies.engine_step import EngineStep
+from fabric_lite.strategies.parallel import ParallelStrategy
+from fabric_lite.strategies.process_group import ProcessGroup, ProcessGroupSetting
 
 __all__ = ["DeepSpeedStrategy", "INSTALL_HINT"]
 
@@ -69,7 +71,7 @@ def _read_config(config: Union[None, dict, str, os.PathLike]) -> Dict[str, Any]:
     return _without_auto(parsed)
 
 
-class DeepSpeedStrategy(DDPStrategy):
+class DeepSpeedStrategy(ParallelStrategy):
     """Train with DeepSpeed's engine (data parallel, ZeRO-partitioned state).
 
     Examples:
@@ -82,12 +84,14 @@ class DeepSpeedStrategy(DDPStrategy):
     """
 
     aliases: ClassVar[Tuple[str, ...]] = ("deepspeed",)
-    setup_takes_optimizers: ClassVar[bool] = True
-    owns_accumulation_window: ClassVar[bool] = True
     accelerate_type: ClassVar[Optional[str]] = "DEEPSPEED"
-    #: Model and optimizer state are written by the engine, one file per rank (see deepspeed_checkpoint.py).
-    checkpoint_engine: ClassVar[Optional[str]] = "deepspeed"
-    saves_partial_gradients: ClassVar[bool] = False
+    syncs_gradients_per_forward: ClassVar[bool] = True
+    process_group: ProcessGroup
+    engine_step: EngineStep
+    #: The process group's settings, as strategy attributes (the constructor's names).
+    process_group_backend = ProcessGroupSetting("requested_backend")
+    timeout = ProcessGroupSetting("timeout")
+    backend = ProcessGroupSetting("backend", writable=False)
 
     def __init__(
         self,
@@ -101,7 +105,14 @@ class DeepSpeedStrategy(DDPStrategy):
     ) -> None:
         offload = "_offload" if offload_optimizer or offload_parameters else ""
         _require_deepspeed("deepspeed" if stage is None else f"deepspeed_stage_{stage}{offload}")
-        super().__init__(process_group_backend=process_group_backend, timeout=timeout)
+        super().__init__()
+        self.process_group = ProcessGroup(self, process_group_backend, timeout, lone_group=True, name="deepspeed")
+        #: The engine owns the step: joint set-up, the run's hints, the accumulation boundary.
+        self.engine_step = EngineStep()
+        from fabric_lite.strategies.deepspeed_checkpoint import DeepSpeedCheckpointFormat
+
+        #: Model and optimizer state are written by the engine, one file per rank (see deepspeed_checkpoint.py).
+        self.checkpoint_format = DeepSpeedCheckpointFormat(self)
         user = _read_config(config)
         if stage is None:
             stage = int(user.get("zero_optimization", {}).get("stage", 2))
@@ -119,34 +130,23 @@ class DeepSpeedStrategy(DDPStrategy):
         self.offload_parameters = offload_parameters
         self.user_config = user
         self.zero_kwargs = zero_kwargs
-        self.micro_batch_size: Optional[int] = None
-        self.accumulation_steps = 1
-        self.gradient_clip_val: Optional[float] = None
         self.config: Dict[str, Any] = {}
         self.engine: Any = None
-        self._boundary = True
         self._dtype: Optional[torch.dtype] = None
 
-    # -- what the front door knows ------------------------------------------------------------------
-    def set_run_hints(self, micro_batch_size: Optional[int] = None, accumulation_steps: int = 1,
-                      gradient_clip_val: Optional[float] = None) -> None:
-        if micro_batch_size is not None:
-            self.micro_batch_size = micro_batch_size
-        self.accumulation_steps = accumulation_steps
-        if gradient_clip_val is not None:
-            self.gradient_clip_val = gradient_clip_val
-
+    # -- what the front door knows (engine_step.set_run_hints) --------------------------------------
     def build_config(self) -> Dict[str, Any]:
         """The engine config: this strategy's settings, then the user's config over them."""
         precision = _DS_PRECISION[self.precision.name]
+        hints = self.engine_step
         zero: Dict[str, Any] = {"stage": self.stage, **self.zero_kwargs}
         if self.offload_optimizer:
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": self.root_device.type == "cuda"}
         if self.offload_parameters:
             zero["offload_param"] = {"device": "cpu", "pin_memory": self.root_device.type == "cuda"}
         ours: Dict[str, Any] = {
-            "train_micro_batch_size_per_gpu": self.micro_batch_size or 1,
-            "gradient_accumulation_steps": self.accumulation_steps,
+            "train_micro_batch_size_per_gpu": hints.micro_batch_size or 1,
+            "gradient_accumulation_steps": hints.accumulation_steps,
             "zero_optimization": zero,
             # The user's torch optimizer is kept, whatever it is (DeepSpeed otherwise refuses all but a few
             # under ZeRO) and under offload (DeepSpeedCPUAdam is optional, and compiles for minutes).
@@ -155,7 +155,7 @@ class DeepSpeedStrategy(DDPStrategy):
             "steps_per_print": 2**31 - 1,
         }
         # DeepSpeed clips at norm 1.0 unless told otherwise; here nothing is clipped unless asked for.
-        ours["gradient_clipping"] = float(self.gradient_clip_val) if self.gradient_clip_val is not None else 0.0
+        ours["gradient_clipping"] = float(hints.gradient_clip_val) if hints.gradient_clip_val is not None else 0.0
         if precision is not None:
             ours[precision] = {"enabled": True}
             if precision == "fp16":
@@ -174,23 +174,24 @@ class DeepSpeedStrategy(DDPStrategy):
                 f"leave {key} out of the config."
             )
 
+        hints = self.engine_step
         mb = user.get("train_micro_batch_size_per_gpu")
-        if mb is not None and self.micro_batch_size is not None and mb != self.micro_batch_size:
-            raise clash("train_micro_batch_size_per_gpu", mb, self.micro_batch_size, "the dataloader's batch_size")
+        if mb is not None and hints.micro_batch_size is not None and mb != hints.micro_batch_size:
+            raise clash("train_micro_batch_size_per_gpu", mb, hints.micro_batch_size, "the dataloader's batch_size")
         if mb is not None:
             ours["train_micro_batch_size_per_gpu"] = mb
         gas = user.get("gradient_accumulation_steps")
-        if gas is not None and gas != self.accumulation_steps:
-            raise clash("gradient_accumulation_steps", gas, self.accumulation_steps, "the front door's accumulation")
+        if gas is not None and gas != hints.accumulation_steps:
+            raise clash("gradient_accumulation_steps", gas, hints.accumulation_steps, "the front door's accumulation")
         total = user.get("train_batch_size")
-        expected = ours["train_micro_batch_size_per_gpu"] * self.accumulation_steps * self.world_size
+        expected = ours["train_micro_batch_size_per_gpu"] * hints.accumulation_steps * self.world_size
         if total is not None and total != expected:
             raise clash("train_batch_size", total, expected,
                         f"micro-batch {ours['train_micro_batch_size_per_gpu']} x accumulation "
-                        f"{self.accumulation_steps} x {self.world_size} process(es)")
+                        f"{hints.accumulation_steps} x {self.world_size} process(es)")
         clip = user.get("gradient_clipping")
-        if clip is not None and self.gradient_clip_val is not None and float(clip) != float(self.gradient_clip_val):
-            raise clash("gradient_clipping", clip, self.gradient_clip_val, "gradient_clip_val")
+        if clip is not None and hints.gradient_clip_val is not None and float(clip) != float(hints.gradient_clip_val):
+            raise clash("gradient_clipping", clip, hints.gradient_clip_val, "gradient_clip_val")
         for key in ("fp16", "bf16"):
             section = user.get(key)
             if isinstance(section, dict) and "enabled" in section and bool(section["enabled"]) != (precision == key):
@@ -231,8 +232,6 @@ class DeepSpeedStrategy(DDPStrategy):
         return precision
 
     def setup_environment(self) -> None:
-        import torch.distributed as dist
-
         p = self.process
         # DeepSpeed reads its place from the environment (and looks for MPI when it finds nothing).
         for key, value in (("RANK", p.global_rank), ("LOCAL_RANK", p.local_rank), ("WORLD_SIZE", p.world_size),
@@ -240,14 +239,7 @@ class DeepSpeedStrategy(DDPStrategy):
             os.environ.setdefault(key, str(value))
         if self.root_device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        if self.world_size == 1 and not dist.is_initialized():
-            # A lone process: a one-member group over an in-memory store, no port needed.
-            if self.root_device.type == "cuda":
-                torch.cuda.set_device(self.root_device)
-            dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=self.timeout)
-            self._owns_process_group = True
-        else:
-            super().setup_environment()
+        self.process_group.start()
         import deepspeed
         from deepspeed.utils import logger as ds_logger
 
@@ -300,7 +292,7 @@ class DeepSpeedStrategy(DDPStrategy):
     # -- the step -----------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, module: Optional[nn.Module] = None, **kwargs: Any) -> None:
         engine = self.engine
-        engine.set_gradient_accumulation_boundary(self._boundary)
+        engine.set_gradient_accumulation_boundary(self.engine_step.boundary)
         # The doors scale the loss by the accumulation window themselves (its real length at an epoch's end).
         engine.backward(loss, scale_wrt_gas=False, **kwargs)
 
@@ -311,25 +303,13 @@ class DeepSpeedStrategy(DDPStrategy):
         self.engine.step()
         return self.engine.was_step_applied()
 
-    @contextlib.contextmanager
-    def _micro_step(self) -> Any:
-        saved, self._boundary = self._boundary, False
-        try:
-            yield
-        finally:
-            self._boundary = saved
-
     def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:
-        """Backward passes inside are accumulation micro-steps: the engine does not close its window."""
-        return self._micro_step() if enabled else contextlib.nullcontext()
+        """Skip the gradient reduction: for the engine, backward passes inside do not close the accumulation
+        window (where it reduces)."""
+        return self.engine_step.micro_step() if enabled else contextlib.nullcontext()
 
-    @contextlib.contextmanager
-    def force_backward_sync(self, module: nn.Module) -> Any:
-        saved, self._boundary = self._boundary, True
-        try:
-            yield
-        finally:
-            self._boundary = saved
+    def force_backward_sync(self, module: nn.Module) -> ContextManager:
+        return self.engine_step.closing_step()
 
     def clip_gradients_norm(self, parameters: Iterable[torch.Tensor], optimizer: Any, max_norm: float,
                             norm_type: float = 2.0) -> Optional[torch.Tensor]:
@@ -378,25 +358,9 @@ class DeepSpeedStrategy(DDPStrategy):
         raise RuntimeError("DeepSpeed's optimizer state is partitioned across processes; save it with "
                            "save_state(), which writes every rank's part.")
 
-    def save_engine_state(self, writer: Any) -> None:
-        from fabric_lite.strategies.deepspeed_checkpoint import save_engine_state
-
-        save_engine_state(self, writer)
-
-    def read_engine_state(self, url: str, manifest: Dict[str, Any], strict: bool) -> Any:
-        from fabric_lite.strategies.deepspeed_checkpoint import read_engine_state
-
-        return read_engine_state(self, url, manifest, strict)
-
-    @classmethod
-    def consolidate_checkpoint(cls, url: str, manifest: Dict[str, Any]) -> Dict[str, torch.Tensor]:
-        from fabric_lite.strategies.deepspeed_checkpoint import consolidate
-
-        return consolidate(url, manifest)
-
     def teardown(self) -> None:
         self.engine = None
-        super().teardown()
+        self.process_group.destroy()
 
     def __repr__(self) -> str:
         return (f"DeepSpeedStrategy(stage={self.stage}, offload_optimizer={self.offload_optimizer}, "

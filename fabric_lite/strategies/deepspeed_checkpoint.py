@@ -23,11 +23,13 @@ import torch
 
 from fabric_lite.checkpoint.files import CheckpointError, CheckpointWriter
 from fabric_lite.checkpoint.loading import load_file
+from fabric_lite.strategies.checkpoint_format import CheckpointFormat
 
 if TYPE_CHECKING:
     from fabric_lite.strategies.deepspeed import DeepSpeedStrategy
 
-__all__ = ["save_engine_state", "read_engine_state", "consolidate", "match_module_keys", "PREFIX", "ENGINE"]
+__all__ = ["DeepSpeedCheckpointFormat", "save_engine_state", "read_engine_state", "consolidate", "match_module_keys",
+           "PREFIX", "ENGINE"]
 
 ENGINE = "deepspeed"
 PREFIX = "deepspeed_"
@@ -241,3 +243,22 @@ def match_module_keys(state: Dict[str, Any], module_keys: Any) -> Dict[str, Any]
         return state
     stripped = {k.split(".", 1)[1]: v for k, v in state.items() if "." in k}
     return stripped if set(stripped) == keys else state
+
+
+class DeepSpeedCheckpointFormat(CheckpointFormat):
+    """DeepSpeed's own per-rank files: written, read and consolidated by the functions above. The engine keeps
+    partial gradients in its own buffers."""
+
+    def __init__(self, strategy: "DeepSpeedStrategy") -> None:
+        super().__init__(ENGINE, partial_gradients=False)
+        self.strategy = strategy
+
+    def save_engine_state(self, writer: Any) -> None:
+        save_engine_state(self.strategy, writer)
+
+    def read_engine_state(self, url: str, manifest: Dict[str, Any], strict: bool) -> Callable[[], None]:
+        return read_engine_state(self.strategy, url, manifest, strict)
+
+    @classmethod
+    def consolidate(cls, url: str, manifest: Dict[str, Any]) -> Dict[str, Any]:
+        return consolidate(url, manifest)

@@ -17,8 +17,10 @@ import torch
 from torch import nn
 
 from fabric_lite.checkpoint.fit import fit_problem, shapes_of
-from fabric_lite.strategies.ddp import DDPStrategy
+from fabric_lite.strategies.checkpoint_format import DCP, STATE_DICT, CheckpointFormat
 from fabric_lite.strategies.moved_params import MovedParameters
+from fabric_lite.strategies.parallel import ParallelStrategy
+from fabric_lite.strategies.process_group import ProcessGroup, ProcessGroupSetting
 from fabric_lite.strategies.fsdp_blocks import (
     CheckpointedForward, WrapPolicy, is_dtensor, materialize, parameter_owners, resolve_wrap_policy, shares_outside,
 )
@@ -44,7 +46,7 @@ def _fsdp() -> Any:
     return fsdp
 
 
-class FSDPStrategy(DDPStrategy):
+class FSDPStrategy(ParallelStrategy):
     """Shard parameters, gradients and optimizer state over the processes with FSDP2.
 
     Examples:
@@ -61,10 +63,13 @@ class FSDPStrategy(DDPStrategy):
 
     aliases: ClassVar[Tuple[str, ...]] = ("fsdp",)
     accelerate_type: ClassVar[Optional[str]] = "FSDP"
-    #: Between micro-steps FSDP keeps the unsharded partial gradients in its own buffers, not `param.grad`.
-    saves_partial_gradients: ClassVar[bool] = False
     initializes_on_meta: ClassVar[bool] = True
-    reads_weights_on_rank_zero: ClassVar[bool] = True
+    syncs_gradients_per_forward: ClassVar[bool] = True
+    process_group: ProcessGroup
+    #: The process group's settings, as strategy attributes (the constructor's names).
+    process_group_backend = ProcessGroupSetting("requested_backend")
+    timeout = ProcessGroupSetting("timeout")
+    backend = ProcessGroupSetting("backend", writable=False)
 
     def __init__(
         self,
@@ -77,7 +82,9 @@ class FSDPStrategy(DDPStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Any = None,
     ) -> None:
-        super().__init__(process_group_backend=process_group_backend, timeout=timeout)
+        super().__init__()
+        # one process is one shard: FSDP still needs a (one-member) process group for its mesh
+        self.process_group = ProcessGroup(self, process_group_backend, timeout, lone_group=True, name="fsdp")
         kind = _STATE_DICT_ALIASES.get(str(state_dict_type).lower())
         if kind is None:
             raise ValueError(f"state_dict_type={state_dict_type!r} is not valid: allowed values are 'sharded' "
@@ -88,13 +95,21 @@ class FSDPStrategy(DDPStrategy):
         self.activation_checkpointing = activation_checkpointing
         self.state_dict_type = kind
         self.user_mp_policy = mixed_precision_policy
-        #: Checkpoints are written shard by shard (torch.distributed.checkpoint), see checkpoint/sharded.py.
-        self.sharded_checkpoints = kind == "sharded"
+        # "sharded": shard by shard (torch.distributed.checkpoint, checkpoint/sharded.py). Between micro-steps
+        # FSDP keeps the unsharded partial gradients in its own buffers, not `param.grad`; big weights are read
+        # on rank 0 and scattered.
+        self.checkpoint_format = CheckpointFormat(DCP if kind == "sharded" else STATE_DICT, partial_gradients=False,
+                                                  weights_on_rank_zero=True)
         #: What `setup_module` did, per prepared model (for `explain`): wrapped block paths, skipped ones.
         self.plans: List[Dict[str, Any]] = []
         # old parameter id -> (weakref to it, its sharded replacement): re-points optimizers built before prepare
         self._replaced = MovedParameters()
         self._syncing: Dict[int, bool] = {}  # id(model) -> whether its backward reduce-scatters now
+
+    @property
+    def sharded_checkpoints(self) -> bool:
+        """Checkpoints are written shard by shard (torch.distributed.checkpoint), see checkpoint/sharded.py."""
+        return self.checkpoint_format.kind == DCP
 
     # -- set-up ------------------------------------------------------------------------------------
     def adapt_precision(self, precision: Precision) -> Precision:
@@ -120,8 +135,6 @@ class FSDPStrategy(DDPStrategy):
         return fsdp.MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
 
     def setup_environment(self) -> None:
-        import torch.distributed as dist
-
         if self.cpu_offload and self.root_device.type != "cuda":
             raise ValueError(
                 f"cpu_offload=True keeps the shards in CPU memory and moves them to the GPU for each block; this run "
@@ -129,14 +142,10 @@ class FSDPStrategy(DDPStrategy):
                 f"{torch.__version__}, CUDA available: {torch.cuda.is_available()}). Drop cpu_offload, or train on CUDA."
             )
         _fsdp()
-        if self.world_size == 1 and not dist.is_initialized():
-            # One process is one shard: FSDP still needs a (one-member) process group for its mesh.
-            if self.root_device.type == "cuda":
-                torch.cuda.set_device(self.root_device)
-            dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1)
-            self._owns_process_group = True
-            return
-        super().setup_environment()
+        self.process_group.start()
+
+    def teardown(self) -> None:
+        self.process_group.destroy()
 
     def _mesh(self) -> Any:
         from torch.distributed.device_mesh import init_device_mesh
@@ -236,6 +245,11 @@ class FSDPStrategy(DDPStrategy):
         return self._gradient_sync(module, True)
 
     # -- the step ----------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, module: Optional[nn.Module] = None, **kwargs: Any) -> None:
+        # a peer that left shows here first, in the gradient reduction
+        self.process_group.run_guarded("the gradient all-reduce in backward()",
+                                       lambda: ParallelStrategy.backward(self, loss, module, **kwargs))
+
     def clip_gradients_norm(self, parameters: Iterable[torch.Tensor], optimizer: Optional[torch.optim.Optimizer],
                             max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         norm = super().clip_gradients_norm(parameters, optimizer, max_norm, norm_type)

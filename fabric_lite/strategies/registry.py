@@ -11,11 +11,14 @@ import importlib
 from typing import Any, Dict, List, Optional, Tuple, Type, Union
 
 __all__ = ["register_strategy", "create_strategy", "available_strategies", "strategy_class",
-           "strategy_for_checkpoint_engine", "runs_one_process"]
+           "register_checkpoint_engine", "strategy_for_checkpoint_engine", "checkpoint_format_for_engine",
+           "runs_one_process"]
 
 # name -> (class or "module:Class", keyword defaults)
 _REGISTRY: Dict[str, Tuple[Union[type, str], Dict[str, Any]]] = {}
 _ONE_PROCESS: set = set()  # names that train in exactly one process (a launch of several is refused)
+# checkpoint engine name (a manifest's "engine") -> ("module:Strategy", "module:CheckpointFormat")
+_ENGINES: Dict[str, Tuple[str, str]] = {}
 
 
 def register_strategy(name: str, cls: Union[type, str], one_process: bool = False, **defaults: Any) -> None:
@@ -38,10 +41,7 @@ def available_strategies() -> List[str]:
 def strategy_class(name: str) -> Type[Any]:
     """The class a registered name stands for (imports its module, not its engine)."""
     cls, _ = _entry(name)
-    if isinstance(cls, str):
-        module_name, _, attr = cls.partition(":")
-        cls = getattr(importlib.import_module(module_name), attr)
-    return cls
+    return _load(cls) if isinstance(cls, str) else cls
 
 
 def _entry(name: str) -> Tuple[Union[type, str], Dict[str, Any]]:
@@ -63,13 +63,27 @@ def create_strategy(name: str, world_size: int = 1) -> Any:
     return strategy_class(key)(**defaults)
 
 
+def register_checkpoint_engine(engine: str, strategy: str, checkpoint_format: str) -> None:
+    """Say which strategy ("module:Class") writes checkpoints in the engine files named `engine`, and which
+    CheckpointFormat class ("module:Class") reads and consolidates them."""
+    _ENGINES[engine] = (strategy, checkpoint_format)
+
+
+def _load(path: str) -> Any:
+    module_name, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
 def strategy_for_checkpoint_engine(engine: str) -> Optional[Type[Any]]:
-    """The strategy class whose `checkpoint_engine` wrote a checkpoint (the manifest records the name)."""
-    for name in sorted(_REGISTRY):
-        cls = strategy_class(name)
-        if getattr(cls, "checkpoint_engine", None) == engine:
-            return cls
-    return None
+    """The strategy class whose checkpoint engine wrote a checkpoint (the manifest records the name)."""
+    entry = _ENGINES.get(engine)
+    return _load(entry[0]) if entry else None
+
+
+def checkpoint_format_for_engine(engine: str) -> Optional[Type[Any]]:
+    """The CheckpointFormat class of an engine's files (its `consolidate` needs no strategy), or None."""
+    entry = _ENGINES.get(engine)
+    return _load(entry[1]) if entry else None
 
 
 register_strategy("single", "fabric_lite.strategies.single:SingleDeviceStrategy", one_process=True)
@@ -85,5 +99,6 @@ for _stage in (1, 2, 3):
     register_strategy(f"deepspeed_stage_{_stage}", _DEEPSPEED, stage=_stage)
 register_strategy("deepspeed_stage_2_offload", _DEEPSPEED, stage=2, offload_optimizer=True)
 register_strategy("deepspeed_stage_3_offload", _DEEPSPEED, stage=3, offload_optimizer=True, offload_parameters=True)
+register_checkpoint_engine("deepspeed", _DEEPSPEED, "fabric_lite.strategies.deepspeed_checkpoint:DeepSpeedCheckpointFormat")
 register_strategy("xla", "fabric_lite.strategies.xla:XLAStrategy")
 register_strategy("xla_spmd", "fabric_lite.strategies.xla:XLASPMDStrategy", one_process=True)

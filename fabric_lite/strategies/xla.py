@@ -38,11 +38,11 @@ class XLAStrategy(ParallelStrategy):
     aliases: ClassVar[Tuple[str, ...]] = ("xla",)
     accelerate_type: ClassVar[Optional[str]] = "XLA"
     runtime = RuntimeSlot(XLARuntime)
-    #: Reading XLA tensors to the host runs the pending graph (a step of the runtime, which moves its RNG).
-    background_checkpoints: ClassVar[bool] = False
 
     def __init__(self, sync_module_states: bool = True) -> None:
         super().__init__()
+        #: Reading XLA tensors to the host runs the pending graph (a step of the runtime, which moves its RNG).
+        self.checkpoint_format.background = False
         self.sync_module_states = sync_module_states
         self._modules: List["weakref.ref[nn.Module]"] = []  # in preparation order: every replica reduces alike
         self._syncing: Dict[int, bool] = {}  # id(module) -> gradients are reduced by the next backward

@@ -450,7 +450,7 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         # the Accelerator's own check of prepare(model, optimizer), in the module's terms
         fix = (f"return an optimizer over this module's parameters from configure_optimizers, e.g. "
                f"torch.optim.AdamW(self.parameters(), lr=1e-3), built from the {type(module).__name__} passed to fit")
-        if self.strategy.setup_takes_optimizers:  # an engine that owns model and optimizer (DeepSpeed)
+        if self.strategy.engine_step is not None:  # an engine that owns model and optimizer (DeepSpeed)
             clip = self.gradient_clip_val if self.gradient_clip_algorithm == "norm" else None
 
             def prepare(optimizers: List[Any]) -> List[Any]:

@@ -192,12 +192,9 @@ def test_durable_saves_fsync_files_and_directories(tmp_path, monkeypatch):
 
 def test_background_saves_fall_back_to_blocking_where_the_strategy_cannot_snapshot(tmp_path):
     acc, model, opt = _setup()
-    type(acc.strategy).background_checkpoints = False
-    try:
-        with pytest.warns(UserWarning, match="cannot copy its state to the host.*this save blocks"):
-            acc.save_state(tmp_path / "ckpt", blocking=False)
-    finally:
-        del type(acc.strategy).background_checkpoints
+    acc.strategy.checkpoint_format.background = False
+    with pytest.warns(UserWarning, match="cannot copy its state to the host.*this save blocks"):
+        acc.save_state(tmp_path / "ckpt", blocking=False)
     assert not acc.checkpoint_saver.history[-1].background
     checkpoint_io.verify(str(tmp_path / "ckpt"))
 

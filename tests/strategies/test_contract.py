@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fabric_lite import Accelerator, Trainer, TrainModule
 from fabric_lite.strategies import SingleDeviceStrategy, Strategy, available_strategies, create_strategy
+from fabric_lite.strategies.engine_step import EngineStep
 from fabric_lite.strategies.registry import strategy_class, strategy_for_checkpoint_engine
 from fabric_lite.strategies.runtime import Runtime, RuntimeSlot
 
@@ -136,9 +137,11 @@ def test_trainer_calls_the_hooks(tmp_path):
 
 
 class Joint(Recording):
-    """A strategy that must see models and optimizers together (as FSDP2 and DeepSpeed do)."""
+    """A strategy that must see models and optimizers together (an engine that owns the step, as DeepSpeed's)."""
 
-    setup_takes_optimizers = True
+    def __init__(self):
+        super().__init__()
+        self.engine_step = EngineStep()
 
     def setup(self, modules, optimizers):
         self.joint = (len(modules), len(optimizers))
@@ -190,3 +193,28 @@ def test_launch_refuses_a_one_process_strategy_on_several():
     with pytest.raises(LaunchError, match=r"--strategy single trains in one process.*--strategy ddp"):
         check_launch(args)
     check_launch(launch_command_parser().parse_args(["--strategy", "single", "train.py"]))  # one process: fine
+
+
+def test_topology_names_the_data_parallel_group():
+    strategy = SingleDeviceStrategy()
+    assert (strategy.dp_size, strategy.dp_rank) == (strategy.world_size, strategy.global_rank) == (1, 0)
+    assert strategy.device_mesh.names == ("dp",) and strategy.device_mesh.size("dp") == 1
+    with pytest.raises(KeyError, match="no dimension 'tp'"):
+        strategy.device_mesh.size("tp")
+
+
+def test_collaborators_each_say_one_thing():
+    from fabric_lite.strategies.ddp import DDPStrategy
+    from fabric_lite.strategies.fsdp import FSDPStrategy
+
+    single, ddp = SingleDeviceStrategy(), DDPStrategy(process_group_backend="gloo")
+    assert single.process_group is None and single.engine_step is None and single.checkpoint_format.engine is None
+    assert ddp.process_group.backend == ddp.backend == "gloo" and ddp.timeout == ddp.process_group.timeout
+    assert FSDPStrategy().checkpoint_format.kind == "dcp" and FSDPStrategy(state_dict_type="full").checkpoint_format.engine is None
+    step = EngineStep()
+    with step.micro_step():
+        assert not step.boundary
+        with step.closing_step():
+            assert step.boundary
+        assert not step.boundary
+    assert step.boundary

@@ -220,7 +220,7 @@ def test_the_config_file_gives_the_stage_and_extra_settings(tmp_path):
     path.write_text(json.dumps({"zero_optimization": {"stage": 3, "reduce_bucket_size": 1000},
                                 "train_micro_batch_size_per_gpu": 8, "wall_clock_breakdown": False}))
     strategy = configured(DeepSpeedStrategy(config=str(path)), "bf16-mixed")
-    strategy.set_run_hints(micro_batch_size=8, accumulation_steps=4, gradient_clip_val=2.0)
+    strategy.engine_step.set_run_hints(micro_batch_size=8, accumulation_steps=4, gradient_clip_val=2.0)
     config = strategy.build_config()
     assert strategy.stage == 3
     assert config["zero_optimization"] == {"stage": 3, "reduce_bucket_size": 1000}
@@ -238,7 +238,7 @@ def test_the_config_file_gives_the_stage_and_extra_settings(tmp_path):
 ])
 def test_settings_given_twice_must_agree(user, hints, words):
     strategy = configured(DeepSpeedStrategy(stage=2, config=user), world_size=2)
-    strategy.set_run_hints(**hints)
+    strategy.engine_step.set_run_hints(**hints)
     with pytest.raises(ValueError, match=r"The DeepSpeed config sets " + words.replace(".", r"\.")):
         strategy.build_config()
 
@@ -367,7 +367,7 @@ def test_auto_values_of_a_hugging_face_style_config_are_filled_by_the_door():
             "gradient_clipping": "auto", "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 3,
                                                                                              "reduce_bucket_size": "auto"}}
     strategy = configured(DeepSpeedStrategy(config=user), "bf16-mixed")
-    strategy.set_run_hints(micro_batch_size=16, accumulation_steps=2, gradient_clip_val=0.5)
+    strategy.engine_step.set_run_hints(micro_batch_size=16, accumulation_steps=2, gradient_clip_val=0.5)
     config = strategy.build_config()
     assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (16, 2)
     assert config["gradient_clipping"] == 0.5 and config["bf16"] == {"enabled": True}
