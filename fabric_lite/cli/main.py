@@ -245,7 +245,7 @@ def _test(args: List[str]) -> int:
 
     from fabric_lite.cli.parsing import CliParser
     from fabric_lite.launch.config_file import ConfigError, find_config, load_config
-    from fabric_lite.launch.launcher import launch_command
+    from fabric_lite.cli.launch_command import launch_command
 
     parser = CliParser(
         prog="fabric-lite test",
@@ -290,7 +290,7 @@ def _test(args: List[str]) -> int:
 
 
 def _launch(args: List[str]) -> int:
-    from fabric_lite.launch.launcher import launch_command
+    from fabric_lite.cli.launch_command import launch_command
 
     return launch_command(args)
 
