@@ -11,7 +11,7 @@ import os
 import socket
 from typing import Any, Optional
 
-from fabric_lite.launch.config_file import LaunchConfigFile
+from fabric_lite.launch.config_values import LaunchConfigFile
 from fabric_lite.strategies.precision import resolve_precision
 from fabric_lite.strategies.registry import runs_one_process
 
