@@ -182,7 +182,7 @@ def resolve_accelerate_flags(args: argparse.Namespace, config: Optional[LaunchCo
     --num_processes is the total over every machine (Accelerate's meaning): --nproc-per-node becomes
     num_processes / nnodes, for torchrun launches; for XLA launches (--tpu) it stays the replica count.
     A flag on the command line wins over the config file (--nproc-per-node over a config's num_processes)."""
-    given = getattr(args, "command_line", frozenset())
+    given: frozenset = getattr(args, "command_line", frozenset())
     ignored = [flag for flag, _ in IGNORED_ACCELERATE_FLAGS
                if not _is_off(getattr(args, _IGNORED_PREFIX + flag[2:], None))]
     if args.use_megatron_lm:

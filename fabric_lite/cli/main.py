@@ -86,10 +86,7 @@ def _env(args: List[str]) -> int:
             config = load_config(path)
             verdict = ""
             if isinstance(config, AccelerateConfig):
-                verdict = (f" (Accelerate's format: {config.nproc_per_node} process(es) per machine on "
-                           f"{config.nnodes} machine(s), strategy {config.strategy}, mixed precision "
-                           f"{config.mixed_precision}{', on CPU' if config.use_cpu else ''}"
-                           f"{', XLA' if config.tpu else ''})")
+                verdict = f" (Accelerate's format: {config.summary()})"
                 if config.ignored:
                     verdict += f"; ignored, no meaning here: {', '.join(config.ignored)}"
         except ConfigError as err:

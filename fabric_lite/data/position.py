@@ -5,7 +5,7 @@ another global batch, which goes on after the samples the saved run saw."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, cast
 
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -53,7 +53,7 @@ class ResumablePosition:
         if isinstance(self.dataset, IterableDataset):  # its length, where it has one, is a guess
             return None
         try:
-            return max(0, DataLoader.__len__(self) - self._position.batches_seen)
+            return max(0, DataLoader.__len__(cast(DataLoader, self)) - self._position.batches_seen)
         except TypeError:
             return None
 

@@ -32,6 +32,12 @@ class AccelerateConfig(LaunchConfigFile):
     ignored: Tuple[str, ...] = ()  # keys set to something this launcher does not do, for one notice line
     fp8_backend: Optional[str] = None  # fp8_config's backend (TE, MSAMP, AO), upper case; the launch passes none on
 
+    def summary(self) -> str:
+        """What the launch makes of the file, in one line (`fabric-lite env` prints it)."""
+        return (f"{self.nproc_per_node} process(es) per machine on {self.nnodes} machine(s), strategy {self.strategy}, "
+                f"mixed precision {self.mixed_precision}{', on CPU' if self.use_cpu else ''}"
+                f"{', XLA' if self.tpu else ''}")
+
 
 def accelerate_config_path(env: Mapping[str, str], home: Optional[Union[str, os.PathLike]] = None) -> Path:
     """Where Accelerate keeps its default config: $HF_HOME/accelerate, else
@@ -154,7 +160,8 @@ def read_deepspeed_json(path: Union[str, os.PathLike]) -> Dict[str, Any]:
         raise ConfigError(f"cannot read DeepSpeed config file {path}: {err}.") from None
     if not isinstance(data, dict):
         raise ConfigError(f"DeepSpeed config file {path} must hold a JSON object.")
-    zero = data.get("zero_optimization") if isinstance(data.get("zero_optimization"), dict) else {}
+    found = data.get("zero_optimization")
+    zero: Dict[str, Any] = found if isinstance(found, dict) else {}
 
     def device(key: str) -> bool:
         entry = zero.get(key)
