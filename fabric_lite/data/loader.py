@@ -91,8 +91,8 @@ class DataLoaderShard(DataLoader, ResumablePosition):
     @property
     def remainder(self) -> int:
         """Real samples in the last global step of this epoch when it is padded (-1: unknown)."""
-        whole, skipped = self._epoch_remainder, self._position.samples_skipped
-        return whole if whole < 0 or not skipped else (whole - skipped) % self.total_batch_size
+        whole, skipped, total = self._epoch_remainder, self._position.samples_skipped, self.total_batch_size
+        return whole if whole < 0 or not skipped or not total else (whole - skipped) % total
 
     @property
     def end_of_dataloader(self) -> bool:
@@ -162,7 +162,7 @@ class DataLoaderShard(DataLoader, ResumablePosition):
         self._first_index = 0
         return skip  # no sampler to skip in: skip after loading
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator, not DataLoader's iterator class
         if self.dispatch is not None:
             return self.dispatch.iterate(self)
         return self.load_batches(self.gradient_state)
@@ -203,7 +203,7 @@ class DataLoaderShard(DataLoader, ResumablePosition):
             # epoch loads the items it skips again: they are drawn under the states the epoch started from,
             # and the batch held ahead under the states it was first loaded with (see data/order.py).
             replay_items = isinstance(self.dataset, IterableDataset) and self.num_workers == 0
-            randomness, what = self._randomness, None
+            randomness, what = self._randomness, ""
             if replay_items:
                 what = f"{self._described()} (an IterableDataset loaded in this process)"
                 randomness.replay_global(what)
@@ -276,9 +276,9 @@ class DataLoaderShard(DataLoader, ResumablePosition):
         randomness, workers = self._randomness, self._workers
         # New worker processes start unless persistent ones are running (`_iterator`: DataLoader's own).
         starts = workers is not None and not (self.persistent_workers and self._iterator is not None)
-        self.generator = randomness.iterator_generator(workers.seed_replay() if starts else None)
+        self.generator = randomness.iterator_generator(workers.seed_replay() if workers is not None and starts else None)
         user = {"worker_init_fn": self.worker_init_fn, "collate_fn": self.collate_fn}
-        if starts:
+        if starts and workers is not None:
             base = (randomness.record or {}).get("base")
             for name, value in workers.start(self.worker_init_fn, self.collate_fn, base, self._position.epoch).items():
                 setattr(self, name, value)  # read once, when the DataLoader starts its workers
@@ -294,6 +294,7 @@ class DataLoaderShard(DataLoader, ResumablePosition):
     def _reported(self, iterator: Iterator[Any], index: int) -> Iterator[Any]:
         """The batches of workers that report their random states with each (data/workers.py)."""
         workers = self._workers
+        assert workers is not None  # (only loaders with workers report)
         for batch, states in iterator:
             workers.loaded(index, states)
             index += 1
@@ -301,8 +302,10 @@ class DataLoaderShard(DataLoader, ResumablePosition):
 
     def _cuda_feed(self) -> CudaFeed:
         feed = self.__dict__.get("_feed")
-        if feed is None or feed.device != self.device:
-            feed = self._feed = CudaFeed(self.device)
+        device = self.device
+        assert device is not None  # (only a loader that places its batches on a CUDA device has a feed)
+        if feed is None or feed.device != device:
+            feed = self._feed = CudaFeed(device)
         return feed
 
     def _batches_left_without_look_ahead(self) -> Optional[int]:

@@ -61,6 +61,7 @@ def run_torchrun(args: argparse.Namespace, settings: Mapping[str, str], debug: b
             return 128 + int(err.sigval)
     return 0
 
+
 def torchrun_command(nproc_per_node: Any, nnodes: Any, script: str, script_args: Sequence[str] = (),
                      master_port: Optional[int] = None, master_addr: Optional[str] = None,
                      python: Optional[str] = None, env: Optional[Mapping[str, str]] = None) -> List[str]:
@@ -170,8 +171,9 @@ def notebook_launcher(
 
 
 def replica_runtime() -> Any:
-    """The launch file of the device runtime that starts its own replicas, where the environment names its device
-    (`launch/xla_launch.py`, where PJRT_DEVICE is set), else None; the one place launch/ names that runtime."""
+    """The launch file of the device runtime that starts its own replicas where the environment names its device
+    (`launch/xla_launch.py`, where PJRT_DEVICE is set), else None. With `runtime_unset`, the one place launch/
+    reaches that runtime."""
     from fabric_lite.launch import xla_launch
 
     return xla_launch if xla_launch.named_by_environment() else None

@@ -104,6 +104,8 @@ def _script_module(script: str) -> Any:
         module = sys.modules.get(name)
         if module is None or os.path.abspath(getattr(module, "__file__", "") or "") != os.path.abspath(script):
             spec = importlib.util.spec_from_file_location(name, script)
+            if spec is None or spec.loader is None:
+                raise ImportError(f"{script} cannot be imported as a Python module.")
             module = importlib.util.module_from_spec(spec)
             sys.modules[name] = module
             spec.loader.exec_module(module)
