@@ -30,11 +30,11 @@ def explain_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None
     from torch.distributed.run import determine_local_world_size
 
     from fabric_lite.strategies.environments import ENV_EXPLAIN, ENV_STRATEGY, detect_node_layout
+    from fabric_lite.cli.launch_command import config_notice, parse_with_config
+    from fabric_lite.cli.launch_flags import launch_command_parser, replica_runtime, resolve_accelerate_flags
     from fabric_lite.launch.launch_checks import check_launch, check_script, nodes_said
-    from fabric_lite.launch.launcher import (
-        config_notice, patched_environ, settings_env, free_port, launch_command_parser, parse_with_config,
-        resolve_accelerate_flags,
-    )
+    from fabric_lite.launch.launcher import free_port
+    from fabric_lite.launch.worker_env import patched_environ, settings_env
 
     env = os.environ if env is None else env
     parser = launch_command_parser()
@@ -56,10 +56,9 @@ def explain_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None
         worker_env, ignored = resolve_accelerate_flags(args, config)
     except ValueError as err:
         return _error(f"{err} (the real launch would stop here too)")
-    if args.tpu or args.strategy in ("xla", "xla_spmd"):
-        return _error("explain plans launches over torchrun; an XLA launch (--tpu, --strategy xla or xla_spmd) is "
-                      "not planned here. Start it with `fabric-lite launch --tpu ...`; the README's TPU section says "
-                      "what each replica runs.")
+    runtime = replica_runtime(args)
+    if runtime is not None:  # (a runtime that starts its own replicas: not torchrun's plan)
+        return _error(runtime.EXPLAIN_REFUSAL)
     try:
         check_launch(args)
         settings: Dict[str, Optional[str]] = dict(settings_env(args.mixed_precision, args.gradient_accumulation_steps,

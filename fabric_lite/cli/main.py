@@ -86,10 +86,7 @@ def _env(args: List[str]) -> int:
             config = load_config(path)
             verdict = ""
             if isinstance(config, AccelerateConfig):
-                verdict = (f" (Accelerate's format: {config.nproc_per_node} process(es) per machine on "
-                           f"{config.nnodes} machine(s), strategy {config.strategy}, mixed precision "
-                           f"{config.mixed_precision}{', on CPU' if config.use_cpu else ''}"
-                           f"{', XLA' if config.tpu else ''})")
+                verdict = f" (Accelerate's format: {config.summary()})"
                 if config.ignored:
                     verdict += f"; ignored, no meaning here: {', '.join(config.ignored)}"
         except ConfigError as err:
@@ -245,7 +242,7 @@ def _test(args: List[str]) -> int:
 
     from fabric_lite.cli.parsing import CliParser
     from fabric_lite.launch.config_file import ConfigError, find_config, load_config
-    from fabric_lite.launch.launcher import launch_command
+    from fabric_lite.cli.launch_command import launch_command
 
     parser = CliParser(
         prog="fabric-lite test",
@@ -290,7 +287,7 @@ def _test(args: List[str]) -> int:
 
 
 def _launch(args: List[str]) -> int:
-    from fabric_lite.launch.launcher import launch_command
+    from fabric_lite.cli.launch_command import launch_command
 
     return launch_command(args)
 

@@ -10,7 +10,7 @@ step, where `remainder` says how many of its samples are real.
 
 This module is the prepared loader (`DataLoaderShard`) and its doors (`shard_dataloader`, `skip_first_batches`);
 what a user's DataLoader is rebuilt from (its settings, samplers, dataset, randomness) is worked out in
-`data/rebuild.py`.
+`data/rebuild.py`, and how its position is saved and restored in `data/position.py`.
 """
 
 from __future__ import annotations
@@ -18,16 +18,15 @@ from __future__ import annotations
 import copy
 import itertools
 import warnings
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from fabric_lite.data.dispatch import Dispatch
 from fabric_lite.data.order import EpochRandomness
+from fabric_lite.data.position import Position, ResumablePosition
 from fabric_lite.data.rebuild import sharded_loader_arguments
-from fabric_lite.data.seedable import SeedableRandomSampler
 from fabric_lite.data.sharding import IterableDatasetShard, ShardedBatchSampler
 from fabric_lite.data.transfer import CudaFeed, move_to_device
 from fabric_lite.data.workers import WorkerRandomness
@@ -38,20 +37,7 @@ __all__ = [
 ]
 
 
-@dataclass
-class _Position:
-    """Where a loader is: shared by a loader and its `skip_first_batches` views."""
-
-    epoch: int = 0
-    batches_seen: int = 0  # batches of this rank yielded in the current epoch
-    samples_skipped: int = 0  # global samples of this epoch seen before a resume with another global batch
-    # after a resume with another global batch: the saved run's batches_seen, which a `skip_first_batches`
-    # asked for in the saved run's units (the usual resume code) means; the position already accounts for it
-    converted_from: Optional[int] = None
-    restored: bool = False  # set by load_state: the next iteration continues at batches_seen
-
-
-class DataLoaderShard(DataLoader):
+class DataLoaderShard(DataLoader, ResumablePosition):
     """A prepared dataloader: this rank's batches, on the device, with a resumable position.
 
     It is a real DataLoader (built over the sharded sampler), so code that checks the type or
@@ -61,7 +47,7 @@ class DataLoaderShard(DataLoader):
     def __init__(
         self, dataset: Any, *, device: Optional[torch.device], gradient_state: Any,
         randomness: EpochRandomness, sharded_sampler: Optional[ShardedBatchSampler],
-        position: _Position, remainder: int, total_batch_size: Optional[int],
+        position: Position, remainder: int, total_batch_size: Optional[int],
         convert_batch: Optional[Callable[[Any], Any]] = None, non_blocking: bool = False,
         device_feed: Optional[Callable[[Any], Any]] = None, dispatch: Optional[Dispatch] = None,
         **loader_kwargs: Any,
@@ -105,8 +91,8 @@ class DataLoaderShard(DataLoader):
     @property
     def remainder(self) -> int:
         """Real samples in the last global step of this epoch when it is padded (-1: unknown)."""
-        whole, skipped = self._epoch_remainder, self._position.samples_skipped
-        return whole if whole < 0 or not skipped else (whole - skipped) % self.total_batch_size
+        whole, skipped, total = self._epoch_remainder, self._position.samples_skipped, self.total_batch_size
+        return whole if whole < 0 or not skipped or not total else (whole - skipped) % total
 
     @property
     def end_of_dataloader(self) -> bool:
@@ -144,11 +130,6 @@ class DataLoaderShard(DataLoader):
         if self._workers is not None:
             self._workers.end_epoch()
 
-    def _described(self) -> str:
-        dataset = getattr(self.dataset, "dataset", self.dataset) if isinstance(self.dataset, IterableDatasetShard) \
-            else self.dataset
-        return f"The prepared DataLoader over {type(dataset).__name__}"
-
     def _start_epoch(self) -> int:
         pos = self._position
         if pos.batches_seen and not pos.restored:
@@ -181,7 +162,7 @@ class DataLoaderShard(DataLoader):
         self._first_index = 0
         return skip  # no sampler to skip in: skip after loading
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator, not DataLoader's iterator class
         if self.dispatch is not None:
             return self.dispatch.iterate(self)
         return self.load_batches(self.gradient_state)
@@ -222,7 +203,7 @@ class DataLoaderShard(DataLoader):
             # epoch loads the items it skips again: they are drawn under the states the epoch started from,
             # and the batch held ahead under the states it was first loaded with (see data/order.py).
             replay_items = isinstance(self.dataset, IterableDataset) and self.num_workers == 0
-            randomness, what = self._randomness, None
+            randomness, what = self._randomness, ""
             if replay_items:
                 what = f"{self._described()} (an IterableDataset loaded in this process)"
                 randomness.replay_global(what)
@@ -295,9 +276,9 @@ class DataLoaderShard(DataLoader):
         randomness, workers = self._randomness, self._workers
         # New worker processes start unless persistent ones are running (`_iterator`: DataLoader's own).
         starts = workers is not None and not (self.persistent_workers and self._iterator is not None)
-        self.generator = randomness.iterator_generator(workers.seed_replay() if starts else None)
+        self.generator = randomness.iterator_generator(workers.seed_replay() if workers is not None and starts else None)
         user = {"worker_init_fn": self.worker_init_fn, "collate_fn": self.collate_fn}
-        if starts:
+        if starts and workers is not None:
             base = (randomness.record or {}).get("base")
             for name, value in workers.start(self.worker_init_fn, self.collate_fn, base, self._position.epoch).items():
                 setattr(self, name, value)  # read once, when the DataLoader starts its workers
@@ -313,6 +294,7 @@ class DataLoaderShard(DataLoader):
     def _reported(self, iterator: Iterator[Any], index: int) -> Iterator[Any]:
         """The batches of workers that report their random states with each (data/workers.py)."""
         workers = self._workers
+        assert workers is not None  # (only loaders with workers report)
         for batch, states in iterator:
             workers.loaded(index, states)
             index += 1
@@ -320,8 +302,10 @@ class DataLoaderShard(DataLoader):
 
     def _cuda_feed(self) -> CudaFeed:
         feed = self.__dict__.get("_feed")
-        if feed is None or feed.device != self.device:
-            feed = self._feed = CudaFeed(self.device)
+        device = self.device
+        assert device is not None  # (only a loader that places its batches on a CUDA device has a feed)
+        if feed is None or feed.device != device:
+            feed = self._feed = CudaFeed(device)
         return feed
 
     def _batches_left_without_look_ahead(self) -> Optional[int]:
@@ -333,101 +317,6 @@ class DataLoaderShard(DataLoader):
             return DataLoader.__len__(self) - self._position.batches_seen
         except TypeError:
             return None
-
-    def batches_left(self) -> Optional[int]:
-        """This process's batches still to come in the current epoch (after those yielded), if known."""
-        if isinstance(self.dataset, IterableDataset):  # its length, where it has one, is a guess
-            return None
-        try:
-            return max(0, DataLoader.__len__(self) - self._position.batches_seen)
-        except TypeError:
-            return None
-
-    def _epoch_samples(self) -> Optional[int]:
-        sampler = getattr(getattr(self._batch_sampler, "batch_sampler", None), "sampler", None)
-        try:
-            return len(sampler) if sampler is not None else None
-        except TypeError:
-            return None
-
-    def _skip_samples(self, samples: int) -> None:
-        """Start (or, with 0, stop) an epoch part-way, after `samples` global samples of its order."""
-        self._position.samples_skipped = samples
-        if self._batch_sampler is not None:
-            self._batch_sampler.skip_samples = samples
-
-    def state_dict(self) -> Dict[str, Any]:
-        pos = self._position
-        # The position also in global samples: a run with another number of processes resumes from it.
-        seen = pos.samples_skipped + pos.batches_seen * self.total_batch_size if self.total_batch_size else None
-        epoch_samples = self._epoch_samples()
-        if seen is not None and epoch_samples is not None:
-            seen = min(seen, epoch_samples)  # the last step's padding is not samples seen
-        # generator_state: what the epoch's order and worker seed are drawn from (data/order.py)
-        workers = self._workers
-        pool_live = self.persistent_workers and self._iterator is not None
-        state = {"epoch": pos.epoch, "batches_seen": pos.batches_seen, "generator_state": self._randomness.state(),
-                 "samples_seen": seen, "total_batch_size": self.total_batch_size, "num_replicas": self._replicas(),
-                 "workers": workers.state(pos.batches_seen, pool_live) if workers is not None else None}
-        seedable = self._seedable()
-        if seedable is not None:  # (use_seedable_sampler: its seed, which a resumed run may not be given again)
-            state["sampler_seed"] = seedable.seed
-        return state
-
-    def _seedable(self) -> Optional[SeedableRandomSampler]:
-        inner = getattr(self._batch_sampler, "batch_sampler", None)
-        for candidate in (inner, getattr(inner, "sampler", None)):
-            if isinstance(candidate, SeedableRandomSampler):
-                return candidate
-        return None
-
-    def _replicas(self) -> Optional[int]:
-        sampler = self._batch_sampler
-        return sampler.num_replicas if sampler is not None else None
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        batches, skipped = int(state["batches_seen"]), 0
-        saved_total, seen, total = state.get("total_batch_size"), state.get("samples_seen"), self.total_batch_size
-        saved_replicas = state.get("num_replicas")
-        if batches and total is None and saved_replicas not in (None, self._replicas()):
-            raise ValueError(
-                f"This loader was saved {batches} batches into epoch {state['epoch']} by {saved_replicas} process(es); "
-                f"this run has {self._replicas()}, and its batches have no fixed size (a custom batch sampler), so "
-                f"the position cannot be carried over. Resume with {saved_replicas} processes, or from a checkpoint "
-                f"saved at an epoch's end.")
-        cut = bool(seen) and saved_total and seen != min(batches * saved_total, self._epoch_samples() or seen)
-        if seen and saved_total and total and (saved_total != total or cut):
-            # Saved by a run with another global batch (another number of processes): go on after the samples
-            # it saw, at a step boundary of this run when there is one, else part-way into its order.
-            batches, rest = divmod(int(seen), total)
-            if rest:
-                sampler = self._batch_sampler
-                if sampler is None or not sampler.can_skip_samples():
-                    raise ValueError(
-                        f"This loader was saved {seen} samples into epoch {state['epoch']} by a run with a global "
-                        f"batch of {saved_total}; this run's is {total}, and its sampler cannot be cut part-way "
-                        f"(a custom sampler or batch sampler). Resume with the same number of processes and batch "
-                        f"size, or from a checkpoint saved at an epoch's end.")
-                batches, skipped = 0, int(seen)
-            self._position.converted_from = int(state["batches_seen"])
-        seedable = self._seedable()
-        if seedable is not None and state.get("sampler_seed") is not None:
-            seedable.seed = int(state["sampler_seed"])
-        self._position.epoch = int(state["epoch"])
-        self._position.batches_seen = batches
-        self._position.restored = True
-        self._skip_samples(skipped)
-        if self._workers is not None:
-            if self.persistent_workers and self._iterator is not None:
-                # Running workers cannot take the saved random states: the next iteration starts new ones.
-                self._iterator = None
-                self._workers.stopped()
-            self._workers.load(state.get("workers"), batches, int(state["epoch"]), self._described())
-        if "generator_state" in state:
-            self._randomness.load(state["generator_state"])
-        else:  # saved by an older version, which seeded each epoch with base_seed + epoch
-            self._randomness.load_legacy(int(state["base_seed"]), int(state["epoch"]),
-                                         int(state.get("draws_before_sampler", 0)))
 
     def record_batch_indices(self, record: bool = True) -> Optional[list]:
         """Start recording the dataset indices of each batch this loader hands this process, from its next
@@ -469,7 +358,7 @@ def shard_dataloader(
         broadcast_seed=broadcast_seed, dispatch_batches=dispatch_batches, use_seedable_sampler=use_seedable_sampler,
         data_seed=data_seed)
     return DataLoaderShard(device=device, gradient_state=gradient_state, convert_batch=convert_batch,
-                           non_blocking=non_blocking, device_feed=device_feed, position=_Position(), **arguments)
+                           non_blocking=non_blocking, device_feed=device_feed, position=Position(), **arguments)
 
 
 def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:

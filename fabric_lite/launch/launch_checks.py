@@ -1,6 +1,7 @@
 """What `fabric-lite launch` refuses before it starts a worker: the flags torchrun would only report with a
-traceback (or a hang), a script path that is not there, more workers than the machine holds, fp8 without a GPU
-that computes in it, and what torch_xla's launcher cannot do. Each refusal is a `LaunchError` in one sentence."""
+traceback (or a hang), a script path that is not there, more workers than the machine holds, and fp8 without a GPU
+that computes in it (a runtime that starts its own replicas checks its launches in its own launch file). Each
+refusal is a `LaunchError` in one sentence."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ import os
 import socket
 from typing import Any, Optional
 
-from fabric_lite.launch.config_file import LaunchConfigFile
+from fabric_lite.launch.config_values import LaunchConfigFile
 from fabric_lite.strategies.precision import resolve_precision
 from fabric_lite.strategies.registry import runs_one_process
 
 __all__ = ["LaunchError", "check_mixed_precision", "check_launch", "check_script", "nodes_said", "machine_capacity",
-           "check_capacity", "check_xla_launch"]
+           "check_capacity"]
 
 
 class LaunchError(ValueError):
@@ -158,27 +159,3 @@ def check_capacity(nproc_per_node: Any, cpu: bool, oversubscribe: bool) -> None:
                           f"{what} ({capacity}). Start at most {capacity}, or pass --oversubscribe to start "
                           f"{nproc} anyway.")
 
-
-def check_xla_launch(args: argparse.Namespace) -> Optional[int]:
-    """The replicas a `--tpu` launch starts (None: every device the runtime has); LaunchError for what torch_xla's
-    launcher cannot do."""
-    if args.cpu:
-        raise LaunchError("--cpu and --tpu ask for two different devices; pass one of them.")
-    if args.strategy not in (None, "xla", "xla_spmd"):
-        raise LaunchError(f"--strategy {args.strategy} with --tpu: XLA devices train with --strategy xla (a replica per "
-                          f"device) or xla_spmd (one process over every device).")
-    if str(args.nnodes).split(":")[-1] != "1":
-        raise LaunchError(f"--nnodes={args.nnodes} with --tpu: run the same command on every TPU host; torch_xla's "
-                          f"runtime joins the hosts itself.")
-    if args.module or args.no_python:
-        raise LaunchError("--module / --no-python with --tpu: torch_xla's launcher runs a Python script; pass its path.")
-    nproc = str(args.nproc_per_node).strip()
-    if not nproc.lstrip("+-").isdigit() or int(nproc) < 1:
-        raise LaunchError(f"--nproc-per-node={nproc!r} with --tpu must be a whole number >= 1 (XLA replicas).")
-    if args.num_processes is not None and args.num_processes < 1:
-        raise LaunchError(f"--num_processes={args.num_processes} must be a whole number >= 1.")
-    replicas = args.num_processes if args.num_processes is not None else (int(nproc) if int(nproc) > 1 else None)
-    if args.strategy == "xla_spmd" and replicas not in (None, 1):
-        raise LaunchError(f"--strategy xla_spmd drives every XLA device from one process; leave out --nproc-per-node "
-                          f"{replicas} (on XLA's CPU device set CPU_NUM_DEVICES for the number of devices).")
-    return replicas

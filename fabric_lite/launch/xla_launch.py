@@ -19,10 +19,34 @@ import threading
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from fabric_lite.launch.launcher import patched_environ
+from fabric_lite.launch.launch_checks import LaunchError
+from fabric_lite.launch.worker_env import patched_environ, settings_env
 from fabric_lite.strategies.environments import ENV_ACCELERATOR, read_xla_settings
 
-__all__ = ["launch_xla_script", "launch_xla_function", "xla_replica_env"]
+__all__ = ["launch_xla_script", "launch_xla_function", "xla_replica_env", "check_xla_launch", "asked_for",
+           "named_by_environment", "one_process", "EXPLAIN_REFUSAL", "RUNTIME_VARIABLES"]
+
+# What a launch names this runtime by, as `cli/launch_flags.py` and `launcher.replica_runtime` ask.
+STRATEGIES = ("xla", "xla_spmd")
+RUNTIME_VARIABLES = ("PJRT_DEVICE",)  # (set: notebook_launcher starts XLA replicas; debug_launcher removes it)
+EXPLAIN_REFUSAL = ("explain plans launches over torchrun; an XLA launch (--tpu, --strategy xla or xla_spmd) is "
+                   "not planned here. Start it with `fabric-lite launch --tpu ...`; the README's TPU section says "
+                   "what each replica runs.")
+
+
+def asked_for(tpu: bool, strategy: Optional[str]) -> bool:
+    """Whether a launch's flags ask for XLA replicas: --tpu, or an XLA strategy."""
+    return bool(tpu) or strategy in STRATEGIES
+
+
+def one_process(strategy: Optional[str]) -> bool:
+    """Whether one process drives every device (xla_spmd), so the script runs in the launching process."""
+    return strategy == "xla_spmd"
+
+
+def named_by_environment() -> bool:
+    """Whether the environment names an XLA device (PJRT_DEVICE): notebook_launcher then starts XLA replicas."""
+    return read_xla_settings().names_device
 
 
 def xla_replica_env(num_processes: Optional[int], settings: Dict[str, str]) -> Dict[str, str]:
@@ -44,6 +68,31 @@ def xla_replica_env(num_processes: Optional[int], settings: Dict[str, str]) -> D
     return env
 
 
+def check_xla_launch(args: Any) -> Optional[int]:
+    """The replicas a `--tpu` launch starts (None: every device the runtime has); LaunchError for what torch_xla's
+    launcher cannot do."""
+    if args.cpu:
+        raise LaunchError("--cpu and --tpu ask for two different devices; pass one of them.")
+    if args.strategy not in (None, "xla", "xla_spmd"):
+        raise LaunchError(f"--strategy {args.strategy} with --tpu: XLA devices train with --strategy xla (a replica per "
+                          f"device) or xla_spmd (one process over every device).")
+    if str(args.nnodes).split(":")[-1] != "1":
+        raise LaunchError(f"--nnodes={args.nnodes} with --tpu: run the same command on every TPU host; torch_xla's "
+                          f"runtime joins the hosts itself.")
+    if args.module or args.no_python:
+        raise LaunchError("--module / --no-python with --tpu: torch_xla's launcher runs a Python script; pass its path.")
+    nproc = str(args.nproc_per_node).strip()
+    if not nproc.lstrip("+-").isdigit() or int(nproc) < 1:
+        raise LaunchError(f"--nproc-per-node={nproc!r} with --tpu must be a whole number >= 1 (XLA replicas).")
+    if args.num_processes is not None and args.num_processes < 1:
+        raise LaunchError(f"--num_processes={args.num_processes} must be a whole number >= 1.")
+    replicas = args.num_processes if args.num_processes is not None else (int(nproc) if int(nproc) > 1 else None)
+    if args.strategy == "xla_spmd" and replicas not in (None, 1):
+        raise LaunchError(f"--strategy xla_spmd drives every XLA device from one process; leave out --nproc-per-node "
+                          f"{replicas} (on XLA's CPU device set CPU_NUM_DEVICES for the number of devices).")
+    return replicas
+
+
 _SCRIPT_LOCK = threading.Lock()
 
 
@@ -55,6 +104,8 @@ def _script_module(script: str) -> Any:
         module = sys.modules.get(name)
         if module is None or os.path.abspath(getattr(module, "__file__", "") or "") != os.path.abspath(script):
             spec = importlib.util.spec_from_file_location(name, script)
+            if spec is None or spec.loader is None:
+                raise ImportError(f"{script} cannot be imported as a Python module.")
             module = importlib.util.module_from_spec(spec)
             sys.modules[name] = module
             spec.loader.exec_module(module)
@@ -168,7 +219,11 @@ def launch_xla_function(function: Callable[..., Any], args: Sequence[Any], num_p
     return results
 
 
-if __name__ == "__main__":  # `python -m fabric_lite.launch.xla_launch N script.py [args]`: Trainer(devices=N)'s relaunch
-    from fabric_lite.launch.launcher import settings_env
+# The names `fabric-lite launch` and notebook_launcher call a runtime that starts its own replicas by.
+check_launch_args = check_xla_launch
+launch_script = launch_xla_script
+launch_function = launch_xla_function
 
+
+if __name__ == "__main__":  # `python -m fabric_lite.launch.xla_launch N script.py [args]`: Trainer(devices=N)'s relaunch
     sys.exit(launch_xla_script(sys.argv[2], sys.argv[3:], int(sys.argv[1]), settings_env(None, None, False)))

@@ -12,7 +12,8 @@ from test_launch_flags import ARGV_WORKER
 from fabric_lite.launch.config_file import (
     AccelerateConfig, ConfigError, accelerate_config_path, find_config, parse_config,
 )
-from fabric_lite.launch.launcher import launch_command_parser, parse_with_config, resolve_accelerate_flags
+from fabric_lite.cli.launch_command import parse_with_config
+from fabric_lite.cli.launch_flags import launch_command_parser, resolve_accelerate_flags
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -176,7 +177,7 @@ fp8_config:
 
 def test_accelerates_fp8_template_is_read_and_the_launch_stops_at_the_accelerators_hardware_check(
         homes, tmp_path, capsys):
-    from fabric_lite.launch.launcher import launch_command
+    from fabric_lite.cli.launch_command import launch_command
     from fabric_lite.strategies.fp8 import machine_problem
 
     config = parse_config(ACCELERATE_FP8_TEMPLATE)

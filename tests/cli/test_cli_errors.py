@@ -70,9 +70,9 @@ def test_config_that_cannot_be_written_is_status_2(tmp_path, capsys):
 
 # Each command, and a public function it calls on the way: made to fail as user input or the file system can.
 FAIL_AT = {
-    "launch": ("fabric_lite.launch.launcher", "launch_command", ["x.py"]),
+    "launch": ("fabric_lite.cli.launch_command", "launch_command", ["x.py"]),
     "explain": ("fabric_lite.cli.explain", "explain_command", ["x.py"]),
-    "test": ("fabric_lite.launch.launcher", "launch_command", []),
+    "test": ("fabric_lite.cli.launch_command", "launch_command", []),
     "env": ("fabric_lite.launch.config_file", "find_config", []),
     "config": ("fabric_lite.launch.config_file", "save_config", ["--default"]),
     "consolidate": ("fabric_lite.checkpoint.state", "export_weights", ["ckpt", "out.pt"]),

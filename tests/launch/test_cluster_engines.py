@@ -11,10 +11,10 @@ import pytest
 
 from conftest import WORKERS, free_port, run_command
 from fabric_lite.launch.config_file import LaunchConfigFile, save_config
-from fabric_lite.launch.launcher import (
-    check_launch, launch_command, launch_command_parser, parse_with_config, resolve_accelerate_flags,
-    torchrun_command,
-)
+from fabric_lite.cli.launch_command import launch_command, parse_with_config
+from fabric_lite.cli.launch_flags import launch_command_parser, resolve_accelerate_flags
+from fabric_lite.launch.launch_checks import check_launch
+from fabric_lite.launch.launcher import torchrun_command
 from fabric_lite.strategies import environments
 from fabric_lite.strategies.environments import SKYPILOT_MASTER_PORT, NodeLayout, detect_node_layout
 

@@ -193,12 +193,13 @@ def test_trainer_example_on_two_processes_in_bf16(tmp_path):
     (["--standalone"], {}, ("static", "", 29500)),                               # torch's standalone mode decides
 ])
 def test_launch_picks_the_rendezvous_port_as_torch_2_13_does(monkeypatch, flags, env, expected):
-    from fabric_lite.launch.launcher import _free_port_rendezvous, launch_command_parser
+    from fabric_lite.cli.launch_command import free_port_rendezvous
+    from fabric_lite.cli.launch_flags import launch_command_parser
 
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     args = launch_command_parser().parse_args([*flags, "train.py"])
-    _free_port_rendezvous(args)
+    free_port_rendezvous(args)
     if expected[0] == "c10d":
         assert (args.rdzv_backend, args.rdzv_endpoint) == expected and args.rdzv_id
     else:

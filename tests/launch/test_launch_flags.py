@@ -8,9 +8,9 @@ import textwrap
 import pytest
 
 from conftest import free_port, run_command
-from fabric_lite.launch.launcher import (
-    LaunchError, launch_command_parser, resolve_accelerate_flags, torchrun_command,
-)
+from fabric_lite.cli.launch_flags import launch_command_parser, resolve_accelerate_flags
+from fabric_lite.launch.launch_checks import LaunchError
+from fabric_lite.launch.launcher import torchrun_command
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -42,7 +42,8 @@ def test_a_directory_as_the_script_is_refused_in_one_line(tmp_path, command):
 
 
 def test_check_script_reads_a_path_only_where_the_launch_runs_a_script_path(tmp_path):
-    from fabric_lite.launch.launcher import LaunchError, check_script, launch_command_parser
+    from fabric_lite.cli.launch_flags import launch_command_parser
+    from fabric_lite.launch.launch_checks import LaunchError, check_script
 
     def args(*argv):
         return launch_command_parser().parse_args(list(argv))
@@ -64,7 +65,7 @@ def test_check_script_reads_a_path_only_where_the_launch_runs_a_script_path(tmp_
 
 
 def test_launch_command_refuses_a_missing_script_with_status_2(tmp_path, capsys):
-    from fabric_lite.launch.launcher import launch_command
+    from fabric_lite.cli.launch_command import launch_command
 
     code = launch_command(["--cpu", "--nproc-per-node", "1", str(tmp_path / "nope.py")])
     err = capsys.readouterr().err

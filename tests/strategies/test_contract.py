@@ -187,7 +187,8 @@ def test_listing_strategies_imports_no_torch():
 
 
 def test_launch_refuses_a_one_process_strategy_on_several():
-    from fabric_lite.launch.launcher import LaunchError, check_launch, launch_command_parser
+    from fabric_lite.cli.launch_flags import launch_command_parser
+    from fabric_lite.launch.launch_checks import LaunchError, check_launch
 
     args = launch_command_parser().parse_args(["--nproc-per-node", "2", "--strategy", "single", "train.py"])
     with pytest.raises(LaunchError, match=r"--strategy single trains in one process.*--strategy ddp"):
