@@ -70,11 +70,10 @@ class Runtime:
         return False
 
     @classmethod
-    def relaunch_command(cls, devices: int, num_nodes: int, script: str, args: List[str]) -> List[str]:
-        """The command that starts `script` again on `devices` processes (the Trainer's re-launch)."""
-        from fabric_lite.launch.launcher import torchrun_command
-
-        return torchrun_command(devices, num_nodes, script, args)
+    def relaunch_command(cls, devices: int, num_nodes: int, script: str, args: List[str]) -> Optional[List[str]]:
+        """The command that starts `script` again on `devices` processes (the Trainer's re-launch); None: the
+        default, one process per device under torch.distributed.run (`launch.launcher.torchrun_command`)."""
+        return None
 
 
 class RuntimeSlot:

@@ -53,4 +53,9 @@ def relaunch_if_needed(devices: Union[int, str], num_nodes: int, runtime: Any = 
     import subprocess
 
     # (the script's own arguments pass through untouched)
-    raise SystemExit(subprocess.call(runtime.relaunch_command(devices, num_nodes, script, sys.argv[1:])))
+    command = runtime.relaunch_command(devices, num_nodes, script, sys.argv[1:])
+    if command is None:
+        from fabric_lite.launch.launcher import torchrun_command
+
+        command = torchrun_command(devices, num_nodes, script, sys.argv[1:])
+    raise SystemExit(subprocess.call(command))
