@@ -175,7 +175,8 @@ def _transformers_model(source: str, model_name: str, trust_remote_code: bool, c
 
     print(f"Loading pretrained config for `{model_name}` from `transformers`...")
     auto_config = transformers.AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
-    auto_map = config.get("auto_map") if isinstance(config.get("auto_map"), dict) else {}
+    found = config.get("auto_map")
+    auto_map: Dict[str, Any] = found if isinstance(found, dict) else {}
     name = next((key for key in auto_map if key.startswith("AutoModelFor")), None)  # remote code's own class
     constructor = getattr(transformers, name) if name and hasattr(transformers, name) else transformers.AutoModel
     with init_empty_weights():

@@ -115,7 +115,9 @@ class CliParser(argparse.ArgumentParser):
         head, script, script_args, given = self.split_argv(argv)
         if script is not None:
             head = head + (["--", script] if script.startswith("-") else [script])
-        namespace, extras = super().parse_known_args(head, namespace)
+        parsed, extras = super().parse_known_args(head, namespace)
+        assert parsed is not None  # (argparse returns the namespace it filled)
+        namespace = parsed
         if self.script_args_dest is not None and script is not None:
             setattr(namespace, self.script_args_dest, list(script_args))
         namespace.command_line = frozenset(given)  # the settings given as flags (not defaults)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import difflib
 import re
 import sys
-from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple, Union
 
 import torch
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, class_from_function
@@ -123,7 +123,7 @@ _NOISE = ("Does not validate against any of the Union subtypes", "Subtypes:", "E
           "Given value:", "Expected a <class 'NoneType'>", "Expected a path but")
 
 
-def one_line_error(message: str, options: List[str] = ()) -> str:
+def one_line_error(message: str, options: Sequence[str] = ()) -> str:
     """jsonargparse's error report (usage, nested union errors) as one line naming the option at fault."""
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     if not lines:
