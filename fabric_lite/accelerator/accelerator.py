@@ -23,8 +23,9 @@ from fabric_lite.accelerator.enums import DistributedType
 from fabric_lite.strategies.connector import connect, resolve_accelerator
 from fabric_lite.data.loader import DataLoaderShard, shard_dataloader, skip_first_batches
 from fabric_lite.engine import LOSS_DIVISIONS, StepEngine
+from fabric_lite.events import announces_construction
 from fabric_lite.strategies.environments import (
-    ENV_GRAD_ACCUM, detect_process, read_launch_settings, records_explain_arguments,
+    ENV_GRAD_ACCUM, detect_process, read_launch_settings,
 )
 from fabric_lite.arguments import ArgumentCheck, is_int
 from fabric_lite.accelerator.wrappers import AcceleratedOptimizer, AcceleratedScheduler, is_scheduler
@@ -59,7 +60,7 @@ class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerCo
     #: given twice or ignored); None otherwise.
     explain_arguments: Optional[Dict[str, Any]] = None
 
-    @records_explain_arguments
+    @announces_construction
     def __init__(
         self,
         device_placement: bool = True,
@@ -279,10 +280,7 @@ class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerCo
         for i, obj in enumerate(result):  # schedulers last: they must find their prepared optimizer
             if is_scheduler(obj) and not isinstance(obj, AcceleratedScheduler):
                 result[i] = self.prepare_scheduler(obj)
-        if self.explain_requested and any(isinstance(obj, DataLoader) for obj in args):
-            from fabric_lite.explain import explain_accelerator
-
-            explain_accelerator(self)  # `fabric-lite explain`: print the plan and exit 0
+        self.events.emit("prepared", self, args)  # (`fabric-lite explain`: the plan, printed, and exit 0)
         return result[0] if len(result) == 1 else tuple(result)
 
     def setup_jointly(self, models: Sequence[nn.Module], optimizers: Sequence[Any], accumulation_steps: int,
