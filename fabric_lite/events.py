@@ -46,8 +46,15 @@ class EventBus:
     __slots__ = EVENTS + ("instrument",)
 
     def __init__(self) -> None:
-        for event in EVENTS:
-            setattr(self, event, [])
+        # (one list per event of EVENTS, written out: a bus is made per door, and loops read these lists)
+        self.prepared: List[Any] = []
+        self.stage_start: List[Any] = []
+        self.fit_start: List[Any] = []
+        self.train_start: List[Any] = []
+        self.step: List[Any] = []
+        self.epoch_end: List[Any] = []
+        self.fit_end: List[Any] = []
+        self.stage_end: List[Any] = []
         #: The object that times the Trainer's calls (its profiler), or None.
         self.instrument: Optional[Any] = None
 
@@ -96,7 +103,10 @@ def announces_construction(init: Callable[..., None]) -> Callable[..., None]:
     registered for its class (with the arguments given), then run `__init__`."""
     import inspect
 
-    signature = inspect.signature(init)
+    params = list(inspect.signature(init).parameters.values())[1:]
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    named = {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    rest = next((p.name for p in params if p.kind is p.VAR_KEYWORD), None)  # (`**unknown`: its own entry)
     door = init.__qualname__.rsplit(".", 2)[-2]  # (the class the decorated __init__ belongs to, subclasses too)
 
     @functools.wraps(init)
@@ -104,11 +114,20 @@ def announces_construction(init: Callable[..., None]) -> Callable[..., None]:
         self.events = EventBus()
         wiring = _WIRING.get(door)
         if wiring:
-            try:
-                bound = signature.bind(self, *args, **kwargs)
-            except TypeError:  # the door reports the mistake itself
-                return init(self, *args, **kwargs)
-            arguments = {k: v for k, v in bound.arguments.items() if k != "self"}
+            # (bound by hand, as inspect's Signature.bind would, at a tenth of its calls)
+            if len(args) > len(positional):
+                return init(self, *args, **kwargs)  # a mistake the door reports itself
+            arguments = dict(zip(positional, args))
+            extra = {}
+            for name, value in kwargs.items():
+                if name in arguments or (name not in named and rest is None):
+                    return init(self, *args, **kwargs)
+                if name in named:
+                    arguments[name] = value
+                else:
+                    extra[name] = value
+            if extra:
+                arguments[rest] = extra
             for wire in wiring:
                 wire(self, arguments)
         return init(self, *args, **kwargs)

@@ -117,10 +117,10 @@ class TrainerPreemption:
         self.world_size = 1
 
     def subscribe(self, events: "EventBus") -> None:
-        events.subscribe("train_start", self.start)
-        events.subscribe("step", self.step)
-        events.subscribe("epoch_end", self)
-        events.subscribe("fit_end", self.end)
+        events.train_start.append(self.start)
+        events.step.append(self.step)
+        events.epoch_end.append(self)
+        events.fit_end.append(self.end)
 
     def start(self, trainer: "Trainer") -> None:
         trainer.preemption = self.watch = PreemptionWatch()
