@@ -3,8 +3,9 @@
 Each door (`Accelerator`, `Trainer`) holds an `EventBus` in `door.events`, given to it before its `__init__` runs
 by `announces_construction`, which also hands the new door and the arguments its caller gave to every function
 registered with `on_construction`: those subscribe the observers a feature needs (see
-`fabric_lite/integrations.py`). The doors never import a feature; with no observer of an event, the door makes no
-call for it (each event is a plain list, tested for emptiness or looped over where it is emitted).
+`fabric_lite/integrations.py`). The doors never import a feature. Each event is a plain list: the training loop
+binds those of each step and epoch end once per epoch and loops over them, so an event nobody observes costs no call
+per step; fit(), validate(), ... and prepare() call `emit` once per event.
 
 Events, each with what its observers are called with:
 
