@@ -17,6 +17,7 @@ makes Ray's own machinery see a fabric_lite run:
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
 
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     from fabric_lite.trainer.module import TrainModule
     from fabric_lite.trainer.trainer import Trainer
 
-__all__ = ["RayReportCallback", "report", "get_checkpoint", "UPLOAD_MODES"]
+__all__ = ["RayReportCallback", "report", "get_checkpoint", "resume_checkpoint", "UPLOAD_MODES"]
 
 UPLOAD_MODES = ("sync", "async")
 _REPORT_ON = ("epoch", "validation")
@@ -130,6 +131,26 @@ def get_checkpoint() -> Optional[str]:
         return f"{scheme}://{checkpoint.path}"
     local = tempfile.mkdtemp(prefix="fabric_lite_ray_checkpoint_")
     return checkpoint.to_directory(local)
+
+
+def resume_checkpoint(trainer: "Trainer", ckpt_path: Optional[str]) -> Optional[str]:
+    """What `Trainer.fit` under Ray resumes from (its observer of `fit_start`, wired in `fabric_lite.integrations`):
+    the checkpoint Ray hands this run (a restarted worker group, a new driver on the same storage and run name) for
+    "last"; for None too when it is a fabric_lite checkpoint (one RayReportCallback reported), so a run Ray restarts
+    resumes by itself, as under torch elastic."""
+    found = get_checkpoint()
+    if found is None:
+        return ckpt_path
+    if ckpt_path is None:
+        from fabric_lite.checkpoint import files as checkpoint_io
+
+        try:
+            checkpoint_io.read_manifest(found)
+        except checkpoint_io.CheckpointError:
+            return None  # the script's own kind of checkpoint: its business
+    if trainer.is_global_zero:
+        print(f"fabric_lite: resuming from the checkpoint Ray handed this run: {found}", file=sys.stderr, flush=True)
+    return found
 
 
 class RayReportCallback(Callback):

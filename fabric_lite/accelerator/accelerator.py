@@ -23,7 +23,8 @@ from fabric_lite.accelerator.enums import DistributedType
 from fabric_lite.strategies.connector import connect
 from fabric_lite.data.loader import DataLoaderShard, shard_dataloader, skip_first_batches
 from fabric_lite.engine import StepEngine
-from fabric_lite.strategies.environments import read_launch_environment, records_explain_arguments
+from fabric_lite.events import EventBus, announces_construction
+from fabric_lite.strategies.environments import read_launch_environment
 from fabric_lite.settings import RunConfig, resolve_run_config
 from fabric_lite.accelerator.wrappers import AcceleratedOptimizer, AcceleratedScheduler, is_scheduler
 from fabric_lite.accelerator.model_state import ModelState
@@ -57,7 +58,7 @@ class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerCo
     #: given twice or ignored); None otherwise.
     explain_arguments: Optional[Dict[str, Any]] = None
 
-    @records_explain_arguments
+    @announces_construction
     def __init__(
         self,
         device_placement: bool = True,
@@ -93,6 +94,7 @@ class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerCo
     def from_run_config(cls, config: RunConfig) -> "Accelerator":
         """An Accelerator built from settings already resolved (the Trainer's), without reading them again."""
         accelerator = cls.__new__(cls)
+        accelerator.events = EventBus()  # (no observers: the Trainer that built it watches the run itself)
         if config.explain_dry_run:  # (what `Accelerator(**config.arguments)` would have recorded)
             accelerator.explain_arguments = dict(config.arguments)
         accelerator.configure(config)
@@ -207,10 +209,7 @@ class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerCo
         for i, obj in enumerate(result):  # schedulers last: they must find their prepared optimizer
             if is_scheduler(obj) and not isinstance(obj, AcceleratedScheduler):
                 result[i] = self.prepare_scheduler(obj)
-        if self.explain_requested and any(isinstance(obj, DataLoader) for obj in args):
-            from fabric_lite.explain import explain_accelerator
-
-            explain_accelerator(self)  # `fabric-lite explain`: print the plan and exit 0
+        self.events.emit("prepared", self, args)  # (`fabric-lite explain`: the plan, printed, and exit 0)
         return result[0] if len(result) == 1 else tuple(result)
 
     def setup_jointly(self, models: Sequence[nn.Module], optimizers: Sequence[Any], accumulation_steps: int,

@@ -5,18 +5,26 @@ happens to notice would leave ranks waiting for each other in a collective, so p
 flags in one small all-reduce, taken every N steps by all of them. N adapts: the main process
 proposes, inside that same all-reduce, the number of steps that take about `check_seconds`, so the
 check costs one collective a second whatever the step time.
+
+`PreemptionWatch` is what `Accelerator.check_preemption` runs; `TrainerPreemption` observes the Trainer's events
+(`fabric_lite.events`) and, once every process agrees, saves a `preempted` checkpoint and exits `EXIT_PREEMPTED`.
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 import time
-from typing import Any, Callable, Dict, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
 
 import torch
 
-__all__ = ["EXIT_PREEMPTED", "PreemptionWatch"]
+if TYPE_CHECKING:
+    from fabric_lite.events import EventBus
+    from fabric_lite.trainer.trainer import Trainer
+
+__all__ = ["EXIT_PREEMPTED", "PreemptionWatch", "TrainerPreemption"]
 
 #: Exit status of a run that stopped because it was asked to (EX_TEMPFAIL: "try again later").
 EXIT_PREEMPTED = 75
@@ -69,12 +77,13 @@ class PreemptionWatch:
         return signal.Signals(self.received).name if self.received is not None else ""
 
     # -- agreement -------------------------------------------------------------------------------------
-    def should_stop(self, strategy: Any, save_failed: bool = False) -> bool:
+    def should_stop(self, strategy: Any, save_failed: bool = False, world_size: Optional[int] = None) -> bool:
         """Call once per step on every process. True on all processes at the same step once any got a signal.
 
         `save_failed`: whether this process holds a failed background checkpoint save; the same all-reduce
-        carries it, and `save_failed_anywhere` is then True on every process at the same step."""
-        if strategy.world_size == 1:
+        carries it, and `save_failed_anywhere` is then True on every process at the same step. `world_size`:
+        the strategy's, where the caller holds it already."""
+        if (strategy.world_size if world_size is None else world_size) == 1:
             self.save_failed_anywhere = save_failed
             return self.received is not None
         self._countdown -= 1
@@ -93,3 +102,64 @@ class PreemptionWatch:
         self._last_check = now
         self.save_failed_anywhere = failed > 0
         return stop > 0
+
+
+class TrainerPreemption:
+    """The Trainer's observer of SIGTERM / SIGUSR1: caught from the start of training to its end; checked at every
+    step (`PreemptionWatch.should_stop`) and at each epoch end (in the collective that agrees on `should_stop`).
+    Every process then saves ``{checkpoint_dir}/preempted`` at the same step and exits with `EXIT_PREEMPTED`.
+    The watch of the latest fit is `trainer.preemption`."""
+
+    def __init__(self, trainer: "Trainer") -> None:
+        trainer.preemption = self.watch = PreemptionWatch()
+        self.saver: Any = None
+        self.strategy: Any = None
+        self.world_size = 1
+
+    def subscribe(self, events: "EventBus") -> None:
+        events.train_start.append(self.start)
+        events.step.append(self.step)
+        events.epoch_end.append(self)
+        events.fit_end.append(self.end)
+
+    def start(self, trainer: "Trainer") -> None:
+        trainer.preemption = self.watch = PreemptionWatch()
+        self.watch.install()
+        self.saver, self.strategy = trainer.accelerator.checkpoint_saver, trainer.strategy
+        self.world_size = self.strategy.world_size
+
+    def step(self, trainer: "Trainer", batch_idx: int) -> None:
+        saver = self.saver
+        if self.watch.should_stop(self.strategy, saver.failed, self.world_size):
+            self.act(trainer)
+        if self.watch.save_failed_anywhere:
+            saver.raise_failure()  # every process at this same step
+
+    def flag(self, trainer: "Trainer") -> bool:
+        """At an epoch end: whether this process got a signal (every process learns whether any did)."""
+        return self.watch.received is not None
+
+    def act(self, trainer: "Trainer") -> None:
+        """Every process got here at the same step: save one checkpoint together, then exit."""
+        path = f"{trainer.checkpoint_dir().rstrip('/')}/preempted"
+        earlier = None
+        try:
+            trainer.accelerator.wait_for_checkpoint()  # (every process waits: the outcome is the same everywhere)
+        except Exception as err:  # the preemption checkpoint matters more: save it, then say what failed before
+            earlier = err
+        trainer.save_checkpoint(path)
+        if trainer.is_global_zero:
+            reason = self.watch.signal_name or "a signal on another process"
+            if earlier is not None:
+                print(f"fabric_lite: an earlier background checkpoint save failed: {earlier}", file=sys.stderr,
+                      flush=True)
+            print(f"fabric_lite: {reason} received; saved {path} at step {trainer.global_step}. Exiting with status "
+                  f"{EXIT_PREEMPTED}; fit(..., ckpt_path='last') resumes from there.", file=sys.stderr, flush=True)
+        # From here on the job is leaving on purpose: a launcher's SIGTERM to the other ranks must not
+        # turn their clean exit into a signal death.
+        self.watch.uninstall()
+        self.watch.ignore_signals()
+        raise SystemExit(EXIT_PREEMPTED)
+
+    def end(self, trainer: "Trainer") -> None:
+        self.watch.uninstall()

@@ -10,15 +10,16 @@
 Each writes its files per rank, ``{stage}-{filename}-{rank}...``, into `dirpath` (default: the Trainer's log_dir).
 With no profiler the Trainer's loops make no profiling call at all.
 
-This package sits under the trainer: it imports the accelerator's profiling core, never the trainer.
+The Trainer never imports this package: `fabric_lite/integrations.py` turns `profiler=` into the Trainer's
+instrument (`resolve_profiler`). The base classes and `SimpleProfiler` live with the Trainer
+(`fabric_lite/trainer/profiler.py`); the others import the accelerator's profiling core.
 """
 
 from fabric_lite.profilers.advanced import AdvancedProfiler
-from fabric_lite.profilers.profiler import PassThroughProfiler, Profiler, TimedHooks
 from fabric_lite.profilers.pytorch import PyTorchProfiler, RegisterRecordFunction
 from fabric_lite.profilers.resolve import PROFILERS, resolve_profiler
-from fabric_lite.profilers.simple import SimpleProfiler
 from fabric_lite.profilers.xla import XLAProfiler
+from fabric_lite.trainer.profiler import PassThroughProfiler, Profiler, SimpleProfiler, TimedHooks
 
 PROFILERS["xla"] = XLAProfiler  # (always imported with the package: resolve_profiler knows the name)
 

@@ -17,7 +17,7 @@ import os
 import pstats
 from typing import Dict, List, Optional
 
-from fabric_lite.profilers.profiler import Profiler
+from fabric_lite.trainer.profiler import Profiler
 
 __all__ = ["AdvancedProfiler"]
 

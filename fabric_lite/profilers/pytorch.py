@@ -37,7 +37,7 @@ from fabric_lite.accelerator.profiling import (
     torch_profiler_arguments,
     write_chrome_trace,
 )
-from fabric_lite.profilers.profiler import Profiler
+from fabric_lite.trainer.profiler import Profiler
 
 __all__ = ["PyTorchProfiler", "RegisterRecordFunction", "STEP_ACTIONS", "SORT_KEYS"]
 

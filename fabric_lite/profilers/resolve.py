@@ -6,9 +6,8 @@ from typing import Any, Callable, Dict
 
 from fabric_lite.arguments import fail
 from fabric_lite.profilers.advanced import AdvancedProfiler
-from fabric_lite.profilers.profiler import PassThroughProfiler, Profiler
 from fabric_lite.profilers.pytorch import PyTorchProfiler
-from fabric_lite.profilers.simple import SimpleProfiler
+from fabric_lite.trainer.profiler import PassThroughProfiler, Profiler, SimpleProfiler
 
 __all__ = ["resolve_profiler", "PROFILERS"]
 

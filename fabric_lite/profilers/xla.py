@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any, Dict, List, Optional
 
-from fabric_lite.profilers.profiler import Profiler
+from fabric_lite.trainer.profiler import Profiler
 from fabric_lite.utils.refusals import NotSupportedError, message
 
 __all__ = ["XLAProfiler"]

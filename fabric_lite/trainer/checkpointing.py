@@ -3,14 +3,13 @@ validate/test/predict load for `ckpt_path`. The files themselves are written and
 
 from __future__ import annotations
 
-import sys
 import warnings
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
 if TYPE_CHECKING:
     from fabric_lite.trainer.trainer import Trainer
 
-__all__ = ["TrainerCheckpointState", "LoggedAggregates", "ray_checkpoint", "restore", "load_eval_weights"]
+__all__ = ["TrainerCheckpointState", "LoggedAggregates", "restore", "load_eval_weights"]
 
 
 class TrainerCheckpointState:
@@ -57,27 +56,6 @@ class LoggedAggregates:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.trainer.metric_store.load_state_dict(state, self.trainer.module)
-
-
-def ray_checkpoint(trainer: "Trainer", ckpt_path: Optional[str]) -> Optional[str]:
-    """Under Ray: the checkpoint Ray hands this run (a restarted worker group, a new driver on the same storage
-    and run name) for "last"; for None too when it is a fabric_lite checkpoint (one RayReportCallback reported),
-    so a run Ray restarts resumes by itself, as under torch elastic."""
-    from fabric_lite.ray import get_checkpoint
-
-    found = get_checkpoint()
-    if found is None:
-        return ckpt_path
-    if ckpt_path is None:
-        from fabric_lite.checkpoint import files as checkpoint_io
-
-        try:
-            checkpoint_io.read_manifest(found)
-        except checkpoint_io.CheckpointError:
-            return None  # the script's own kind of checkpoint: its business
-    if trainer.is_global_zero:
-        print(f"fabric_lite: resuming from the checkpoint Ray handed this run: {found}", file=sys.stderr, flush=True)
-    return found
 
 
 def restore(trainer: "Trainer", ckpt_path: str) -> None:

@@ -2,7 +2,9 @@
 
 A training micro-step runs through the step engine (`trainer.accelerator`, see `engine.py`), the same
 code the raw door runs; device, precision and gradient decisions go to the strategy beneath it. These
-functions only decide *when* things happen.
+functions only decide *when* things happen. What watches them observes `trainer.events` (`events.py`): the
+observers of each step and epoch end, and the instrument (a profiler) whose timed calls stand in for the steps,
+hooks and loaders, are looked up once per epoch.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from fabric_lite.trainer.data_connector import reload_loaders
 from fabric_lite.trainer.module import TrainModule
 
 if TYPE_CHECKING:
-    from fabric_lite.trainer.profiler import Profiler
     from fabric_lite.trainer.trainer import Trainer
 
 __all__ = ["run_fit", "run_evaluation", "batch_limit", "loader_length", "empty_loader_warning", "may_stop",
@@ -37,9 +38,10 @@ def takes_dataloader_idx(fn: Any) -> bool:
 class _StepHooks:
     """The per-step hooks that do something, looked up once per epoch: calling the empty defaults of
     every callback and of the module on each step costs more than a tiny model's step takes to vary.
-    Under a profiler each one is timed. Callbacks run before the module at each hook, as in Lightning."""
+    Under an instrument (a profiler) each one is timed. Callbacks run before the module at each hook, as in
+    Lightning."""
 
-    def __init__(self, trainer: "Trainer", profiler: Optional["Profiler"] = None) -> None:
+    def __init__(self, trainer: "Trainer", instrument: Any = None) -> None:
         from fabric_lite.callbacks.base import Callback
 
         module = trainer.module
@@ -48,14 +50,14 @@ class _StepHooks:
         def mine(name: str) -> Any:
             if name not in vars(module) and getattr(type(module), name) is getattr(TrainModule, name):
                 return None
-            if profiler is not None:
-                return profiler.wrap(f"[TrainModule]{type(module).__name__}.{name}", getattr(module, name))
+            if instrument is not None:
+                return instrument.wrap(f"[TrainModule]{type(module).__name__}.{name}", getattr(module, name))
             return getattr(module, name)
 
         def theirs(name: str) -> List[Any]:
             default = getattr(Callback, name)
-            if profiler is not None:
-                return [profiler.wrap(f"[Callback]{type(cb).__name__}.{name}", getattr(cb, name))
+            if instrument is not None:
+                return [instrument.wrap(f"[Callback]{type(cb).__name__}.{name}", getattr(cb, name))
                         for cb in trainer.callbacks if name in vars(cb) or getattr(type(cb), name) is not default]
             return [getattr(cb, name) for cb in trainer.callbacks
                     if name in vars(cb) or getattr(type(cb), name) is not default]
@@ -117,11 +119,11 @@ def run_fit(trainer: "Trainer") -> None:
         trainer.call_callback_hook("on_sanity_check_end")
         trainer.sanity_checking = False
         trainer.metric_store.clear_outputs()
-    profiler = trainer.profiler if trainer.profiler.enabled else None
-    for cb in trainer.callbacks if profiler is None else trainer.timed_callbacks():
+    instrument = trainer.events.instrument  # (a profiler: the calls below are timed; None: called as they are)
+    for cb in trainer.callbacks if instrument is None else trainer.timed_callbacks():
         cb.on_hyperparameters(trainer, dict(module.hparams))
     trainer.call_hook("on_train_start")
-    train_epoch = _train_epoch if profiler is None else profiler.wrap("run_training_epoch", _train_epoch)
+    train_epoch = _train_epoch if instrument is None else instrument.wrap("run_training_epoch", _train_epoch)
     warned = False
     reload_every = trainer.reload_dataloaders_every_n_epochs
     trainer.loaded_epoch = trainer.current_epoch  # (the loaders were asked for at this epoch: resumed, it is later)
@@ -211,30 +213,32 @@ def _train_epoch(trainer: "Trainer") -> bool:
     metrics.fx = "training_step"  # (and the other per-batch hooks: Lightning's rules are the same for them all)
     batch_idx = start - 1
     cut_short = False
-    # What each step calls, looked up once per epoch: timed wrappers under a profiler, else the calls themselves.
-    profiler = trainer.profiler if trainer.profiler.enabled else None
-    hooks = _StepHooks(trainer, profiler)
+    # What each step calls, looked up once per epoch: timed wrappers under an instrument (a profiler), else the
+    # calls themselves; and the observers of each step (preemption).
+    events = trainer.events
+    instrument, on_step = events.instrument, events.step
+    hooks = _StepHooks(trainer, instrument)
     forward, backward, step_optimizers, step_scheduler = model, engine.backward, engine.step_optimizers, _step_scheduler
     callbacks, module_hooks = trainer.callbacks, module
-    if profiler is not None:
+    if instrument is not None:
         name = type(strategy).__name__
-        forward = profiler.wrap(f"[Strategy]{name}.training_step", model)
-        backward = profiler.wrap(f"[Strategy]{name}.backward", backward)
-        step_optimizers = profiler.wrap(f"[Strategy]{name}.optimizer_step", step_optimizers)
-        step_scheduler = profiler.wrap("lr_scheduler_step", step_scheduler)
-        callbacks, module_hooks = trainer.timed_callbacks(), profiler.timed(module, "TrainModule", TrainModule)
+        forward = instrument.wrap(f"[Strategy]{name}.training_step", model)
+        backward = instrument.wrap(f"[Strategy]{name}.backward", backward)
+        step_optimizers = instrument.wrap(f"[Strategy]{name}.optimizer_step", step_optimizers)
+        step_scheduler = instrument.wrap("lr_scheduler_step", step_scheduler)
+        callbacks, module_hooks = trainer.timed_callbacks(), instrument.timed(module, "TrainModule", TrainModule)
     # a module stepping its own optimizers may run several backwards per forward: unwrapped where the wrapper
     # could not follow them (see manual_optimization.py)
     manual_forward = forward
     if not module.automatic_optimization and strategy.syncs_gradients_per_forward and trainer.world_size > 1:
-        manual_forward = trainer.eval_model if profiler is None else \
-            profiler.wrap(f"[Strategy]{type(strategy).__name__}.training_step", trainer.eval_model)
+        manual_forward = trainer.eval_model if instrument is None else \
+            instrument.wrap(f"[Strategy]{type(strategy).__name__}.training_step", trainer.eval_model)
     models = (model,)
     gradient_state = engine.gradient_state
     validates_in_epoch = bool(trainer.val_dataloaders)
     # (the loader is not held in a variable: breaking out of the loop closes its iterator at once, as before)
-    for batch_idx, batch in enumerate(loader if profiler is None else profiler.iterate("train_dataloader_next", loader),
-                                      start=start):
+    for batch_idx, batch in enumerate(loader if instrument is None else
+                                      instrument.iterate("train_dataloader_next", loader), start=start):
         if limit is not None and batch_idx >= limit:
             break
         if hooks.transfer is not None:
@@ -275,11 +279,8 @@ def _train_epoch(trainer: "Trainer") -> bool:
         if trainer.global_step != steps_before and (trainer.global_step % trainer.log_every_n_steps == 0
                                                     or batch_idx + 1 == limit):
             _flush_step_metrics(trainer)
-        saver = trainer.accelerator.checkpoint_saver
-        if trainer.preemption.should_stop(strategy, save_failed=saver.failed):
-            _stop_preempted(trainer)
-        if trainer.preemption.save_failed_anywhere:
-            saver.raise_failure()  # every process at this same step
+        for observe in on_step:
+            observe(trainer, batch_idx)
         if validates_in_epoch and _should_validate_in_epoch(trainer, batch_idx, limit):
             _validate(trainer)
         if 0 <= trainer.max_steps <= trainer.global_step or trainer.time_is_up():
@@ -310,40 +311,18 @@ def _train_epoch(trainer: "Trainer") -> bool:
     trainer.log_metrics(metrics.epoch_end(), trainer.global_step)  # what the callbacks logged there
     metrics.fx = None
     drew = batch_idx >= start or start > 0  # (resumed at an epoch's end: nothing more was asked of the loader)
-    # every process must agree to stop, or one would wait in a collective the others never reach;
-    # the same collective tells whether any process was asked to stop by a signal
-    flags = torch.tensor([float(trainer.should_stop), float(trainer.preemption.received is not None)],
-                         device=trainer.device)  # nccl reduces device tensors only
-    stop, preempted = strategy.all_reduce(flags, "max").tolist()
-    trainer.should_stop = bool(stop)
-    if preempted:
-        _stop_preempted(trainer)
+    # every process must agree to stop, or one would wait in a collective the others never reach; the same
+    # collective carries each epoch-end observer's flag (preemption: a signal arrived), acted on everywhere
+    flags = [float(trainer.should_stop)]
+    voters = events.epoch_end
+    for voter in voters:
+        flags.append(float(voter.flag(trainer)))
+    agreed = strategy.all_reduce(torch.tensor(flags, device=trainer.device), "max").tolist()  # (nccl: device tensors)
+    trainer.should_stop = bool(agreed[0])
+    for voter, raised in zip(voters, agreed[1:]):
+        if raised:
+            voter.act(trainer)
     return drew
-
-
-def _stop_preempted(trainer: "Trainer") -> None:
-    """Every process got here at the same step: save one checkpoint together, then exit."""
-    from fabric_lite.launch.preemption import EXIT_PREEMPTED
-
-    path = f"{trainer.checkpoint_dir().rstrip('/')}/preempted"
-    earlier = None
-    try:
-        trainer.accelerator.wait_for_checkpoint()  # (every process waits: the outcome is the same everywhere)
-    except Exception as err:  # the preemption checkpoint matters more: save it, then say what failed before
-        earlier = err
-    trainer.save_checkpoint(path)
-    if trainer.is_global_zero:
-        reason = trainer.preemption.signal_name or "a signal on another process"
-        if earlier is not None:
-            print(f"fabric_lite: an earlier background checkpoint save failed: {earlier}", file=sys.stderr,
-                  flush=True)
-        print(f"fabric_lite: {reason} received; saved {path} at step {trainer.global_step}. Exiting with status "
-              f"{EXIT_PREEMPTED}; fit(..., ckpt_path='last') resumes from there.", file=sys.stderr, flush=True)
-    # From here on the job is leaving on purpose: a launcher's SIGTERM to the other ranks must not
-    # turn their clean exit into a signal death.
-    trainer.preemption.uninstall()
-    trainer.preemption.ignore_signals()
-    raise SystemExit(EXIT_PREEMPTED)
 
 
 def _step_scheduler(trainer: "Trainer", sched: Any) -> None:
@@ -376,11 +355,11 @@ def run_evaluation(trainer: "Trainer", stage: str, loaders: List[Any], limit: Op
     hook = "validation" if stage == "validate" else "test"
     saved = metrics.begin_evaluation(stage, fresh_steps=not in_fit)
     modes = [(m, m.training) for m in module.modules()]  # restored after, unless the module says how
-    profiler = trainer.profiler if trainer.profiler.enabled else None
+    instrument = trainer.events.instrument  # (a profiler: the calls below are timed; None: called as they are)
     forward, callbacks, module_hooks = model, trainer.callbacks, module
-    if profiler is not None:
-        forward = profiler.wrap(f"[Strategy]{type(trainer.strategy).__name__}.{hook}_step", model)
-        callbacks, module_hooks = trainer.timed_callbacks(), profiler.timed(module, "TrainModule", TrainModule)
+    if instrument is not None:
+        forward = instrument.wrap(f"[Strategy]{type(trainer.strategy).__name__}.{hook}_step", model)
+        callbacks, module_hooks = trainer.timed_callbacks(), instrument.timed(module, "TrainModule", TrainModule)
     getattr(module_hooks, f"on_{hook}_model_eval")()
     trainer.call_hook(f"on_{hook}_start")
     trainer.call_hook(f"on_{hook}_epoch_start")
@@ -404,8 +383,8 @@ def run_evaluation(trainer: "Trainer", stage: str, loaders: List[Any], limit: Op
             step_extra = extra if step_takes_idx else ()
             loader_limit = batch_limit(trainer.limits[stage] if limit is None else limit, loader_length(loader))
             metrics.start_eval_loader(dataloader_idx if several else None, loader_limit)
-            batches = loader if profiler is None else \
-                profiler.iterate(f"{'val' if hook == 'validation' else hook}_dataloader_next", loader)
+            batches = loader if instrument is None else \
+                instrument.iterate(f"{'val' if hook == 'validation' else hook}_dataloader_next", loader)
             for batch_idx, batch in enumerate(batches):
                 if loader_limit is not None and batch_idx >= loader_limit:
                     break

@@ -49,11 +49,11 @@ def run_predict(trainer: "Trainer", loaders: List[Any], return_predictions: bool
 
     module, model = trainer.module, trainer.eval_model
     state = trainer.predict_loop
-    profiler = trainer.profiler if trainer.profiler.enabled else None
+    instrument = trainer.events.instrument  # (a profiler: the calls below are timed; None: called as they are)
     forward, callbacks, module_hooks = model, trainer.callbacks, module
-    if profiler is not None:
-        forward = profiler.wrap(f"[Strategy]{type(trainer.strategy).__name__}.predict_step", model)
-        callbacks, module_hooks = trainer.timed_callbacks(), profiler.timed(module, "TrainModule", TrainModule)
+    if instrument is not None:
+        forward = instrument.wrap(f"[Strategy]{type(trainer.strategy).__name__}.predict_step", model)
+        callbacks, module_hooks = trainer.timed_callbacks(), instrument.timed(module, "TrainModule", TrainModule)
     writers = [cb for cb in trainer.callbacks if isinstance(cb, BasePredictionWriter)]
     on_epoch = any(w.interval.on_epoch for w in writers)
     keep = return_predictions or on_epoch or trainer.gathers_predictions
@@ -85,7 +85,7 @@ def run_predict(trainer: "Trainer", loaders: List[Any], return_predictions: bool
                               f"are unknown (it has no sampler of indices: an IterableDataset?); prediction "
                               f"writers are told None.", UserWarning, stacklevel=3)
             limit = batch_limit(trainer.limits["predict"], loader_length(loader))
-            batches = loader if profiler is None else profiler.iterate("predict_dataloader_next", loader)
+            batches = loader if instrument is None else instrument.iterate("predict_dataloader_next", loader)
             for batch_idx, batch in enumerate(batches):
                 if limit is not None and batch_idx >= limit:
                     break

@@ -19,12 +19,13 @@ from torch import nn
 from fabric_lite.accelerator.accelerator import Accelerator
 from fabric_lite.arguments import ArgumentCheck, is_int
 from fabric_lite.callbacks.base import Callback
-from fabric_lite.strategies.environments import detect_process, read_launch_environment, records_explain_arguments
+from fabric_lite.events import FitRun, announces_construction
+from fabric_lite.strategies.environments import detect_process, read_launch_environment
 from fabric_lite.trainer.barebones import BarebonesMetricStore
 from fabric_lite.trainer.logged_metrics import MetricStore
 from fabric_lite.trainer.module import DataModule, TrainModule
 from fabric_lite.trainer.checkpointing import (
-    LoggedAggregates, TrainerCheckpointState, load_eval_weights, ray_checkpoint, restore,
+    LoggedAggregates, TrainerCheckpointState, load_eval_weights, restore,
 )
 from fabric_lite.trainer.facts import TrainerFacts
 from fabric_lite.trainer.data_hooks import batch_transfer
@@ -43,21 +44,28 @@ from fabric_lite.trainer.step_runner import StepRunner
 from fabric_lite.trainer.callback_list import (
     add_default_callbacks, add_model_summary, merge_module_callbacks, order_callbacks,
 )
-from fabric_lite.profilers import Profiler, resolve_profiler
+from fabric_lite.trainer.profiler import Profiler
 from fabric_lite.trainer.lightning_surface import TrainerLightningNames, check_refused_arguments, \
     check_refused_overrides
-from fabric_lite.launch.preemption import PreemptionWatch
 
 __all__ = ["Trainer", "convert_sync_batchnorm", "SYNC_BATCHNORM_DEVICES"]
 
 
 class Trainer(TrainerFacts, TrainerLightningNames):
-    """Fit a TrainModule: `Trainer(max_epochs=3, precision="bf16-mixed").fit(module, train_loader, val_loader)`."""
+    """Fit a TrainModule: `Trainer(max_epochs=3, precision="bf16-mixed").fit(module, train_loader, val_loader)`.
+
+    Features that watch a run (the profiler, `explain`, preemption, Ray) observe its events (`self.events`, see
+    `fabric_lite/events.py`); `fabric_lite/integrations.py` subscribes them as the Trainer is built."""
 
     #: Under `fabric-lite explain`, the arguments this Trainer was given; None otherwise.
     explain_arguments: Optional[Dict[str, Any]] = None
+    #: Profiles the hooks and steps when given one (`profiler="simple"`, "advanced", "pytorch"); a
+    #: PassThroughProfiler otherwise. Set as the Trainer is built (`fabric_lite/integrations.py`).
+    profiler: Profiler
+    #: The signal watch of the latest fit (preemption), set as the Trainer is built.
+    preemption: Any = None
 
-    @records_explain_arguments
+    @announces_construction
     def __init__(
         self, *, max_epochs: Optional[int] = None, max_steps: int = -1, max_time: Optional[float] = None,
         accelerator: str = "auto", devices: Union[int, str] = "auto", num_nodes: int = 1,
@@ -86,7 +94,6 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         # Every argument is checked here, before anything starts (a relaunch, the strategy, torch's settings).
         check = ArgumentCheck("Trainer")
         settings = resolve_settings(check, given)
-        profiler = resolve_profiler(profiler)
         apply_torch_settings(settings)
         run_config = resolve_trainer_run_config(settings, read_launch_environment())
         devices, num_nodes = settings.devices or "auto", settings.num_nodes  # (None, as "auto": what the launch says)
@@ -111,9 +118,6 @@ class Trainer(TrainerFacts, TrainerLightningNames):
                        f"'SyncBatchNorm expected input tensor to be on GPU' at the first training step). Train on "
                        f"GPUs, or drop sync_batchnorm: each process then normalizes over its own batch.")
         self.sync_batchnorm = sync_batchnorm
-        #: Profiles the hooks and steps when given one (`profiler="simple"`, "advanced", "pytorch"); a
-        #: PassThroughProfiler otherwise.
-        self.profiler: Profiler = profiler
         self.max_epochs = settings.max_epochs
         self.max_steps = settings.max_steps
         self.max_time = settings.max_time
@@ -149,7 +153,6 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         self.optimizers: List[Any] = []
         self.lr_scheduler_configs: List[SchedulerConfig] = []
         self.start_time: Optional[float] = None
-        self.preemption = PreemptionWatch()
         self.module: Optional[TrainModule] = None
         #: ids of the TrainModules whose configure_model() has run (once each, whatever stage comes first).
         self.configured_models: set = set()
@@ -159,21 +162,12 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         self.gathers_predictions = False  # predict(gather=True) is running
 
     def timed_callbacks(self) -> List[Any]:
-        """The callbacks, each hook read from them timed by the profiler (only while one is on)."""
-        return [self.profiler.timed(cb, "Callback", Callback) for cb in self.callbacks]
-
-    def _start_profile(self, stage: str) -> None:
-        self.profiler.module = self.module  # (for profilers that label its layers)
-        # (positional: a profiler written for Lightning names the second argument local_rank)
-        self.profiler.setup(stage, self.global_rank if self.world_size > 1 else None, self.log_dir)
-
-    def _end_profile(self, stage: str) -> None:
-        """Print the stage's report on the main process (each process writes its report file, if it has one)."""
-        self.profiler.log_dir = self.log_dir
-        text = self.profiler.describe()
-        if text and self.is_global_zero:
-            print(text, file=sys.stderr, flush=True)
-        self.profiler.teardown(stage)
+        """The callbacks as the hooks are called on them: each hook timed by the instrument (the profiler), where
+        the Trainer has one; the callbacks themselves otherwise."""
+        instrument = self.events.instrument
+        if instrument is None:
+            return self.callbacks
+        return [instrument.timed(cb, "Callback", Callback) for cb in self.callbacks]
 
     # -- what callbacks and modules read -----------------------------------------------------------
     @property
@@ -196,7 +190,7 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         values = {k: float(v.detach() if v.requires_grad else v) if isinstance(v, torch.Tensor) else float(v)
                   for k, v in metrics.items()}
         self.metric_store.logged_metrics.update(metrics)
-        for cb in self.callbacks if not self.profiler.enabled else self.timed_callbacks():
+        for cb in self.callbacks if self.events.instrument is None else self.timed_callbacks():
             cb.on_log(self, values, self.global_step if step is None else step)
 
     def call_hook(self, hook: str, *args: Any) -> None:
@@ -204,8 +198,9 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         profiler)."""
         module: Any = self.module
         callbacks: List[Any] = self.callbacks
-        if self.profiler.enabled:
-            module, callbacks = self.profiler.timed(module, "TrainModule", TrainModule), self.timed_callbacks()
+        instrument = self.events.instrument
+        if instrument is not None:
+            module, callbacks = instrument.timed(module, "TrainModule", TrainModule), self.timed_callbacks()
         store = self.metric_store
         running, store.fx = store.fx, hook  # (what self.log may do depends on the hook)
         for cb in callbacks:
@@ -220,7 +215,7 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         on_sanity_check_start)."""
         store = self.metric_store
         running, store.fx = store.fx, hook
-        for cb in self.callbacks if not self.profiler.enabled else self.timed_callbacks():
+        for cb in self.callbacks if self.events.instrument is None else self.timed_callbacks():
             getattr(cb, hook)(self, self.module, *args)
         store.fx = running
 
@@ -280,24 +275,22 @@ class Trainer(TrainerFacts, TrainerLightningNames):
                             f"gradients with it and would wait forever. Use precision='bf16-mixed' or '32-true', or "
                             f"automatic optimization.")
                     opt.optimizer.register_step_pre_hook(average_gradients_before_step(self.strategy))
-        if self.explain or self.accelerator.explain_requested:  # print the plan instead of training
-            from fabric_lite.explain import explain_trainer
-
-            explain_trainer(self, module, ckpt_path)  # exits 0 under `fabric-lite explain`
+        events = self.events
+        run = FitRun(module, ckpt_path)
+        events.emit("prepared", self, run)  # (`explain`: the plan, printed in place of training)
+        if not run.train:
             return
         self.accelerator.register_for_checkpointing(TrainerCheckpointState(self))
         self.accelerator.register_for_checkpointing(LoggedAggregates(self), per_process=True)
         if self.enable_model_summary:
             add_model_summary(self.callbacks)
-        profiling = self.profiler.enabled
-        if profiling:
-            self._start_profile("fit")
-        callbacks = self.timed_callbacks() if profiling else self.callbacks
+        events.emit("stage_start", self, "fit")
+        callbacks = self.timed_callbacks()
         for cb in callbacks:
             cb.setup(self, module, "fit")
+        events.emit("fit_start", self, run)  # (under Ray: the checkpoint Ray hands the run)
+        ckpt_path = run.ckpt_path
         process = detect_process()
-        if ckpt_path in (None, "last") and process.started_by_ray:
-            ckpt_path = ray_checkpoint(self, ckpt_path)
         if ckpt_path is None and process.restart_count > 0:
             ckpt_path = "last"  # restarted by torch elastic: go on from the newest whole checkpoint
             if self.is_global_zero:
@@ -305,8 +298,7 @@ class Trainer(TrainerFacts, TrainerLightningNames):
                       f"under {self.checkpoint_dir()}", file=sys.stderr, flush=True)
         if ckpt_path is not None:
             restore(self, ckpt_path)
-        self.preemption = PreemptionWatch()
-        self.preemption.install()
+        events.emit("train_start", self)  # (preemption: the signals are caught from here on)
         try:
             with torch.autograd.set_detect_anomaly(self.settings.detect_anomaly):
                 loops.run_fit(self)
@@ -317,12 +309,11 @@ class Trainer(TrainerFacts, TrainerLightningNames):
             raise
         finally:
             self.accelerator.checkpoint_saver.close(quiet=True)  # after a failure too: nothing is left writing
-            self.preemption.uninstall()
+            events.emit("fit_end", self)
             for cb in callbacks:
                 cb.teardown(self, module, "fit")
             teardown_data(module, datamodule, "fit")  # after a failure too, as their setup ran
-            if profiling:
-                self._end_profile("fit")
+            events.emit("stage_end", self, "fit")
 
     def validate(self, module: Optional[TrainModule] = None, dataloaders: Any = None,
                  datamodule: Optional[DataModule] = None, ckpt_path: Optional[str] = None) -> List[Dict[str, float]]:
@@ -352,10 +343,8 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         loaders = self._eval_loaders(module, datamodule, "predict", dataloaders, ckpt_path)
         self.predict_loop = PredictionState()
         self.gathers_predictions = bool(gather)
-        profiling = self.profiler.enabled
-        if profiling:
-            self._start_profile("predict")
-        callbacks = self.timed_callbacks() if profiling else self.callbacks
+        self.events.emit("stage_start", self, "predict")
+        callbacks = self.timed_callbacks()
         try:
             for cb in callbacks:
                 cb.setup(self, module, "predict")
@@ -369,8 +358,7 @@ class Trainer(TrainerFacts, TrainerLightningNames):
             for cb in callbacks:
                 cb.teardown(self, module, "predict")
             teardown_data(module, datamodule, "predict")
-            if profiling:
-                self._end_profile("predict")
+            self.events.emit("stage_end", self, "predict")
 
     def _evaluate(self, stage: str, module: Optional[TrainModule], dataloaders: Any,
                   datamodule: Optional[DataModule], ckpt_path: Optional[str] = None) -> List[Dict[str, float]]:
@@ -381,10 +369,8 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         if module is None:
             raise ValueError(f"{stage}() needs a module (or a Trainer that has already fit one).")
         loaders = self._eval_loaders(module, datamodule, stage, dataloaders, ckpt_path)
-        profiling = self.profiler.enabled
-        if profiling:
-            self._start_profile(stage)
-        callbacks = self.timed_callbacks() if profiling else self.callbacks
+        self.events.emit("stage_start", self, stage)
+        callbacks = self.timed_callbacks()
         try:
             for cb in callbacks:
                 cb.setup(self, module, stage)
@@ -398,8 +384,7 @@ class Trainer(TrainerFacts, TrainerLightningNames):
             for cb in callbacks:
                 cb.teardown(self, module, stage)
             teardown_data(module, datamodule, stage)
-            if profiling:
-                self._end_profile(stage)
+            self.events.emit("stage_end", self, stage)
 
     def _eval_loaders(self, module: TrainModule, datamodule: Optional[DataModule], stage: str,
                       dataloaders: Any, ckpt_path: Optional[str] = None) -> List[Any]:

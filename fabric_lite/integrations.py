@@ -1,0 +1,97 @@
+"""Which feature observes which door: explain, the Trainer's profiler, preemption and Ray subscribe here.
+
+Imported by the package root, so every door built afterwards is wired (`events.on_construction`); the doors
+never import these features. Each function below runs before the door's `__init__`, with the arguments its
+caller gave, and imports its feature only when the door needs it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+from fabric_lite.events import FitRun, on_construction
+
+__all__ = ["wire_accelerator", "wire_trainer"]
+
+
+def wire_accelerator(accelerator: Any, arguments: Dict[str, Any]) -> None:
+    """Under `fabric-lite explain`: keep the arguments given, and print the plan at the first
+    `prepare(...)` given a dataloader."""
+    from fabric_lite.strategies.environments import read_launch_settings
+
+    launch = read_launch_settings()
+    if launch.explain_dry_run:
+        accelerator.explain_arguments = arguments
+    if launch.explain is not None:
+        accelerator.events.subscribe("prepared", _explain_prepared)
+
+
+def _explain_prepared(accelerator: Any, objects: Any) -> None:
+    from torch.utils.data import DataLoader
+
+    if any(isinstance(obj, DataLoader) for obj in objects):
+        from fabric_lite.explain import explain_accelerator
+
+        explain_accelerator(accelerator)  # prints the plan and exits 0
+
+
+def wire_trainer(trainer: Any, arguments: Dict[str, Any]) -> None:
+    """The Trainer's `profiler=` as its instrument, `explain=True` (or `fabric-lite explain`) as the plan printed
+    in place of training, preemption on every fit, and under Ray, the checkpoint Ray hands the run."""
+    from fabric_lite.launch.preemption import TrainerPreemption
+    from fabric_lite.profilers import resolve_profiler
+    from fabric_lite.strategies.environments import detect_process, read_launch_settings
+
+    events = trainer.events
+    #: Profiles the hooks and steps when given one (`profiler="simple"`, "advanced", "pytorch"); a
+    #: PassThroughProfiler otherwise.
+    trainer.profiler = profiler = resolve_profiler(arguments.get("profiler"))
+    if profiler.enabled:
+        events.instrument = profiler
+        events.subscribe("stage_start", _start_profile)
+        events.subscribe("stage_end", _end_profile)
+    launch = read_launch_settings()
+    if launch.explain_dry_run:
+        trainer.explain_arguments = arguments
+    if arguments.get("explain") or launch.explain is not None:
+        events.subscribe("prepared", _explain_fit)
+    if detect_process().started_by_ray:
+        events.subscribe("fit_start", _ray_resume)
+    TrainerPreemption(trainer).subscribe(events)
+
+
+def _start_profile(trainer: Any, stage: str) -> None:
+    profiler = trainer.profiler
+    profiler.module = trainer.module  # (for profilers that label its layers)
+    # (positional: a profiler written for Lightning names the second argument local_rank)
+    profiler.setup(stage, trainer.global_rank if trainer.world_size > 1 else None, trainer.log_dir)
+
+
+def _end_profile(trainer: Any, stage: str) -> None:
+    """Print the stage's report on the main process (each process writes its report file, if it has one)."""
+    import sys
+
+    profiler = trainer.profiler
+    profiler.log_dir = trainer.log_dir
+    text = profiler.describe()
+    if text and trainer.is_global_zero:
+        print(text, file=sys.stderr, flush=True)
+    profiler.teardown(stage)
+
+
+def _explain_fit(trainer: Any, run: FitRun) -> None:
+    from fabric_lite.explain import explain_trainer
+
+    explain_trainer(trainer, run.module, run.ckpt_path)  # exits 0 under `fabric-lite explain`
+    run.train = False
+
+
+def _ray_resume(trainer: Any, run: FitRun) -> None:
+    if run.ckpt_path in (None, "last"):
+        from fabric_lite.ray import resume_checkpoint
+
+        run.ckpt_path = resume_checkpoint(trainer, run.ckpt_path)
+
+
+on_construction("Accelerator", wire_accelerator)
+on_construction("Trainer", wire_trainer)
