@@ -168,7 +168,7 @@ def _strategy_line(accelerator: "Accelerator", layout: _Layout) -> Tuple[str, Op
     from fabric_lite.strategies import SingleDeviceStrategy, Strategy, create_strategy
 
     strategy = accelerator.strategy
-    cls: type = type(strategy)
+    planned_strategy: Strategy = strategy  # the one the real run builds
     problem = None
     if layout.dry_run and layout.world != strategy.world_size:
         requested_strategy = (given_arguments(accelerator) or {}).get("strategy", "auto")
@@ -176,19 +176,21 @@ def _strategy_line(accelerator: "Accelerator", layout: _Layout) -> Tuple[str, Op
         if requested_strategy == "auto" and launch_strategy:
             requested_strategy = launch_strategy
         if isinstance(requested_strategy, Strategy):
-            cls = type(requested_strategy)
+            planned_strategy = requested_strategy
         else:
             try:
-                cls = type(create_strategy(str(requested_strategy), layout.world))
+                planned_strategy = create_strategy(str(requested_strategy), layout.world)
             except ValueError:
                 pass
-        if issubclass(cls, SingleDeviceStrategy) and layout.world > 1:
-            problem = ("strategy (argument)", f"{cls.__name__} with {layout.world} processes: the real run refuses it "
-                                   f"(independent copies would not exchange gradients). Use 'ddp' or 'auto'.")
-    name = cls.__name__
-    if hasattr(cls, "backend"):  # a strategy with a process group (DDP)
+        if isinstance(planned_strategy, SingleDeviceStrategy) and layout.world > 1:
+            problem = ("strategy (argument)",
+                       f"{type(planned_strategy).__name__} with {layout.world} processes: the real run refuses it "
+                       f"(independent copies would not exchange gradients). Use 'ddp' or 'auto'.")
+    name = type(planned_strategy).__name__
+    group = planned_strategy.process_group
+    if group is not None:  # a strategy with a torch.distributed process group of its own (DDP, FSDP, DeepSpeed)
         planned = "nccl" if accelerator.device.type == "cuda" else "gloo"
-        backend = strategy.backend if cls is type(strategy) else planned
+        backend = group.backend if planned_strategy is strategy else planned
         name += f" (process group backend {backend})"
     return name, problem
 

@@ -76,7 +76,7 @@ def loader_share(loader: Any, world: int) -> Share:
     N, n = share.dataset_len, _len(inner)
     if b is None or N is None or n is None:
         return share
-    W, per = world, share.batch
+    W, per = world, (b // world if split else b)  # (share.batch, known here: b is set)
     if W == 1:
         share.samples = min(N, n * b)
         share.dropped = N - share.samples

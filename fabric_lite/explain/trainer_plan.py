@@ -82,15 +82,15 @@ def plan_for_trainer(trainer: "Trainer", module: "TrainModule", ckpt_path: Optio
     if callback is not None:
         dirpath = callback.dirpath or root
         plan.add(CKPT_SECTION, "checkpoints", dirpath)
-        when = []
+        saves: List[str] = []
         if callback.every_n_train_steps:
-            when.append(f"every {callback.every_n_train_steps} optimizer steps")
+            saves.append(f"every {callback.every_n_train_steps} optimizer steps")
         if callback.every_n_epochs:
-            when.append(f"every {callback.every_n_epochs} epoch(s)")
+            saves.append(f"every {callback.every_n_epochs} epoch(s)")
         keep = ("all" if callback.save_top_k == -1 else
                 f"the best {callback.save_top_k} by {callback.monitor} ({callback.mode})" if callback.monitor else
                 f"the newest {callback.save_top_k}")
-        text = f"{' and '.join(when) or 'never'}, named {callback.filename!r}, keeping {keep}"
+        text = f"{' and '.join(saves) or 'never'}, named {callback.filename!r}, keeping {keep}"
         if callback.save_last:
             text += f", plus {dirpath.rstrip('/')}/last"
         if trainer.fast_dev_run:

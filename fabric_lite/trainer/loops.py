@@ -109,6 +109,7 @@ def run_fit(trainer: "Trainer") -> None:
     trainer.start_time = time.monotonic()
     trainer.should_stop = False
     module = trainer.module
+    assert module is not None  # (fit() set it up)
     trainer.call_hook("on_fit_start")
     if trainer.val_dataloaders and trainer.num_sanity_val_steps > 0 and trainer.global_step == 0:
         trainer.sanity_checking = True
@@ -201,6 +202,7 @@ def empty_loader_warning(trainer: "Trainer") -> str:
 def _train_epoch(trainer: "Trainer") -> bool:
     """One training epoch; False when the loader yielded no batch at all (nothing trained)."""
     module, model, strategy, metrics = trainer.module, trainer.model, trainer.strategy, trainer.metric_store
+    assert module is not None and model is not None  # (fit() set them up before its loop)
     engine = trainer.accelerator
     loader = trainer.train_dataloader
     limit = batch_limit(trainer.limits["train"], loader_length(loader))
@@ -229,7 +231,7 @@ def _train_epoch(trainer: "Trainer") -> bool:
         callbacks, module_hooks = trainer.timed_callbacks(), instrument.timed(module, "TrainModule", TrainModule)
     # a module stepping its own optimizers may run several backwards per forward: unwrapped where the wrapper
     # could not follow them (see manual_optimization.py)
-    manual_forward = forward
+    manual_forward: Any = forward
     if not module.automatic_optimization and strategy.syncs_gradients_per_forward and trainer.world_size > 1:
         manual_forward = trainer.eval_model if instrument is None else \
             instrument.wrap(f"[Strategy]{type(strategy).__name__}.training_step", trainer.eval_model)
@@ -352,6 +354,7 @@ def run_evaluation(trainer: "Trainer", stage: str, loaders: List[Any], limit: Op
     from fabric_lite.callbacks.base import Callback, overrides
 
     module, model, metrics = trainer.module, trainer.eval_model, trainer.metric_store
+    assert module is not None and model is not None  # (the stage set them up before its loop)
     hook = "validation" if stage == "validate" else "test"
     saved = metrics.begin_evaluation(stage, fresh_steps=not in_fit)
     modes = [(m, m.training) for m in module.modules()]  # restored after, unless the module says how

@@ -48,6 +48,7 @@ def run_predict(trainer: "Trainer", loaders: List[Any], return_predictions: bool
     from fabric_lite.data.transfer import move_to_device
 
     module, model = trainer.module, trainer.eval_model
+    assert module is not None and model is not None  # (predict() set them up)
     state = trainer.predict_loop
     instrument = trainer.events.instrument  # (a profiler: the calls below are timed; None: called as they are)
     forward, callbacks, module_hooks = model, trainer.callbacks, module
@@ -109,7 +110,7 @@ def run_predict(trainer: "Trainer", loaders: List[Any], return_predictions: bool
                 if keep:
                     state.outputs[dataloader_idx].append(move_to_device(out, cpu))
             del batches
-            if seen is not None:
+            if shard is not None and seen is not None:
                 shard.record_batch_indices(False)
     trainer.metric_store.fx = None
     trainer.call_hook("on_predict_epoch_end")

@@ -460,6 +460,7 @@ class Trainer(TrainerFacts, TrainerLightningNames):
                                                                               prepare_each)
         # Evaluation runs without the DDP wrapper: no gradients to sync, and no per-forward buffer
         # broadcast that would wait for a process that has run out of (unpadded) batches.
+        assert self.model is not None  # (prepared just above)
         self.eval_model = self.accelerator.unwrap_model(self.model)
 
     def save_checkpoint(self, path: str, blocking: bool = True, if_busy: str = "wait",
