@@ -221,9 +221,9 @@ class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerCo
         if loaders:  # the user's loaders, in this prepare() call
             batch_size = loaders[0].batch_size
             if batch_size is not None and self.split_batches:
-                batch_size //= self.num_processes
+                batch_size //= self.strategy.dp_size  # (the batch is split over the data-parallel group)
         elif self.dataloaders and self.dataloaders[0].total_batch_size:  # prepared earlier (the Trainer)
-            batch_size = self.dataloaders[0].total_batch_size // self.num_processes
+            batch_size = self.dataloaders[0].total_batch_size // self.strategy.dp_size
         self.strategy.engine_step.set_run_hints(micro_batch_size=batch_size, accumulation_steps=accumulation_steps,
                                                 gradient_clip_val=gradient_clip_val)
         records = [self._prepared_params.record(m) for m in models]
@@ -279,7 +279,7 @@ class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerCo
         wrapped = AcceleratedScheduler(
             scheduler, owners or self.optimizers, self.gradient_state,
             step_with_optimizer=self.step_scheduler_with_optimizer,
-            split_batches=self.split_batches, num_processes=self.num_processes,
+            split_batches=self.split_batches, num_processes=self.strategy.dp_size,  # (one step per data-parallel batch)
         )
         self.schedulers.append(wrapped)
         return wrapped
