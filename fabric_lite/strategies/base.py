@@ -138,7 +138,7 @@ class Strategy(abc.ABC):
     @property
     def device_mesh(self) -> "Mesh":
         """The device mesh this process sits in, by named dimension: one "dp" dimension over the world today.
-        (Named apart from XLASPMDStrategy's `mesh`, torch_xla's own mesh object.)"""
+        (Named apart from `mesh`, which an SPMD strategy uses for its runtime's own mesh object.)"""
         return Mesh(("dp",), (self.world_size,), (self.global_rank,))
 
     @property
@@ -220,8 +220,8 @@ class Strategy(abc.ABC):
         return self.unwrap_module(module).state_dict()
 
     def to_host(self, obj: Any) -> Any:
-        """`obj` as `Accelerator.save` writes it: tensors that only this strategy's device can read back (XLA's)
-        copied to the host; others as they are (a CUDA tensor saves as one, as with torch.save)."""
+        """`obj` as `Accelerator.save` writes it: tensors that only this strategy's device can read back (a device
+        runtime's) copied to the host; others as they are (a CUDA tensor saves as one, as with torch.save)."""
         return obj
 
     def load_module_state_dict(self, module: nn.Module, state: Dict[str, Any], strict: bool = True) -> None:

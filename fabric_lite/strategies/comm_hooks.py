@@ -5,7 +5,7 @@ approximated with PowerSGD) instead of its plain all-reduce.
 optional fp16/bf16 wrapper around PowerSGD, and the PowerSGD state's options; it checks them when built and
 registers torch's own hooks (`torch.distributed.algorithms.ddp_comm_hooks`) on a DDP model. `DDPStrategy` holds one
 and registers it on every model it wraps; `apply_comm_hook` gives a strategy the hook a kwargs handler asks for, and
-refuses, naming the strategy, where no DDP wrapper would carry it (FSDP, DeepSpeed, XLA).
+refuses, naming the strategy, where no DDP wrapper would carry it (FSDP, DeepSpeed, a device runtime's own collectives).
 """
 
 from __future__ import annotations
@@ -194,8 +194,7 @@ def apply_comm_hook(strategy: Any, hook: CommHook) -> None:
     own = {"FSDP": "FSDP reduce-scatters gradients in its mixed-precision policy's reduce_dtype (reduce_dtype="
                    "torch.bfloat16 compresses them)",
            "DEEPSPEED": "DeepSpeed reduces gradients in its config's communication_data_type (\"fp16\"/\"bf16\" "
-                        "compresses them)",
-           "XLA": "XLA all-reduces gradients with its own collectives"}.get(str(kind), "it reduces gradients its own way")
+                        "compresses them)"}.get(str(kind), "it reduces gradients its own way")
     raise ValueError(
         f"DistributedDataParallelKwargs(comm_hook={hook.hook.upper()}) registers a hook on torch's "
         f"DistributedDataParallel, which strategy {type(strategy).__name__}{f' ({kind})' if kind else ''} does not use: "

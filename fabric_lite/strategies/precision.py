@@ -61,11 +61,7 @@ class Precision:
             raise ValueError(f"An fp8 recipe ({fp8_recipe!r}) was given, but precision={name!r}: pass "
                              f"mixed_precision='fp8' to train in fp8, or drop the recipe.")
         if self.name == "16-mixed":
-            if device_type == "xla":
-                raise ValueError(
-                    f"precision={name!r} (float16 with loss scaling) is not supported on XLA devices (TPU): they "
-                    f"compute in bfloat16. Use precision='bf16-mixed' (or 'bf16-true')."
-                )
+            # (a device runtime refuses its own unsupported precisions first: Runtime.check_precision)
             if device_type not in ("cpu", "cuda"):
                 raise ValueError(
                     f"precision='16-mixed' needs loss scaling, which torch supports on 'cpu' and 'cuda', "
