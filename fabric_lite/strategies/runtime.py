@@ -15,6 +15,7 @@ A new device runtime is a subclass in its own file; the strategy names it with `
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, ClassVar, List, Optional, Tuple, Type
 
 import torch
@@ -40,9 +41,16 @@ class Runtime:
     launch_flags: ClassVar[str] = ""
 
     def __init__(self, strategy: Any = None) -> None:
-        self.strategy = strategy
+        # Held weakly: the strategy holds its runtime, and a cycle would keep a finished run's strategy (and the
+        # parameters it recorded) alive until the garbage collector runs, on a lazy device with their pending work.
+        self._strategy = None if strategy is None else weakref.ref(strategy)
         #: Called after each optimizer step the doors run, or None (then no call per step at all).
         self.step_marker: Optional[Callable[[], None]] = None
+
+    @property
+    def strategy(self) -> Any:
+        """The strategy holding this runtime (None once it is gone, or for a runtime built on its own)."""
+        return None if self._strategy is None else self._strategy()
 
     @property
     def drives_all_devices(self) -> bool:

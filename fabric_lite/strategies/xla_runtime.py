@@ -115,8 +115,9 @@ class XLARuntime(Runtime):
         self.xm: Any = None  # torch_xla.core.xla_model
         #: No work was traced since the last step marker (see `device_feed`); start and resume count as marked.
         self.marked = True
-        #: The replicas are threads of one process (see `sync`).
+        #: The replicas are threads of one process (see `sync`), and how many there are.
         self.threads = False
+        self.replicas = 1
         self.step_marker = self.mark_step
 
     @property
@@ -148,6 +149,7 @@ class XLARuntime(Runtime):
         # From now on XLA's random stream is seeded, saved and restored with the others.
         add_runtime_rng("xla", lambda: int(xm.get_rng_state()), xm.set_rng_state)
         self.threads = not spmd and xr.addressable_device_count() > 1
+        self.replicas = process.world_size
         return process, torch_xla.device()
 
     def check_precision(self, precision: str) -> None:
@@ -161,7 +163,7 @@ class XLARuntime(Runtime):
         a replica waiting in a collective holds Python's lock, so a peer still running Python would never
         arrive (see the strategy's collectives)."""
         if self.threads:
-            _thread_barrier(self.strategy.world_size)
+            _thread_barrier(self.replicas)
         self.torch_xla.sync()
         self.marked = False
 

@@ -1,7 +1,9 @@
 """The runtime collaborator (strategies/runtime.py), without torch_xla: its kinds, the runtime a Trainer's
 arguments give (the re-launcher), the slot on a strategy, and a runtime's random stream in seed.py."""
 
+import gc
 import random
+import weakref
 
 import pytest
 import torch
@@ -37,6 +39,23 @@ def test_the_slot_gives_the_class_to_the_class_and_one_runtime_to_each_instance(
     assert runtime.step_marker is None and runtime.device_feed() is None and not runtime.drives_all_devices
     assert SingleDeviceStrategy().runtime is not runtime
     assert XLASPMDStrategy().runtime.drives_all_devices and not XLAStrategy().runtime.drives_all_devices
+
+
+@pytest.mark.parametrize("cls", [SingleDeviceStrategy, XLAStrategy])
+def test_a_dropped_strategy_is_freed_at_once_though_its_runtime_was_used(cls):
+    """The runtime holds its strategy weakly: no cycle keeps a finished run's strategy, and the parameters it
+    recorded, alive until the garbage collector runs (on XLA their pending work would join the next run's graph,
+    and an exact resume would differ in the last bits)."""
+    gc.disable()
+    try:
+        strategy = cls()
+        runtime = strategy.runtime
+        assert runtime.strategy is strategy
+        gone = weakref.ref(strategy)
+        del strategy
+        assert gone() is None and runtime.strategy is None
+    finally:
+        gc.enable()
 
 
 def test_a_runtime_of_its_own_is_a_subclass_named_by_the_slot():
