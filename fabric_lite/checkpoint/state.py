@@ -33,7 +33,7 @@ from fabric_lite.checkpoint.files import CheckpointError, CheckpointWriter
 from fabric_lite.checkpoint.loading import load_file
 from fabric_lite.checkpoint.restore import CHECKPOINT_RE, PER_PROCESS_LOADER_KEYS, TRAINING_STATE, load_state
 from fabric_lite.checkpoint.saver import SaveJob, snapshot
-from fabric_lite.seed import capture_rng_state
+from fabric_lite.rng_state import capture_rng_state
 
 if TYPE_CHECKING:
     from fabric_lite.accelerator.accelerator import Accelerator
