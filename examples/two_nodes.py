@@ -34,7 +34,7 @@ def worker() -> None:
     accelerator = Accelerator()
     # Ranks and sizes come from the launchers' environment; nothing in the script names the nodes.
     print(f"rank {accelerator.process_index} of world size {accelerator.num_processes} "
-          f"on node {accelerator.strategy.node_rank} (local rank {accelerator.local_process_index})", flush=True)
+          f"on node {accelerator.strategy.process.node_rank} (local rank {accelerator.local_process_index})", flush=True)
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(256, 8, generator=g)

@@ -79,7 +79,7 @@ def process_facts() -> Dict[str, int]:
     the launch environment (for logging and progress bars, which must not start a process group)."""
     strategy = current_strategy()
     if strategy is not None:
-        return {"process_index": strategy.global_rank, "local_process_index": strategy.local_rank,
+        return {"process_index": strategy.global_rank, "local_process_index": strategy.process.local_rank,
                 "num_processes": strategy.world_size}
     from fabric_lite.strategies.environments import detect_process
 

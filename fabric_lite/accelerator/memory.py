@@ -261,7 +261,7 @@ class ProcessAgreement:
         from fabric_lite.state import current_strategy
 
         strategy = current_strategy()
-        guard = strategy.hang_guard if strategy is not None else None
+        guard = strategy.process_group.hang_guard if strategy is not None and strategy.process_group is not None else None
         if guard is not None and strategy.world_size == dist.get_world_size():
             return cls(guard.store, strategy.global_rank, strategy.world_size, guard.timeout_s, guard)
         try:  # a process group the script started itself: its default store

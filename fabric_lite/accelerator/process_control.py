@@ -43,7 +43,7 @@ class ProcessFacts:
 
     @property
     def local_process_index(self) -> int:
-        return self.strategy.local_rank
+        return self.strategy.process.local_rank
 
     @property
     def is_main_process(self) -> bool:
@@ -51,7 +51,7 @@ class ProcessFacts:
 
     @property
     def is_local_main_process(self) -> bool:
-        return self.strategy.is_local_zero
+        return self.strategy.process.local_rank == 0
 
     @property
     def is_last_process(self) -> bool:

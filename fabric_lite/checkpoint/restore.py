@@ -31,7 +31,7 @@ from fabric_lite.checkpoint import files as checkpoint_io
 from fabric_lite.checkpoint import fit, names, sharded
 from fabric_lite.checkpoint.files import CheckpointError
 from fabric_lite.checkpoint.loading import load_file
-from fabric_lite.seed import capture_rng_state, restore_rng_state
+from fabric_lite.rng_state import capture_rng_state, restore_rng_state
 
 if TYPE_CHECKING:
     from fabric_lite.accelerator.accelerator import Accelerator

@@ -30,10 +30,11 @@ import torch
 from fabric_lite.checkpoint import files as checkpoint_io
 from fabric_lite.checkpoint import fit, locks, names, sharded
 from fabric_lite.checkpoint.files import CheckpointError, CheckpointWriter
+from fabric_lite.checkpoint.engines import engine_format
 from fabric_lite.checkpoint.loading import load_file
 from fabric_lite.checkpoint.restore import CHECKPOINT_RE, PER_PROCESS_LOADER_KEYS, TRAINING_STATE, load_state
 from fabric_lite.checkpoint.saver import SaveJob, snapshot
-from fabric_lite.seed import capture_rng_state
+from fabric_lite.rng_state import capture_rng_state
 
 if TYPE_CHECKING:
     from fabric_lite.accelerator.accelerator import Accelerator
@@ -309,9 +310,7 @@ def _export(url: str, manifest: Dict[str, Any], out: str, model_index: int) -> i
         save_object(state, out, safe_serialization=out.endswith(".safetensors"))
         return len(state)
     if engine:  # written by a strategy's own engine: that strategy consolidates it
-        from fabric_lite.strategies.registry import checkpoint_format_for_engine
-
-        owner = checkpoint_format_for_engine(engine)
+        owner = engine_format(engine)
         if owner is None:
             raise CheckpointError(f"{url} was written by the {engine!r} checkpoint engine, which no registered "
                                   f"strategy provides; register the strategy that wrote it.")

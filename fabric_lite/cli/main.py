@@ -106,6 +106,7 @@ def _consolidate(args: List[str]) -> int:
 
     from fabric_lite.checkpoint.state import export_weights
     from fabric_lite.cli.parsing import CliParser
+    from fabric_lite.strategies import registry  # noqa: F401 (registers the strategies' checkpoint engines)
 
     parser = CliParser(
         prog="fabric-lite consolidate",

@@ -9,7 +9,7 @@ from typing import Any, Dict, Union
 import numpy as np
 import torch
 
-from fabric_lite.seed import restore_rng_state
+from fabric_lite.rng_state import restore_rng_state
 
 __all__ = ["HostRngStates", "checkpointable", "restore"]
 

@@ -98,13 +98,7 @@ class Strategy(abc.ABC):
         #: How checkpoints hold model and optimizer state (strategies/checkpoint_format.py).
         self.checkpoint_format = CheckpointFormat()
 
-    # -- set-up ------------------------------------------------------------------------------------
-    def configure(self, process: ProcessInfo, root_device: torch.device, precision: Precision) -> None:
-        """Bind the strategy to a process, a device and a precision (done once by the connector)."""
-        self.process = process
-        self.root_device = root_device
-        self.precision = self.adapt_precision(precision)
-
+    # -- set-up (the connector binds process, root_device and precision: connector.configure_strategy) --
     def adapt_precision(self, precision: Precision) -> Precision:
         """The precision plugin this strategy trains with, given the one the user asked for."""
         return precision
@@ -160,20 +154,8 @@ class Strategy(abc.ABC):
         return self.process.global_rank
 
     @property
-    def local_rank(self) -> int:
-        return self.process.local_rank
-
-    @property
-    def node_rank(self) -> int:
-        return self.process.node_rank
-
-    @property
     def is_global_zero(self) -> bool:
         return self.process.global_rank == 0
-
-    @property
-    def is_local_zero(self) -> bool:
-        return self.process.local_rank == 0
 
     @property
     def distributed_sampler_kwargs(self) -> Optional[Dict[str, int]]:
@@ -300,14 +282,9 @@ class Strategy(abc.ABC):
         return box[0]
 
     # -- backend primitives (torch.distributed by default) -----------------------------------------
-    @property
-    def hang_guard(self) -> Any:
-        """The process group's HangGuard (strategies/hang_guard.py), once it exists; else None."""
-        return self.process_group.hang_guard if self.process_group is not None else None
-
     def _collective(self, name: str, fn: Callable[[], Any]) -> Any:
         """Run one torch.distributed collective, under the hang guard where the process group has one."""
-        guard = self.hang_guard
+        guard = self.process_group.hang_guard if self.process_group is not None else None
         return fn() if guard is None else guard.run(name, fn)
 
     def _primitive_barrier(self) -> None:

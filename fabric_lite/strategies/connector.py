@@ -163,7 +163,7 @@ def connect(
     if needs is not None:  # the runtime owns the world (XLA's PJRT): it says where this replica is
         process, root = runtime.start(process, devices)
         runtime.check_precision(precision_name)
-        instance.configure(process, root, make_precision(device_type))
+        configure_strategy(instance, process, root, make_precision(device_type))
         return instance
     check_devices(devices, device_type, process)
     if device_type == "cuda" and process.device is not None and process.device.startswith("cuda"):
@@ -172,8 +172,16 @@ def connect(
         root = torch.device("cuda", process.local_rank % max(1, torch.cuda.device_count()))
     else:
         root = torch.device(device_type)
-    instance.configure(process, root, make_precision(device_type, root))
+    configure_strategy(instance, process, root, make_precision(device_type, root))
     return instance
+
+
+def configure_strategy(strategy: Strategy, process: ProcessInfo, root_device: torch.device,
+                       precision: Precision) -> None:
+    """Bind a strategy to its process, its device and the precision it trains with (once, here)."""
+    strategy.process = process
+    strategy.root_device = root_device
+    strategy.precision = strategy.adapt_precision(precision)
 
 
 def _check_fp8_strategy(instance: Strategy, recipe: FP8Recipe) -> None:

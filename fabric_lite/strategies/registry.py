@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import Any, Dict, List, Optional, Tuple, Type, Union
 
+from fabric_lite.checkpoint.engines import engine_format, register_engine_format
+
 __all__ = ["register_strategy", "create_strategy", "available_strategies", "strategy_class",
            "register_checkpoint_engine", "strategy_for_checkpoint_engine", "checkpoint_format_for_engine",
            "runs_one_process"]
@@ -17,8 +19,8 @@ __all__ = ["register_strategy", "create_strategy", "available_strategies", "stra
 # name -> (class or "module:Class", keyword defaults)
 _REGISTRY: Dict[str, Tuple[Union[type, str], Dict[str, Any]]] = {}
 _ONE_PROCESS: set = set()  # names that train in exactly one process (a launch of several is refused)
-# checkpoint engine name (a manifest's "engine") -> ("module:Strategy", "module:CheckpointFormat")
-_ENGINES: Dict[str, Tuple[str, str]] = {}
+# checkpoint engine name (a manifest's "engine") -> "module:Strategy"; its CheckpointFormat is in checkpoint/engines
+_ENGINES: Dict[str, str] = {}
 
 
 def register_strategy(name: str, cls: Union[type, str], one_process: bool = False, **defaults: Any) -> None:
@@ -65,8 +67,10 @@ def create_strategy(name: str, world_size: int = 1) -> Any:
 
 def register_checkpoint_engine(engine: str, strategy: str, checkpoint_format: str) -> None:
     """Say which strategy ("module:Class") writes checkpoints in the engine files named `engine`, and which
-    CheckpointFormat class ("module:Class") reads and consolidates them."""
-    _ENGINES[engine] = (strategy, checkpoint_format)
+    CheckpointFormat class ("module:Class") reads and consolidates them (registered with checkpoint/, whose
+    export of such a checkpoint asks it)."""
+    _ENGINES[engine] = strategy
+    register_engine_format(engine, checkpoint_format)
 
 
 def _load(path: str) -> Any:
@@ -77,13 +81,12 @@ def _load(path: str) -> Any:
 def strategy_for_checkpoint_engine(engine: str) -> Optional[Type[Any]]:
     """The strategy class whose checkpoint engine wrote a checkpoint (the manifest records the name)."""
     entry = _ENGINES.get(engine)
-    return _load(entry[0]) if entry else None
+    return _load(entry) if entry else None
 
 
 def checkpoint_format_for_engine(engine: str) -> Optional[Type[Any]]:
     """The CheckpointFormat class of an engine's files (its `consolidate` needs no strategy), or None."""
-    entry = _ENGINES.get(engine)
-    return _load(entry[1]) if entry else None
+    return engine_format(engine)
 
 
 register_strategy("single", "fabric_lite.strategies.single:SingleDeviceStrategy", one_process=True)

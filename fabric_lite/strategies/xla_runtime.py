@@ -144,7 +144,7 @@ class XLARuntime(Runtime):
                 f"{process.world_size} replica(s) in this one: XLA replicas are started by torch_xla's own launcher. "
                 f"Use `fabric-lite launch --tpu --nproc-per-node N train.py`.")
         _check_devices(devices, process, xr, spmd)
-        from fabric_lite.seed import add_runtime_rng
+        from fabric_lite.rng_state import add_runtime_rng
 
         # From now on XLA's random stream is seeded, saved and restored with the others.
         add_runtime_rng("xla", lambda: int(xm.get_rng_state()), xm.set_rng_state)

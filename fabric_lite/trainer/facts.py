@@ -67,12 +67,12 @@ class TrainerFacts:
     @property
     def local_rank(self) -> int:
         """This process's rank on its node."""
-        return self.strategy.local_rank
+        return self.strategy.process.local_rank
 
     @property
     def node_rank(self) -> int:
         """The rank of this process's node."""
-        return self.strategy.node_rank
+        return self.strategy.process.node_rank
 
     @property
     def num_nodes(self) -> int:

@@ -10,6 +10,8 @@ import shutil
 from pathlib import Path
 from typing import Tuple, Union
 
+from fabric_lite.strategies import registry as _strategies  # noqa: F401 (registers the strategies' checkpoint engines)
+
 __all__ = ["merge_fsdp_weights", "enable_fsdp_ram_efficient_loading", "disable_fsdp_ram_efficient_loading",
            "resolve_checkpoint"]
 

@@ -9,6 +9,8 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
+from fabric_lite.strategies import registry as _strategies  # noqa: F401 (registers the strategies' checkpoint engines)
+
 __all__ = ["extract_model_from_parallel", "save", "load", "load_state_dict", "load_checkpoint_in_model",
            "compute_module_sizes", "get_max_layer_size", "calculate_maximum_sizes", "get_module_children_bottom_up",
            "dtype_byte_size"]

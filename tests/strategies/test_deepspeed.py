@@ -23,6 +23,7 @@ pytest.importorskip("deepspeed")
 
 from fabric_lite.strategies.precision import Precision  # noqa: E402
 from fabric_lite.strategies import create_strategy  # noqa: E402
+from fabric_lite.strategies.connector import configure_strategy  # noqa: E402
 from fabric_lite.strategies.deepspeed import DeepSpeedStrategy  # noqa: E402
 from fabric_lite.strategies.environments import ProcessInfo  # noqa: E402
 
@@ -183,7 +184,7 @@ def test_lone_process_bf16_trainer_and_errors(tmp_path):
 # -- bad input, caught before any engine starts ----------------------------------------------------------
 
 def configured(strategy: DeepSpeedStrategy, precision: str = "32-true", world_size: int = 1) -> DeepSpeedStrategy:
-    strategy.configure(ProcessInfo(world_size=world_size), torch.device("cpu"), Precision(precision, "cpu"))
+    configure_strategy(strategy, ProcessInfo(world_size=world_size), torch.device("cpu"), Precision(precision, "cpu"))
     return strategy
 
 

@@ -8,7 +8,7 @@ import weakref
 import pytest
 import torch
 
-from fabric_lite import seed
+from fabric_lite import rng_state, seed
 from fabric_lite.strategies import SingleDeviceStrategy, XLASPMDStrategy, XLAStrategy
 from fabric_lite.strategies.connector import runtime_class
 from fabric_lite.strategies.runtime import PROCESS_PER_DEVICE, REPLICAS, SPMD, Runtime, RuntimeSlot
@@ -84,8 +84,8 @@ def test_one_spmd_process_is_never_relaunched(monkeypatch):
 
 
 def test_a_runtime_stream_added_later_gets_the_seed_set_before(monkeypatch):
-    monkeypatch.setattr(seed, "_RUNTIME_RNGS", {})
-    monkeypatch.setattr(seed, "_seed_pending", None)
+    monkeypatch.setattr(rng_state, "_RUNTIME_RNGS", {})
+    monkeypatch.setattr(rng_state, "_seed_pending", None)
     stream = {"state": 0}
     seed.set_seed(11)
     seed.add_runtime_rng("dev", lambda: stream["state"], lambda s: stream.update(state=s))
