@@ -184,7 +184,7 @@ def instrument():
 
     if hasattr(checkpoint_io, "_to_bytes"):   # the writer may stream instead of serializing first
         checkpoint_io._to_bytes = before(lambda obj: "_to_bytes", checkpoint_io._to_bytes)
-    checkpoint_io._move_dir = before(lambda fs, s, d: f"_move_dir {base(s)} -> {base(d)}", checkpoint_io._move_dir)
+    checkpoint_io.move_dir = before(lambda fs, s, d: f"_move_dir {base(s)} -> {base(d)}", checkpoint_io.move_dir)
     checkpoint_io.update_latest = before(lambda url, *a, **k: f"update_latest {base(url)}", checkpoint_io.update_latest)
     writer = checkpoint_io.CheckpointWriter
     writer.write = before(lambda self, name, obj: f"CheckpointWriter.write {name}", writer.write)
