@@ -127,7 +127,7 @@ def announces_construction(init: Callable[..., None]) -> Callable[..., None]:
                     arguments[name] = value
                 else:
                     extra[name] = value
-            if extra:
+            if extra and rest is not None:
                 arguments[rest] = extra
             for wire in wiring:
                 wire(self, arguments)

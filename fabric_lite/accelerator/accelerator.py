@@ -57,6 +57,8 @@ class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerCo
     #: Under `fabric-lite explain`, the arguments this Accelerator was given (the plan reports settings
     #: given twice or ignored); None otherwise.
     explain_arguments: Optional[Dict[str, Any]] = None
+    #: The observers of this door's events (fabric_lite/events.py), given before __init__ runs.
+    events: EventBus
 
     @announces_construction
     def __init__(
