@@ -46,6 +46,9 @@ class Runtime:
         self._strategy = None if strategy is None else weakref.ref(strategy)
         #: Called after each optimizer step the doors run, or None (then no call per step at all).
         self.step_marker: Optional[Callable[[], None]] = None
+        #: The devices one process drives, in every node together, once a runtime that spreads each batch over them
+        #: (SPMD) started; None: one device per process.
+        self.driven_devices: Optional[int] = None
 
     @property
     def strategy(self) -> Any:

@@ -240,6 +240,7 @@ class XLASPMDStrategy(XLAStrategy):
 
         count = xr.global_runtime_device_count()
         self.mesh = xs.Mesh(np.arange(count), (count,), ("data",))
+        self.runtime.driven_devices = count
 
     def batch_to_device(self, batch: Any) -> Any:
         import torch_xla.distributed.spmd as xs

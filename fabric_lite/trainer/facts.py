@@ -82,10 +82,9 @@ class TrainerFacts:
     def num_devices(self) -> int:
         """Devices this node trains on: one per process, or under SPMD (one process driving every device) the
         devices of its mesh."""
-        if self.strategy.runtime.drives_all_devices:
-            devices = getattr(getattr(self.strategy, "mesh", None), "device_ids", None)
-            if devices is not None:
-                return max(1, len(devices) // self.num_nodes)
+        devices = self.strategy.runtime.driven_devices
+        if devices is not None:
+            return max(1, devices // self.num_nodes)
         return self.strategy.process.local_world_size
 
     @property
