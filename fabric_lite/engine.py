@@ -207,6 +207,8 @@ class StepEngine:
         if clip_value is not None:
             self.strategy.clip_gradients_value(params, None, clip_value)
             return None
+        if max_norm is None:
+            raise TypeError("clip_gradients() needs max_norm or clip_value.")
         return self.strategy.clip_gradients_norm(params, None, max_norm, norm_type)
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> Optional[torch.Tensor]:

@@ -226,8 +226,11 @@ class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerCo
                 batch_size //= self.strategy.dp_size  # (the batch is split over the data-parallel group)
         elif self.dataloaders and self.dataloaders[0].total_batch_size:  # prepared earlier (the Trainer)
             batch_size = self.dataloaders[0].total_batch_size // self.strategy.dp_size
-        self.strategy.engine_step.set_run_hints(micro_batch_size=batch_size, accumulation_steps=accumulation_steps,
-                                                gradient_clip_val=gradient_clip_val)
+        engine_step = self.strategy.engine_step
+        if engine_step is None:
+            raise ValueError(f"setup_jointly() needs a strategy with an engine_step; {self.strategy!r} has none.")
+        engine_step.set_run_hints(micro_batch_size=batch_size, accumulation_steps=accumulation_steps,
+                                  gradient_clip_val=gradient_clip_val)
         records = [self._prepared_params.record(m) for m in models]
         prepared, engine_optimizers = self.strategy.setup(list(models), list(optimizers))
         for record, done in zip(records, prepared):

@@ -398,7 +398,7 @@ def strategy_from_handlers(name: Any, handlers: Dict[type, Any], world_size: int
     if ddp is not None and hasattr(instance, "ddp_kwargs"):
         instance.ddp_kwargs.update(ddp.to_kwargs())
     group = instance.process_group if pg is not None else None
-    if group is not None:
+    if pg is not None and group is not None:
         if pg.timeout is not None:
             group.timeout = pg.timeout
         if pg.backend is not None:

@@ -1,7 +1,7 @@
 """Saving and loading of the raw door: weights, whole-run checkpoints, big-model set-up.
 
-A mixin of `Accelerator`: it needs `self.strategy`, `self.device`, `self.is_main_process` and the
-checkpoint lists (`save_state_pre_hooks`, `load_state_pre_hooks`, `registered_objects`,
+A mixin of `Accelerator`: it needs `self.strategy`, `self.device`, `self.is_main_process` (from
+`ProcessFacts`) and the checkpoint lists (`save_state_pre_hooks`, `load_state_pre_hooks`, `registered_objects`,
 `per_process_objects`); the files are written and read by `checkpoint/state.py`.
 """
 
@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Callable, ContextManager, Dict, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Dict, Iterator, List, Optional, Union, cast
 
 import torch
 from torch import nn
 
+from fabric_lite.accelerator.process_control import ProcessFacts
 from fabric_lite.accelerator.wrappers import HookHandle
 from fabric_lite.checkpoint import names
 from fabric_lite.checkpoint import state as state_io
+
+if TYPE_CHECKING:
+    from fabric_lite.accelerator.accelerator import Accelerator
+    from fabric_lite.checkpoint.saver import CheckpointSaver
 
 __all__ = ["ModelState", "init_empty_weights", "init_on_device"]
 
@@ -46,15 +51,15 @@ def init_on_device(device: Union[str, torch.device], include_buffers: bool = Fal
             tensor = tensor.to(device)
         register_buffer(module, name, tensor, persistent=persistent)
 
-    nn.Module.register_parameter = parameter_on_device  # type: ignore[method-assign]
+    setattr(nn.Module, "register_parameter", parameter_on_device)  # patched for this context only
     if include_buffers:
-        nn.Module.register_buffer = buffer_on_device  # type: ignore[method-assign]
+        setattr(nn.Module, "register_buffer", buffer_on_device)
     try:
         with torch.device(device) if include_buffers else contextlib.nullcontext():
             yield
     finally:
-        nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
-        nn.Module.register_buffer = register_buffer  # type: ignore[method-assign]
+        setattr(nn.Module, "register_parameter", register_parameter)
+        setattr(nn.Module, "register_buffer", register_buffer)
 
 
 def init_empty_weights(include_buffers: bool = False) -> ContextManager[None]:
@@ -84,9 +89,16 @@ def _moved_parameter(param: nn.Parameter, device: torch.device) -> nn.Parameter:
     return moved
 
 
-class ModelState:
+class ModelState(ProcessFacts):
     """Accelerate's save/load names (`save_model`, `save_state`, `load_state`, ...) plus `init_module` and
     `load_model_weights` for models too big for one process."""
+
+    # set by the Accelerator that mixes this in
+    save_state_pre_hooks: Dict[int, Callable]
+    load_state_pre_hooks: Dict[int, Callable]
+    registered_objects: List[Any]
+    per_process_objects: List[Any]
+    checkpoint_saver: "CheckpointSaver"
 
     # -- checkpoint hooks ---------------------------------------------------------------------------
     def register_save_state_pre_hook(self, hook: Callable) -> Any:
@@ -183,7 +195,7 @@ class ModelState:
         Examples:
             >>> accelerator.save_state("ckpt/step_100", blocking=False)   # doctest: +SKIP
         """
-        return state_io.save_state(self, output_dir, blocking=blocking, if_busy=if_busy, durable=durable)
+        return state_io.save_state(cast("Accelerator", self), output_dir, blocking=blocking, if_busy=if_busy, durable=durable)
 
     def wait_for_checkpoint(self) -> None:
         """Wait until the background save in flight (if any) is published; raise its error if it failed."""
@@ -192,4 +204,4 @@ class ModelState:
     def load_state(self, input_dir: Optional[Union[str, os.PathLike]] = None, **kwargs: Any) -> str:
         """Restore what `save_state` wrote: weights, optimizers, schedulers, scaler, RNGs, loader positions."""
         self.checkpoint_saver.wait()  # a checkpoint still being written is not yet there to be found
-        return state_io.load_state(self, input_dir, **kwargs)
+        return state_io.load_state(cast("Accelerator", self), input_dir, **kwargs)

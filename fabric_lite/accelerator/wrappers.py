@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, DefaultDict, Dict, List, Optional, Sequence
 
 import torch
 
@@ -31,11 +31,11 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self._after_step = strategy.runtime.step_marker
 
     @property
-    def state(self) -> Dict[Any, Any]:  # type: ignore[override]
+    def state(self) -> DefaultDict[torch.Tensor, Any]:  # type: ignore[override]
         return self.optimizer.state
 
     @state.setter
-    def state(self, value: Dict[Any, Any]) -> None:
+    def state(self, value: DefaultDict[torch.Tensor, Any]) -> None:
         self.optimizer.state = value
 
     @property

@@ -20,6 +20,7 @@ partial gradients plus the new ones, the same gradient an uninterrupted run woul
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import re
 import warnings
@@ -118,7 +119,7 @@ def _partial_gradients(url: str, manifest: Dict[str, Any], acc: "Accelerator", o
     params = _named_parameters(acc)
     total: Optional[List[Dict[str, torch.Tensor]]] = None
     for name in files:
-        local = own if name == f"rng_{acc.strategy.global_rank}.pt" else \
+        local: Any = own if name == f"rng_{acc.strategy.global_rank}.pt" else \
             load_file(url, name, manifest, weights_only=True)
         problem = _local_problem(local, params)
         if problem:
@@ -271,6 +272,7 @@ def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]],
             raise CheckpointError(
                 f"{url} holds {saved} {kind}(s) but this Accelerator prepared {len(objects)}. Prepare (and register) "
                 f"the same objects, in the same order, as the run that saved it.")
+    apply_engine: Optional[Callable[[], None]]
     if saved_as == sharded.ENGINE:
         apply_engine = sharded.read(url, manifest, strategy, acc.models,
                                     [(opt.module, opt.optimizer) for opt in acc.optimizers], strict)
@@ -326,11 +328,11 @@ def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]],
     for kind in ("dataloaders", "custom", "schedulers"):
         for i, (obj, saved_state) in enumerate(zip(lists[kind], state[kind])):
             what = f"{labels[kind]} {i} ({type(obj).__name__})"
-            steps.append((what, lambda w=what, o=obj, s=saved_state: applied.load(w, o, s)))
+            steps.append((what, functools.partial(applied.load, what, obj, saved_state)))
     steps.append(("the loss scaler", lambda: applied.load("the loss scaler", strategy.precision, state["precision"])))
     for i, (obj, saved_state) in enumerate(zip(acc.per_process_objects, (local or {}).get("objects", []))):
         what = f"per-process object {i} ({type(obj).__name__})"
-        steps.append((what, lambda w=what, o=obj, s=saved_state: applied.load(w, o, s)))
+        steps.append((what, functools.partial(applied.load, what, obj, saved_state)))
     mine = None
     for what, step in steps:
         try:
@@ -356,7 +358,7 @@ def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]],
     if apply_engine is not None:
         heavy.append((f"the {saved_as} model and optimizer state", apply_engine))
     for i, (model, saved_weights) in enumerate(zip(acc.models, weights)):
-        heavy.append((f"model {i}", lambda m=model, w=saved_weights: strategy.load_module_state_dict(m, w, strict=strict)))
+        heavy.append((f"model {i}", functools.partial(strategy.load_module_state_dict, model, saved_weights, strict=strict)))
     for what, step in heavy:
         # checked to fit above; what still fails here (memory, a collective) leaves the weights partly loaded:
         # keeping a copy of every model to put back would cost as much memory again

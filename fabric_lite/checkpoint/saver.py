@@ -145,7 +145,8 @@ def run_job(job: SaveJob, agreement: Any) -> None:
                 if job.update_latest:
                     checkpoint_io.update_latest(job.url, durable=job.durable)
                 for action in job.after_commit:
-                    step = (action.__doc__ or getattr(action, "__name__", "a follow-up")).strip().rstrip(".")
+                    label: str = getattr(action, "__name__", "a follow-up")
+                    step = (action.__doc__ or label).strip().rstrip(".")
                     action()
             except Exception as err:
                 error, outcome = err, (f"published the checkpoint, which is whole, but then {step} failed: "
@@ -242,7 +243,7 @@ def snapshot(state: Any, buffers: _HostBuffers) -> Tuple[Any, Optional[Callable[
             return seen[key]
         if isinstance(obj, dict):
             try:
-                out = copy.copy(obj)  # the same type (OrderedDict, defaultdict and its factory, ...)
+                out: Any = copy.copy(obj)  # the same type (OrderedDict, defaultdict and its factory, ...)
                 out.clear()
             except Exception:
                 out = {}

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 import torch
 
@@ -132,7 +132,7 @@ def _summary(err: BaseException) -> str:
     return "; ".join(distinct[:3]) if distinct else str(err)
 
 
-def _dcp_errors() -> Tuple[type, ...]:
+def _dcp_errors() -> Tuple[Type[BaseException], ...]:
     """What DCP raises: its CheckpointException derives from BaseException, not Exception."""
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -208,7 +208,7 @@ def _verify(url: str, manifest: Dict[str, Any], strategy: Any) -> Any:
     if index is not None and digests.checksum_of(index, manifest["files"][METADATA], algorithm) != manifest["files"][METADATA]:
         errors.append(f"{METADATA} does not match its checksum (corrupt)")
     found = [e for part in _gather(strategy, errors) for e in part]
-    if found:
+    if found or index is None:  # (a missing index is among the errors found)
         raise CheckpointError(f"{url}: {'; '.join(found[:5])}. Nothing was loaded. Load an earlier checkpoint.")
     return dcp_reading.read_metadata(index, {n for n in names if n != METADATA}, url)
 

@@ -88,7 +88,8 @@ class DDPStrategy(ParallelStrategy):
 
     def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:
         if enabled and hasattr(module, "no_sync"):
-            return module.no_sync()
+            no_sync: Any = module.no_sync  # DistributedDataParallel's, not declared on nn.Module
+            return no_sync()
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor, module: Optional[nn.Module] = None, **kwargs: Any) -> None:
@@ -101,13 +102,14 @@ class DDPStrategy(ParallelStrategy):
         if not hasattr(module, "require_backward_grad_sync"):
             yield
             return
-        saved = module.require_backward_grad_sync, module.require_forward_param_sync
-        module.require_backward_grad_sync = module.require_forward_param_sync = True
-        module.reducer.prepare_for_backward([])
+        ddp: Any = module  # DistributedDataParallel: its sync flags are not declared on nn.Module
+        saved = ddp.require_backward_grad_sync, ddp.require_forward_param_sync
+        ddp.require_backward_grad_sync = ddp.require_forward_param_sync = True
+        ddp.reducer.prepare_for_backward([])
         try:
             yield
         finally:
-            module.require_backward_grad_sync, module.require_forward_param_sync = saved
+            ddp.require_backward_grad_sync, ddp.require_forward_param_sync = saved
 
     def teardown(self) -> None:
         self.process_group.destroy()

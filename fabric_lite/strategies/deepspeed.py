@@ -311,7 +311,8 @@ class DeepSpeedStrategy(ParallelStrategy):
     def force_backward_sync(self, module: nn.Module) -> ContextManager:
         return self.engine_step.closing_step()
 
-    def clip_gradients_norm(self, parameters: Iterable[torch.Tensor], optimizer: Any, max_norm: float,
+    # the base declares a Tensor; the engine's norm is not known until its step (base.py to say Optional)
+    def clip_gradients_norm(self, parameters: Iterable[torch.Tensor], optimizer: Any, max_norm: float,  # type: ignore[override]
                             norm_type: float = 2.0) -> Optional[torch.Tensor]:
         """The engine clips inside its step; this sets its limit. The norm is not known yet: returns None."""
         if norm_type != 2.0:
@@ -389,4 +390,4 @@ class _CastingHooks:
 
         module.register_forward_pre_hook(to_engine, with_kwargs=True)
         module.register_forward_hook(to_fp32)
-        module._fabric_lite_casts = dtype
+        setattr(module, "_fabric_lite_casts", dtype)  # (nn.Module's typed __setattr__ takes tensors and modules)

@@ -229,7 +229,7 @@ class FSDPStrategy(ParallelStrategy):
         return self._gradient_sync(module, False)
 
     @contextlib.contextmanager
-    def _gradient_sync(self, module: nn.Module, sync: bool) -> Any:
+    def _gradient_sync(self, module: Any, sync: bool) -> Any:  # an FSDP2 module: set_requires_gradient_sync
         previous = self._syncing.get(id(module), True)  # (nested contexts restore what they found)
         self._syncing[id(module)] = sync
         module.set_requires_gradient_sync(sync)

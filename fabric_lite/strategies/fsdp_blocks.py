@@ -9,10 +9,13 @@ have had if built whole.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, Iterable, List, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, TypeGuard, Union
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["WrapPolicy", "is_dtensor", "CheckpointedForward", "block_classes", "resolve_wrap_policy",
            "parameter_owners", "shares_outside", "materialize"]
@@ -22,7 +25,7 @@ __all__ = ["WrapPolicy", "is_dtensor", "CheckpointedForward", "block_classes", "
 WrapPolicy = Union[None, Iterable[Union[type, str]], Callable[[nn.Module], bool]]
 
 
-def is_dtensor(tensor: Any) -> bool:
+def is_dtensor(tensor: Any) -> TypeGuard[DTensor]:
     """Whether `tensor` is a sharded (distributed) tensor."""
     from torch.distributed.tensor import DTensor
 

@@ -122,7 +122,8 @@ class HangGuard:
             time.sleep(0.02)
 
     def _dead_now(self, left: Dict[int, dict]) -> List[int]:
-        host, out = socket.gethostname(), []
+        host = socket.gethostname()
+        out: List[int] = []
         for rank in range(self.world_size):
             if rank == self.rank or rank in left:
                 continue
