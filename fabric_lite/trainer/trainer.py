@@ -20,7 +20,7 @@ from fabric_lite.accelerator.accelerator import Accelerator
 from fabric_lite.arguments import ArgumentCheck, is_int
 from fabric_lite.callbacks.base import Callback
 from fabric_lite.events import FitRun, announces_construction
-from fabric_lite.strategies.environments import detect_process, read_launch_environment
+from fabric_lite.strategies.environments import read_launch_environment
 from fabric_lite.trainer.barebones import BarebonesMetricStore
 from fabric_lite.trainer.logged_metrics import MetricStore
 from fabric_lite.trainer.module import DataModule, TrainModule
@@ -290,7 +290,7 @@ class Trainer(TrainerFacts, TrainerLightningNames):
             cb.setup(self, module, "fit")
         events.emit("fit_start", self, run)  # (under Ray: the checkpoint Ray hands the run)
         ckpt_path = run.ckpt_path
-        process = detect_process()
+        process = self.accelerator.run_config.process  # (the launch environment, read once in __init__)
         if ckpt_path is None and process.restart_count > 0:
             ckpt_path = "last"  # restarted by torch elastic: go on from the newest whole checkpoint
             if self.is_global_zero:
