@@ -165,7 +165,8 @@ def planned_layout(accelerator: "Accelerator", trainer: Optional["Trainer"] = No
 
 def _strategy_line(accelerator: "Accelerator", layout: _Layout) -> Tuple[str, Optional[Tuple[str, str]]]:
     """The strategy the real run uses, and a problem line if it would refuse to start."""
-    from fabric_lite.strategies import SingleDeviceStrategy, Strategy, create_strategy
+    from fabric_lite.strategies import Strategy, create_strategy
+    from fabric_lite.strategies.registry import runs_one_process
 
     strategy = accelerator.strategy
     planned_strategy: Strategy = strategy  # the one the real run builds
@@ -182,7 +183,8 @@ def _strategy_line(accelerator: "Accelerator", layout: _Layout) -> Tuple[str, Op
                 planned_strategy = create_strategy(str(requested_strategy), layout.world)
             except ValueError:
                 pass
-        if isinstance(planned_strategy, SingleDeviceStrategy) and layout.world > 1:
+        names = type(planned_strategy).aliases
+        if names and runs_one_process(names[0]) and layout.world > 1:
             problem = ("strategy (argument)",
                        f"{type(planned_strategy).__name__} with {layout.world} processes: the real run refuses it "
                        f"(independent copies would not exchange gradients). Use 'ddp' or 'auto'.")
