@@ -16,10 +16,6 @@ if "FABRIC_LITE_LAUNCHER_PID" in os.environ:  # a worker of `fabric-lite launch`
 
     follow_launcher()
 
-# The features that observe the doors (explain, the Trainer's profiler, preemption, Ray) subscribe to every door
-# built from now on; the doors never import them (a small module: it imports the features only when a door needs one).
-from fabric_lite import integrations  # noqa: E402,F401
-
 _EXPORTS = {
     "Accelerator": "fabric_lite.accelerator.accelerator",
     "DistributedType": "fabric_lite.accelerator.enums",

@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Dict, List, Optional
 
-__all__ = ["EVENTS", "EventBus", "FitRun", "announces_construction", "on_construction"]
+__all__ = ["EVENTS", "EventBus", "FitRun", "WIRING_MODULES", "announces_construction", "on_construction"]
 
 #: The events a door emits, in the order a fit() emits them.
 EVENTS = ("prepared", "stage_start", "fit_start", "train_start", "step", "epoch_end", "fit_end", "stage_end")
@@ -91,11 +91,25 @@ class FitRun:
 
 #: Per door class name ("Accelerator", "Trainer"): the functions `on_construction` registered.
 _WIRING: Dict[str, List[Callable[[Any, Dict[str, Any]], None]]] = {}
+#: The modules that register wiring with `on_construction` (fabric_lite's own features: integrations.py), imported
+#: when the first door is built, so that `import fabric_lite` imports nothing else; a plugin may add its module.
+WIRING_MODULES: List[str] = ["fabric_lite.integrations"]
+_loaded: List[str] = []
+
+
+def _load_wiring() -> None:
+    import importlib
+
+    for name in WIRING_MODULES:
+        if name not in _loaded:
+            importlib.import_module(name)
+            _loaded.append(name)
 
 
 def on_construction(door: str, wire: Callable[[Any, Dict[str, Any]], None]) -> None:
     """Call `wire(door, arguments)` for each door of class `door` built from now on, before its `__init__` runs:
-    `door.events` exists, `arguments` are those its caller gave, as given (defaults left out)."""
+    `door.events` exists, `arguments` are those its caller gave, as given (defaults left out). The modules of
+    `WIRING_MODULES` are imported (and so register theirs) when the first door is built."""
     _WIRING.setdefault(door, []).append(wire)
 
 
@@ -113,6 +127,8 @@ def announces_construction(init: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(init)
     def construct(self: Any, *args: Any, **kwargs: Any) -> None:
         self.events = EventBus()
+        if len(_loaded) != len(WIRING_MODULES):
+            _load_wiring()
         wiring = _WIRING.get(door)
         if wiring:
             # (bound by hand, as inspect's Signature.bind would, at a tenth of its calls)
