@@ -40,7 +40,7 @@ def wire_trainer(trainer: Any, arguments: Dict[str, Any]) -> None:
     in place of training, preemption on every fit, and under Ray, the checkpoint Ray hands the run."""
     from fabric_lite.launch.preemption import TrainerPreemption
     from fabric_lite.profilers import resolve_profiler
-    from fabric_lite.strategies.environments import detect_process, read_launch_settings
+    from fabric_lite.strategies.environments import read_launch_environment
 
     events = trainer.events
     #: Profiles the hooks and steps when given one (`profiler="simple"`, "advanced", "pytorch"); a
@@ -50,12 +50,13 @@ def wire_trainer(trainer: Any, arguments: Dict[str, Any]) -> None:
         events.instrument = profiler
         events.subscribe("stage_start", _start_profile)
         events.subscribe("stage_end", _end_profile)
-    launch = read_launch_settings()
+    env = read_launch_environment()  # (one read for the three features that ask it)
+    launch = env.launch
     if launch.explain_dry_run:
         trainer.explain_arguments = arguments
     if arguments.get("explain") or launch.explain is not None:
         events.subscribe("prepared", _explain_fit)
-    if detect_process().started_by_ray:
+    if env.process.started_by_ray:
         events.subscribe("fit_start", _ray_resume)
     TrainerPreemption(trainer).subscribe(events)
 
