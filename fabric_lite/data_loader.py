@@ -80,7 +80,7 @@ def _processes(caller: str, num_processes: Optional[int],
     check_processes(caller, num_processes, process_index, default="None: this run's")
     strategy = current_strategy()
     live = strategy is not None and strategy.world_size == num_processes and strategy.global_rank == process_index
-    broadcast = strategy.broadcast_object if live and num_processes > 1 else _identity
+    broadcast = strategy.collectives.broadcast_object if live and num_processes > 1 else _identity
     return num_processes, process_index, broadcast, live
 
 

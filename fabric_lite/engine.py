@@ -204,12 +204,9 @@ class StepEngine:
             return None
         self.unscale_gradients(optimizer)
         params = list(parameters)
-        if clip_value is not None:
-            self.strategy.clip_gradients_value(params, None, clip_value)
-            return None
-        if max_norm is None:
+        if clip_value is None and max_norm is None:
             raise TypeError("clip_gradients() needs max_norm or clip_value.")
-        return self.strategy.clip_gradients_norm(params, None, max_norm, norm_type)
+        return self.strategy.clip_gradients(params, None, max_norm=max_norm, norm_type=norm_type, clip_value=clip_value)
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> Optional[torch.Tensor]:
         """Clip the gradient norm (after unscaling fp16 gradients); returns the total norm.

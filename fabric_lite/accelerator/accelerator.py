@@ -299,14 +299,13 @@ class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerCo
         place = self.device_placement if device_placement is None else device_placement
         config = self.dataloader_config
         config.validate()  # (its fields may have been changed since it was made)
-        shard_kwargs = self.strategy.distributed_sampler_kwargs or {"num_replicas": 1, "rank": 0}
-        loader = shard_dataloader(
-            data_loader, num_replicas=shard_kwargs["num_replicas"], rank=shard_kwargs["rank"],
+        loader = shard_dataloader(  # (sharded over the data-parallel group)
+            data_loader, num_replicas=self.strategy.dp_size, rank=self.strategy.dp_rank,
             # DataLoader batches are already on the CPU: moving them there would only cost time.
             device=self.device if place and self.device.type != "cpu" else None, gradient_state=self.gradient_state,
             split_batches=config.split_batches,
             even_batches=config.even_batches if even_batches is None else even_batches,
-            broadcast_seed=self.strategy.broadcast_object,
+            broadcast_seed=self.strategy.collectives.broadcast_object,
             non_blocking=config.non_blocking,
             device_feed=self.strategy.runtime.device_feed(config.non_blocking) if place else None,
             # (use_stateful_dataloader: every prepared loader answers state_dict/load_state_dict and resumes exactly)

@@ -141,8 +141,8 @@ class ModelState(ProcessFacts):
             >>> with accelerator.init_module():                     # doctest: +SKIP
             ...     model = GPT(config)        # on FSDP: nothing allocated until prepare()
         """
-        meta = self.strategy.initializes_on_meta if empty_init is None else bool(empty_init)
-        if meta and not self.strategy.initializes_on_meta:
+        meta = self.strategy.traits.initializes_on_meta if empty_init is None else bool(empty_init)
+        if meta and not self.strategy.traits.initializes_on_meta:
             raise ValueError(f"init_module(empty_init=True) builds the model on the meta device, which "
                              f"{type(self.strategy).__name__} cannot materialize. Use strategy='fsdp', or "
                              f"empty_init=False.")
@@ -163,7 +163,7 @@ class ModelState(ProcessFacts):
             except Exception as err:  # the other processes must hear of it, not wait for a scatter
                 error = f"{type(err).__name__}: {err}"
         if one_reader and not isinstance(source, dict):
-            error = self.strategy.broadcast_object(error)
+            error = self.strategy.collectives.broadcast_object(error)
         if error is not None:
             raise ValueError(f"load_model_weights could not read {source}: {error}")
         state = names.for_module(state, self.strategy.unwrap_module(model).state_dict())

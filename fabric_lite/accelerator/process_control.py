@@ -65,8 +65,8 @@ class ProcessFacts:
     def distributed_type(self) -> DistributedType:
         """Accelerate's name of this kind of run: the strategy's own (`accelerate_type`), else NO for one
         process, else `MULTI_<device>` (MULTI_GPU on CUDA)."""
-        if self.strategy.accelerate_type is not None:
-            return DistributedType(self.strategy.accelerate_type)
+        if self.strategy.traits.accelerate_type is not None:
+            return DistributedType(self.strategy.traits.accelerate_type)
         if self.num_processes == 1:
             return DistributedType.NO
         kind = self.device.type
@@ -76,14 +76,11 @@ class ProcessFacts:
     # -- collectives -------------------------------------------------------------------------------
     def gather(self, tensor: Any) -> Any:
         """Concatenate tensors (or nested structures of tensors) from all processes along dim 0."""
-        return tree_map(self.strategy.all_gather, tensor, _reject_non_tensor("gather"))
+        return tree_map(self.strategy.collectives.all_gather, tensor, _reject_non_tensor("gather"))
 
     def gather_object(self, obj: Any) -> List[Any]:
         """Gather picklable objects; lists from each process are concatenated."""
-        parts = self.strategy.all_gather_object(obj)
-        if all(isinstance(p, (list, tuple)) for p in parts):
-            return [x for p in parts for x in p]
-        return parts
+        return _joined(self.strategy.collectives.all_gather_object(obj))
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         """All-reduce tensors across processes with "sum", "mean" or "none"."""
@@ -91,7 +88,7 @@ class ProcessFacts:
             return tensor
 
         def one(t: torch.Tensor) -> torch.Tensor:
-            out = self.strategy.all_reduce(t, reduction)
+            out = self.strategy.collectives.all_reduce(t, reduction)
             return out * scale if scale != 1.0 else out
 
         return tree_map(one, tensor, _reject_non_tensor("reduce"))
@@ -103,7 +100,7 @@ class ProcessFacts:
             if t.dim() == 0 or not -t.dim() <= dim < t.dim():
                 return t
             d = dim % t.dim()
-            sizes = self.strategy.all_gather(torch.tensor([t.shape[d]], device=t.device))
+            sizes = self.strategy.collectives.all_gather(torch.tensor([t.shape[d]], device=t.device))
             longest = int(sizes.max())
             if longest == t.shape[d]:
                 return t
@@ -117,11 +114,11 @@ class ProcessFacts:
         return tree_map(one, tensor)
 
     def broadcast(self, tensor: Any, from_process: int = 0) -> Any:
-        return tree_map(lambda t: self.strategy.broadcast(t, from_process), tensor, _reject_non_tensor("broadcast"))
+        return tree_map(lambda t: self.strategy.collectives.broadcast(t, from_process), tensor, _reject_non_tensor("broadcast"))
 
     def broadcast_object_list(self, object_list: List[Any], from_process: int = 0) -> List[Any]:
         """Replace the list's items, on every process, with those of process `from_process`; returns the list."""
-        object_list[:] = self.strategy.broadcast_object(list(object_list), from_process)
+        object_list[:] = self.strategy.collectives.broadcast_object(list(object_list), from_process)
         return object_list
 
     def wait_for_everyone(self) -> None:
@@ -222,10 +219,11 @@ class ProcessControl(ProcessFacts):
             return o
 
         tree_map(tensor_leaf, input_data, other_leaf)
+        dp = self.strategy.collectives.over("dp")  # (the evaluation data is sharded over the data-parallel group)
         if use_gather_object or not all(leaves):
-            data = self.gather_object(input_data)
+            data = _joined(dp.all_gather_object(input_data))
         else:
-            data = self.gather(input_data)
+            data = tree_map(dp.all_gather, input_data, _reject_non_tensor("gather"))
         state = self.gradient_state
         if state.end_of_dataloader and state.remainder > 0:
             if isinstance(data, list):
@@ -239,7 +237,7 @@ class ProcessControl(ProcessFacts):
 
     def check_trigger(self) -> bool:
         """True on every process if any process called `set_trigger` since the last check (one all-reduce)."""
-        raised = bool(self.strategy.all_reduce(self.flag_tensor, "sum").item() > 0)
+        raised = bool(self.strategy.collectives.all_reduce(self.flag_tensor, "sum").item() > 0)
         if raised:
             self.flag_tensor.zero_()
         return raised
@@ -260,6 +258,13 @@ class ProcessControl(ProcessFacts):
                 yield
         finally:
             self.dataloader_config.even_batches = saved
+
+
+def _joined(parts: List[Any]) -> List[Any]:
+    """Gathered objects: lists from each process concatenated, anything else one item per process."""
+    if all(isinstance(p, (list, tuple)) for p in parts):
+        return [x for p in parts for x in p]
+    return parts
 
 
 def _reject_non_tensor(verb: str) -> Callable[[Any], Any]:

@@ -126,7 +126,7 @@ class ModelCheckpoint(Callback):
                 result = ("ok", (self._current(trainer), self._format(trainer)))
             except KeyError as err:
                 result = ("error", err.args[0])
-        result = trainer.strategy.broadcast_object(result)
+        result = trainer.strategy.collectives.broadcast_object(result)
         if result[0] == "error":
             raise KeyError(result[1])
         return result[1]

@@ -48,7 +48,7 @@ class EarlyStopping(Callback):
                 f"{sorted(trainer.callback_metrics)}."
             )
         # Rank 0 decides from its value; every rank receives the same decision, so none waits alone.
-        current = float(trainer.strategy.broadcast(trainer.callback_metrics[self.monitor].detach().float()
+        current = float(trainer.strategy.collectives.broadcast(trainer.callback_metrics[self.monitor].detach().float()
                                                    .reshape(1).to(trainer.device).clone(), 0))
         improved = (current < self.best - self.min_delta) if self.mode == "min" else (current > self.best + self.min_delta)
         if improved:

@@ -88,7 +88,7 @@ class VersionedLogger(Logger):
             version = self.version
             if version is None and trainer.is_global_zero:
                 version = int(version_dir(self.save_dir, self.name, None).rsplit("_", 1)[-1])
-            self.log_dir = version_dir(self.save_dir, self.name, trainer.strategy.broadcast_object(version))
+            self.log_dir = version_dir(self.save_dir, self.name, trainer.strategy.collectives.broadcast_object(version))
 
 
 class TensorBoardLogger(VersionedLogger):

@@ -122,7 +122,7 @@ class Timer(Callback):
         assert self.duration is not None
         up = self.time_elapsed("train") >= self.duration
         if trainer.world_size > 1:  # every process stops at the same batch: rank 0's clock decides
-            up = bool(trainer.strategy.broadcast_object(up))
+            up = bool(trainer.strategy.collectives.broadcast_object(up))
         if up and not trainer.should_stop:
             trainer.should_stop = True
             if self.verbose and trainer.is_global_zero:

@@ -214,7 +214,7 @@ def _failure(url: str, applied: _Applied, what: str, err: BaseException, partly:
 def _agree(strategy: Any, problem: Optional[str]) -> Optional[str]:
     """Every process's problem (None: none), gathered so that all stop together: a check that fails on one
     process only must not leave the others waiting in the next collective."""
-    found = [(rank, p) for rank, p in enumerate(strategy.all_gather_object(problem)) if p]
+    found = [(rank, p) for rank, p in enumerate(strategy.collectives.all_gather_object(problem)) if p]
     if not found:
         return None
     rank, first = found[0]
@@ -230,7 +230,7 @@ def _find(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]]) -> s
             "load_state() without a path needs automatic_checkpoint_naming and a project_dir: "
             "Accelerator(project_config=ProjectConfiguration(project_dir='runs', automatic_checkpoint_naming=True)).")
     root = f"{os.fspath(project_dir).rstrip('/')}/checkpoints"
-    found = acc.strategy.broadcast_object(
+    found = acc.strategy.collectives.broadcast_object(
         checkpoint_io.newest_whole_checkpoint(root) if acc.strategy.is_global_zero else None)
     match = CHECKPOINT_RE.search(found or "")
     if match is None:

@@ -65,10 +65,10 @@ class _Agreement:
         self.is_main = strategy.is_global_zero
 
     def gather(self, obj: Any) -> List[Any]:
-        return self.strategy.all_gather_object(obj)
+        return self.strategy.collectives.all_gather_object(obj)
 
     def broadcast(self, obj: Any) -> Any:
-        return self.strategy.broadcast_object(obj)
+        return self.strategy.collectives.broadcast_object(obj)
 
 
 class _SideAgreement(_Agreement):
@@ -349,7 +349,7 @@ class CheckpointSaver:
             busy = self.in_flight
             if self.strategy.world_size > 1:  # every process must make the same choice, whatever it waited for
                 flag = torch.tensor([1.0 if busy else 0.0], device=self.strategy.root_device)
-                busy = bool(self.strategy.all_reduce(flag, "max").item())
+                busy = bool(self.strategy.collectives.all_reduce(flag, "max").item())
             if busy:
                 return False
         try:

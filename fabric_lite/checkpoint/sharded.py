@@ -148,7 +148,7 @@ def _quiet_lone_process() -> Any:
 
 
 def _gather(strategy: Any, value: Any) -> List[Any]:
-    return strategy.all_gather_object(value)
+    return strategy.collectives.all_gather_object(value)
 
 
 def save(writer: CheckpointWriter, strategy: Any, models: Sequence[torch.nn.Module],

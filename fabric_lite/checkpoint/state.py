@@ -194,7 +194,7 @@ def save_state(acc: "Accelerator", output_dir: Optional[Union[str, os.PathLike]]
     if not saver.make_room(if_busy):
         return None
     strategy = acc.strategy
-    token = strategy.broadcast_object(os.urandom(6).hex())
+    token = strategy.collectives.broadcast_object(os.urandom(6).hex())
     engine = strategy.checkpoint_format.engine  # None (state dicts), "dcp" (sharded) or the engine's name
     reason = None if blocking else saver.why_blocking()
     if reason is not None:

@@ -94,7 +94,7 @@ class SaveConfigCallback(Callback):
             path = f"{log_dir.rstrip('/')}/{self.config_filename}"
             fs, local = checkpoint_io.filesystem(path)
             exists = bool(trainer.is_global_zero and not self.overwrite and fs.isfile(local))
-            if trainer.strategy.broadcast_object(exists):
+            if trainer.strategy.collectives.broadcast_object(exists):
                 raise RuntimeError(
                     f"SaveConfigCallback: {path} exists already (a previous run's config); not overwriting it. "
                     f"Delete it, use another trainer.default_root_dir or logger version, pass "
@@ -113,7 +113,7 @@ class SaveConfigCallback(Callback):
         if trainer.is_global_zero:
             self.save_config(trainer, module, stage)
             self.already_saved = True
-        self.already_saved = bool(trainer.strategy.broadcast_object(self.already_saved))
+        self.already_saved = bool(trainer.strategy.collectives.broadcast_object(self.already_saved))
 
     def save_config(self, trainer: Any, module: Any, stage: str) -> None:
         """Override to store the config elsewhere too (a logger's hyperparameters...); runs on rank 0 only."""

@@ -183,7 +183,7 @@ def _strategy_line(accelerator: "Accelerator", layout: _Layout) -> Tuple[str, Op
                 planned_strategy = create_strategy(str(requested_strategy), layout.world)
             except ValueError:
                 pass
-        names = type(planned_strategy).aliases
+        names = planned_strategy.traits.names
         if names and runs_one_process(names[0]) and layout.world > 1:
             problem = ("strategy (argument)",
                        f"{type(planned_strategy).__name__} with {layout.world} processes: the real run refuses it "

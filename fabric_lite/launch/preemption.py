@@ -96,7 +96,7 @@ class PreemptionWatch:
             proposal = float(min(10_000, max(1, int(steps_per_second * self.check_seconds))))
         flags = torch.tensor([1.0 if self.received is not None else 0.0, proposal, 1.0 if save_failed else 0.0],
                              device=strategy.root_device)
-        stop, interval, failed = strategy.all_reduce(flags, "max").tolist()
+        stop, interval, failed = strategy.collectives.all_reduce(flags, "max").tolist()
         self._interval = max(1, int(interval))
         self._countdown = self._interval
         self._last_check = now

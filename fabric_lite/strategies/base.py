@@ -9,21 +9,23 @@ The core:
 =====================================  ==================================================================
 topology                               `device_mesh` (named dimensions; one "dp" dimension today), `world_size`,
                                        `global_rank`, `dp_size`, `dp_rank` (the data-parallel group the doors
-                                       shard data over), `is_global_zero`, `distributed_sampler_kwargs`
+                                       shard data over), `is_global_zero`
 `setup_environment()` / `teardown()`   start and release communication (abstract)
 `setup(modules, optimizers)`           wrap for this strategy; `setup_module` (abstract), `setup_optimizer`
 `unwrap_module`                        the user's module without the wrapper (abstract)
 `backward` / `optimizer_step`          through the precision plugin (scaling, unscale, inf/NaN skip)
 `no_backward_sync(module)`             one meaning: skip the gradient reduction (abstract);
                                        `force_backward_sync` undoes it for one backward
-`clip_gradients_norm/value`            the right way for this strategy
-collectives                            `barrier`, `all_reduce`, `all_gather(_object)`, `broadcast(_object)`:
-                                       identities on one process, torch.distributed (`_primitive_*`) otherwise
+`clip_gradients`                       by norm or by value, the right way for this strategy
+`barrier()`                            wait for every process (the other collectives: `collectives` below)
 full state                             `module_state_dict`, `load_module_state_dict`, `optimizer_state_dict`,
                                        `load_optimizer_state_dict`, `to_host`
 =====================================  ==================================================================
 
 Collaborators it holds, each with one meaning:
+
+- `collectives` (`collectives.py`): `barrier`, `all_reduce`, `all_gather(_object)`, `broadcast(_object)` over the
+  world, and `collectives.over("dp")` over the data-parallel group; identities on one process.
 
 - `process_group` (`process_group.py`): backend, timeout, store, hang guard, side group; None where there is
   no torch.distributed group of its own (one device, a runtime that owns the world).
@@ -32,8 +34,9 @@ Collaborators it holds, each with one meaning:
 - `engine_step` (`engine_step.py`): for an engine that owns the step (DeepSpeed): joint set-up, run hints and
   the accumulation boundary; None elsewhere.
 
-Capabilities, each with one reader: `initializes_on_meta`, `forward_is_collective`,
-`syncs_gradients_per_forward`; `accelerate_type` names it for Accelerate's `DistributedType`.
+`traits` (`Traits`, a frozen value on the class): its registry names, Accelerate's `DistributedType` name, and the
+capabilities the doors ask instead of isinstance checks (`initializes_on_meta`, `forward_is_collective`,
+`syncs_gradients_per_forward`), each with one reader.
 - `runtime` (`runtime.py`, a class attribute `RuntimeSlot(...)`): how its processes meet its devices (process
   per device, runtime replicas, one SPMD process): the device feed, the step marker, the device type it forces,
   the start of a runtime that owns the world, and the Trainer's re-launcher.
@@ -43,47 +46,65 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, ContextManager, Dict, Iterable, List, Optional, Sequence, Tuple
+import dataclasses
+import itertools
+from typing import TYPE_CHECKING, Any, ContextManager, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from fabric_lite.strategies.checkpoint_format import CheckpointFormat
+from fabric_lite.strategies.collectives import Collectives, ReduceOp
 from fabric_lite.strategies.environments import ProcessInfo
 from fabric_lite.strategies.precision import Precision
-from fabric_lite.strategies.runtime import Runtime, RuntimeSlot
+from fabric_lite.strategies.runtime import Runtime, Slot
 
 if TYPE_CHECKING:
     from fabric_lite.strategies.engine_step import EngineStep
     from fabric_lite.strategies.process_group import ProcessGroup
 
-__all__ = ["Strategy", "ReduceOp", "Mesh"]
+__all__ = ["Strategy", "Traits", "ReduceOp", "Mesh"]
 
-ReduceOp = str  # "sum" | "mean" | "max" | "min"
-_REDUCE_OPS = ("sum", "mean", "max", "min")
+
+
+@dataclasses.dataclass(frozen=True)
+class Traits:
+    """What a strategy class is, for the doors that must not ask which class it is; each field has one reader.
+
+    - `names`: the registry names it answers to (the first is its own), () for a class of the user's.
+    - `accelerate_type`: Hugging Face Accelerate's `DistributedType` name for it, where it has its own one.
+    - `initializes_on_meta`: `setup_module` takes a model built on the meta device and gives each process its own
+      shards only (`init_module` builds there by default).
+    - `forward_is_collective`: every forward is a collective (ZeRO-3 gathers parameters): evaluation must give every
+      process the same number of batches, padding included.
+    - `syncs_gradients_per_forward`: gradients are averaged by the model's wrapper during the one backward that
+      follows each forward (DDP's reducer). A loop that runs several backwards per forward (a module stepping its own
+      optimizers, as a GAN does) forwards through the unwrapped model and averages each optimizer's gradients as it
+      steps instead.
+    """
+
+    names: Tuple[str, ...] = ()
+    accelerate_type: Optional[str] = None
+    initializes_on_meta: bool = False
+    forward_is_collective: bool = False
+    syncs_gradients_per_forward: bool = False
+
+    def but(self, **changes: Any) -> "Traits":
+        """These traits with some fields changed (a strategy whose instances differ: DeepSpeed's stage 3)."""
+        return dataclasses.replace(self, **changes)
 
 
 class Strategy(abc.ABC):
     """The contract every strategy implements (see the module docstring for the list)."""
 
-    #: Registry names this class answers to (see ``strategies/registry.py``).
-    aliases: ClassVar[Tuple[str, ...]] = ()
-    #: Hugging Face Accelerate's `DistributedType` name for this strategy, where it has its own one.
-    accelerate_type: ClassVar[Optional[str]] = None
-    # Capabilities the front doors ask instead of isinstance checks; each means one thing.
-    #: `setup_module` takes a model built on the meta device and gives each process its own shards only
-    #: (`init_module` builds there by default).
-    initializes_on_meta: ClassVar[bool] = False
-    #: Every forward is a collective (ZeRO-3 gathers parameters): evaluation must give every process
-    #: the same number of batches, padding included.
-    forward_is_collective: bool = False
-    #: Gradients are averaged by the model's wrapper during the one backward that follows each forward (DDP's
-    #: reducer). A loop that runs several backwards per forward (a module stepping its own optimizers, as a GAN
-    #: does) forwards through the unwrapped model and averages each optimizer's gradients as it steps instead.
-    syncs_gradients_per_forward: ClassVar[bool] = False
+    #: What the doors may ask about it instead of which class it is (`Traits`; each field has one meaning).
+    traits: Traits = Traits()
     #: How its processes meet its devices (process per device, runtime replicas, one SPMD process): the device
     #: feed, the step marker, the device type it forces and the re-launcher (`strategies/runtime.py`).
-    runtime = RuntimeSlot(Runtime)
+    runtime = Slot(Runtime)
+    #: Reductions, gathers and broadcasts over the world, or `.over("dp")` the data-parallel group
+    #: (strategies/collectives.py); a runtime with collectives of its own names its subclass here.
+    collectives = Slot(Collectives, "collectives")
     # Collaborators (see the module docstring); a strategy that has one sets it in its __init__.
     #: The torch.distributed group it trains over (strategies/process_group.py), or None.
     process_group: Optional["ProcessGroup"] = None
@@ -157,13 +178,6 @@ class Strategy(abc.ABC):
     def is_global_zero(self) -> bool:
         return self.process.global_rank == 0
 
-    @property
-    def distributed_sampler_kwargs(self) -> Optional[Dict[str, int]]:
-        """How the data is sharded: ``{"num_replicas": W, "rank": r}``, or None for no sharding."""
-        if self.dp_size == 1:
-            return None
-        return {"num_replicas": self.dp_size, "rank": self.dp_rank}
-
     # -- the step ----------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, module: Optional[nn.Module] = None, **kwargs: Any) -> None:
         self.precision.backward(loss, **kwargs)
@@ -181,20 +195,20 @@ class Strategy(abc.ABC):
         """Inside `no_backward_sync`, make the next backward synchronise after all."""
         return contextlib.nullcontext()
 
-    def clip_gradients_norm(
-        self, parameters: Iterable[torch.Tensor], optimizer: Optional[torch.optim.Optimizer],
-        max_norm: float, norm_type: float = 2.0,
-    ) -> torch.Tensor:
+    def clip_gradients(
+        self, parameters: Iterable[torch.Tensor], optimizer: Optional[torch.optim.Optimizer], *,
+        max_norm: Optional[float] = None, norm_type: float = 2.0, clip_value: Optional[float] = None,
+    ) -> Optional[torch.Tensor]:
+        """Clip by norm (`max_norm`: returns the total norm) or by value (`clip_value`: returns None), after
+        unscaling `optimizer`'s gradients where one is given."""
         if optimizer is not None:
             self.precision.unscale_gradients(optimizer)
+        if clip_value is not None:
+            torch.nn.utils.clip_grad_value_(parameters, clip_value)
+            return None
+        if max_norm is None:
+            raise TypeError("clip_gradients() needs max_norm or clip_value.")
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
-
-    def clip_gradients_value(
-        self, parameters: Iterable[torch.Tensor], optimizer: Optional[torch.optim.Optimizer], clip_value: float
-    ) -> None:
-        if optimizer is not None:
-            self.precision.unscale_gradients(optimizer)
-        torch.nn.utils.clip_grad_value_(parameters, clip_value)
 
     # -- state -------------------------------------------------------------------------------------
     def module_state_dict(self, module: nn.Module) -> Dict[str, Any]:
@@ -222,103 +236,10 @@ class Strategy(abc.ABC):
         "hardware" or "precision". `world` is the planned number of processes."""
         return []
 
-    # -- collectives (identities on one process) ---------------------------------------------------
+    # -- collectives: `collectives` (world) and `collectives.over("dp")`; the barrier is also spelled here ---------
     def barrier(self, name: Optional[str] = None) -> None:
-        if self.world_size > 1:
-            self._primitive_barrier()
-
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
-        """Reduce a tensor across processes; returns a new tensor, the input is left alone."""
-        op = op.lower()
-        if op not in _REDUCE_OPS:
-            raise ValueError(f"Unknown reduce op {op!r}; allowed: {', '.join(_REDUCE_OPS)}.")
-        if self.world_size == 1:
-            return tensor.clone()
-        out = tensor.detach().clone()
-        self._primitive_all_reduce(out, "sum" if op == "mean" else op)
-        if op == "mean":
-            out = out / self.world_size if out.is_floating_point() else out // self.world_size
-        return out
-
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Concatenate every process's tensor along dim 0 (0-dim tensors become length-1).
-
-        Tensors whose first dimension differs between processes are padded for the exchange and
-        trimmed after, so callers never have to line shapes up.
-        """
-        if tensor.dim() == 0:
-            tensor = tensor.reshape(1)
-        if self.world_size == 1:
-            return tensor
-        tensor = tensor.contiguous()
-        sizes = torch.tensor([tensor.shape[0]], device=tensor.device, dtype=torch.long)
-        all_sizes = [int(s) for s in torch.cat(self._primitive_all_gather(sizes)).tolist()]
-        longest = max(all_sizes)
-        if longest != tensor.shape[0]:
-            pad = tensor.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))
-            tensor = torch.cat([tensor, pad])
-        parts = self._primitive_all_gather(tensor)
-        return torch.cat([p[:n] for p, n in zip(parts, all_sizes)])
-
-    def all_gather_object(self, obj: Any) -> List[Any]:
-        if self.world_size == 1:
-            return [obj]
-        out: List[Any] = [None] * self.world_size
-        self._primitive_all_gather_object(out, obj)
-        return out
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        if self.world_size == 1:
-            return tensor
-        tensor = tensor.contiguous()
-        self._primitive_broadcast(tensor, src)
-        return tensor
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        if self.world_size == 1:
-            return obj
-        box = [obj if self.global_rank == src else None]
-        self._primitive_broadcast_object_list(box, src)
-        return box[0]
-
-    # -- backend primitives (torch.distributed by default) -----------------------------------------
-    def _collective(self, name: str, fn: Callable[[], Any]) -> Any:
-        """Run one torch.distributed collective, under the hang guard where the process group has one."""
-        guard = self.process_group.hang_guard if self.process_group is not None else None
-        return fn() if guard is None else guard.run(name, fn)
-
-    def _primitive_barrier(self) -> None:
-        import torch.distributed as dist
-
-        self._collective("barrier", dist.barrier)
-
-    def _primitive_all_reduce(self, tensor: torch.Tensor, op: str) -> None:
-        import torch.distributed as dist
-
-        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-        self._collective(f"all_reduce({op})", lambda: dist.all_reduce(tensor, op=reduce_op))
-
-    def _primitive_all_gather(self, tensor: torch.Tensor) -> List[torch.Tensor]:
-        import torch.distributed as dist
-
-        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        self._collective("all_gather", lambda: dist.all_gather(parts, tensor))
-        return parts
-
-    def _primitive_all_gather_object(self, out: List[Any], obj: Any) -> None:
-        import torch.distributed as dist
-
-        self._collective("all_gather_object", lambda: dist.all_gather_object(out, obj))
-
-    def _primitive_broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        import torch.distributed as dist
-
-        self._collective(f"broadcast(src={src})", lambda: dist.broadcast(tensor, src))
-
-    def _primitive_broadcast_object_list(self, box: List[Any], src: int) -> None:
-        import torch.distributed as dist
-
-        self._collective(f"broadcast_object(src={src})", lambda: dist.broadcast_object_list(box, src))
+        """Wait until every process gets here (Lightning's `strategy.barrier()`)."""
+        self.collectives.barrier(name)
 
     def __repr__(self) -> str:
         return (
@@ -340,6 +261,17 @@ class Mesh:
 
     def rank(self, name: str) -> int:
         return self.coords[self._index(name)]
+
+    def groups(self, name: str) -> List[List[int]]:
+        """The global ranks of each group along dimension `name`: processes that share every other coordinate.
+        Global ranks number the mesh row-major, in the order of `names` (the last dimension varies fastest)."""
+        axis = self._index(name)
+        strides = [1] * len(self.sizes)
+        for i in range(len(self.sizes) - 2, -1, -1):
+            strides[i] = strides[i + 1] * self.sizes[i + 1]
+        others = [range(n) if i != axis else range(1) for i, n in enumerate(self.sizes)]
+        return [[sum(c * s for c, s in zip(fixed, strides)) + k * strides[axis] for k in range(self.sizes[axis])]
+                for fixed in itertools.product(*others)]
 
     def _index(self, name: str) -> int:
         if name not in self.names:

@@ -190,7 +190,7 @@ def apply_comm_hook(strategy: Any, hook: CommHook) -> None:
     if isinstance(strategy, DDPStrategy) and type(strategy).setup_module is DDPStrategy.setup_module:
         strategy.comm_hook = hook
         return
-    kind = getattr(strategy, "accelerate_type", None)
+    kind = strategy.traits.accelerate_type
     own = {"FSDP": "FSDP reduce-scatters gradients in its mixed-precision policy's reduce_dtype (reduce_dtype="
                    "torch.bfloat16 compresses them)",
            "DEEPSPEED": "DeepSpeed reduces gradients in its config's communication_data_type (\"fp16\"/\"bf16\" "

@@ -186,7 +186,7 @@ def configure_strategy(strategy: Strategy, process: ProcessInfo, root_device: to
 
 def _check_fp8_strategy(instance: Strategy, recipe: FP8Recipe) -> None:
     """Refuse the strategies fp8 cannot train with here (the engine or the sharding would not see the fp8 layers)."""
-    kind = instance.accelerate_type
+    kind = instance.traits.accelerate_type
     if kind == "DEEPSPEED":
         raise ValueError(
             "mixed_precision='fp8' with DeepSpeed is not supported here: DeepSpeed's engine keeps its own bf16/fp16 "

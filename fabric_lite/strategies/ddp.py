@@ -5,11 +5,12 @@ from __future__ import annotations
 import contextlib
 import datetime
 import weakref
-from typing import Any, ClassVar, ContextManager, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, ContextManager, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
+from fabric_lite.strategies.base import Traits
 from fabric_lite.strategies.comm_hooks import CommHook
 from fabric_lite.strategies.parallel import ParallelStrategy
 from fabric_lite.strategies.process_group import (  # noqa: F401  (DEFAULT_TIMEOUT, refuse_shared_gpus: their old home)
@@ -29,8 +30,7 @@ class DDPStrategy(ParallelStrategy):
     ``DDPStrategy(comm_hook="power_sgd", comm_state_option={"matrix_approximation_rank": 2})``.
     """
 
-    aliases: ClassVar[Tuple[str, ...]] = ("ddp",)
-    syncs_gradients_per_forward: ClassVar[bool] = True
+    traits = Traits(names=("ddp",), syncs_gradients_per_forward=True)
     process_group: ProcessGroup
 
     def __init__(

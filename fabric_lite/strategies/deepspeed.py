@@ -15,12 +15,13 @@ import importlib.util
 import json
 import logging
 import os
-from typing import Any, ClassVar, ContextManager, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, ContextManager, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
 from fabric_lite._tree import tree_map
+from fabric_lite.strategies.base import Traits
 from fabric_lite.strategies.engine_step import EngineStep
 from fabric_lite.strategies.parallel import ParallelStrategy
 from fabric_lite.strategies.process_group import ProcessGroup, ProcessGroupSetting
@@ -83,9 +84,7 @@ class DeepSpeedStrategy(ParallelStrategy):
     batch size, accumulation, clipping, precision) and in `config` must agree.
     """
 
-    aliases: ClassVar[Tuple[str, ...]] = ("deepspeed",)
-    accelerate_type: ClassVar[Optional[str]] = "DEEPSPEED"
-    syncs_gradients_per_forward: ClassVar[bool] = True
+    traits = Traits(names=("deepspeed",), accelerate_type="DEEPSPEED", syncs_gradients_per_forward=True)
     process_group: ProcessGroup
     engine_step: EngineStep
     #: The process group's settings, as strategy attributes (the constructor's names).
@@ -125,7 +124,7 @@ class DeepSpeedStrategy(ParallelStrategy):
             raise ValueError("offload_optimizer=True needs ZeRO stage 1, 2 or 3; stage=0 keeps the optimizer whole.")
         self.stage = stage
         # ZeRO-3 gathers parameters inside every forward: all processes must run the same number of them.
-        self.forward_is_collective = stage == 3
+        self.traits = type(self).traits.but(forward_is_collective=stage == 3)
         self.offload_optimizer = offload_optimizer
         self.offload_parameters = offload_parameters
         self.user_config = user
@@ -311,10 +310,14 @@ class DeepSpeedStrategy(ParallelStrategy):
     def force_backward_sync(self, module: nn.Module) -> ContextManager:
         return self.engine_step.closing_step()
 
-    # the base declares a Tensor; the engine's norm is not known until its step (base.py to say Optional)
-    def clip_gradients_norm(self, parameters: Iterable[torch.Tensor], optimizer: Any, max_norm: float,  # type: ignore[override]
-                            norm_type: float = 2.0) -> Optional[torch.Tensor]:
-        """The engine clips inside its step; this sets its limit. The norm is not known yet: returns None."""
+    def clip_gradients(self, parameters: Iterable[torch.Tensor], optimizer: Any, *, max_norm: Optional[float] = None,
+                       norm_type: float = 2.0, clip_value: Optional[float] = None) -> Optional[torch.Tensor]:
+        """The engine clips by norm inside its step; this sets its limit. The norm is not known yet: returns None."""
+        if clip_value is not None:
+            raise ValueError("DeepSpeed clips gradients by norm only. Use gradient_clip_algorithm='norm' "
+                             "(Trainer) or accelerator.clip_grad_norm_.")
+        if max_norm is None:
+            raise TypeError("clip_gradients() needs max_norm or clip_value.")
         if norm_type != 2.0:
             raise ValueError(f"DeepSpeed clips the 2-norm only; norm_type={norm_type} is not available.")
         engine, max_norm = self.engine, float(max_norm)
@@ -325,10 +328,6 @@ class DeepSpeedStrategy(ParallelStrategy):
         if getattr(engine.optimizer, "clip_grad", max_norm) != max_norm:
             engine.optimizer.clip_grad = max_norm
         return None
-
-    def clip_gradients_value(self, parameters: Iterable[torch.Tensor], optimizer: Any, clip_value: float) -> None:
-        raise ValueError("DeepSpeed clips gradients by norm only. Use gradient_clip_algorithm='norm' "
-                         "(Trainer) or accelerator.clip_grad_norm_.")
 
     # -- state --------------------------------------------------------------------------------------
     def module_state_dict(self, module: nn.Module) -> Dict[str, Any]:

@@ -11,11 +11,12 @@ default, or gathered whole), and an optimizer built before `prepare` is pointed 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ClassVar, ContextManager, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
+from fabric_lite.strategies.base import Traits
 from fabric_lite.checkpoint.fit import fit_problem, shapes_of
 from fabric_lite.strategies.checkpoint_format import DCP, STATE_DICT, CheckpointFormat
 from fabric_lite.strategies.moved_params import MovedParameters
@@ -61,10 +62,7 @@ class FSDPStrategy(ParallelStrategy):
     `torch.distributed.fsdp.MixedPrecisionPolicy` that replaces the one derived from `precision`.
     """
 
-    aliases: ClassVar[Tuple[str, ...]] = ("fsdp",)
-    accelerate_type: ClassVar[Optional[str]] = "FSDP"
-    initializes_on_meta: ClassVar[bool] = True
-    syncs_gradients_per_forward: ClassVar[bool] = True
+    traits = Traits(names=("fsdp",), accelerate_type="FSDP", initializes_on_meta=True, syncs_gradients_per_forward=True)
     process_group: ProcessGroup
     #: The process group's settings, as strategy attributes (the constructor's names).
     process_group_backend = ProcessGroupSetting("requested_backend")
@@ -166,7 +164,7 @@ class FSDPStrategy(ParallelStrategy):
                     t.data = t.data.to(self.root_device)
                 if not t.is_meta and self.world_size > 1:
                     # every process starts from rank 0's values, as under DDP (each keeps its slice of them)
-                    t.data = self.broadcast(t.data.contiguous())
+                    t.data = self.collectives.broadcast(t.data.contiguous())
         old = {n: p for n, p in module.named_parameters()}
         wrap = resolve_wrap_policy(self.auto_wrap_policy, module)
         checkpointed = self._checkpoint_policy(module, wrap)
@@ -250,9 +248,10 @@ class FSDPStrategy(ParallelStrategy):
         self.process_group.run_guarded("the gradient all-reduce in backward()",
                                        lambda: ParallelStrategy.backward(self, loss, module, **kwargs))
 
-    def clip_gradients_norm(self, parameters: Iterable[torch.Tensor], optimizer: Optional[torch.optim.Optimizer],
-                            max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        norm = super().clip_gradients_norm(parameters, optimizer, max_norm, norm_type)
+    def clip_gradients(self, parameters: Iterable[torch.Tensor], optimizer: Optional[torch.optim.Optimizer], *,
+                       max_norm: Optional[float] = None, norm_type: float = 2.0,
+                       clip_value: Optional[float] = None) -> Optional[torch.Tensor]:
+        norm = super().clip_gradients(parameters, optimizer, max_norm=max_norm, norm_type=norm_type, clip_value=clip_value)
         return norm.full_tensor() if is_dtensor(norm) else norm  # the norm over every shard, a plain tensor
 
     # -- state -------------------------------------------------------------------------------------
@@ -285,13 +284,13 @@ class FSDPStrategy(ParallelStrategy):
             if problem:
                 problem = (f"The weights do not fit this model: {problem}. Nothing was loaded. Load weights of this "
                            f"model (strict=False allows missing or unexpected keys).")
-        problem = self.broadcast_object(problem)
+        problem = self.collectives.broadcast_object(problem)
         if problem:
             raise ValueError(problem)
         from torch.distributed.tensor import distribute_tensor
 
         names = [n for n in current if n in state] if self.is_global_zero else None
-        names = self.broadcast_object(names)
+        names = self.collectives.broadcast_object(names)
         with torch.no_grad():
             for name in names:
                 target = current[name]
@@ -302,7 +301,7 @@ class FSDPStrategy(ParallelStrategy):
                     target.to_local().copy_(shard.to_local())
                 else:
                     src = state[name] if self.is_global_zero else torch.empty_like(target)
-                    target.copy_(self.broadcast(src.to(device=target.device, dtype=target.dtype).contiguous()))
+                    target.copy_(self.collectives.broadcast(src.to(device=target.device, dtype=target.dtype).contiguous()))
 
     def optimizer_state_dict(self, module: Optional[nn.Module], optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
         """The optimizer's full state (each sharded tensor gathered), meaningful on rank 0."""

@@ -15,7 +15,7 @@ import itertools
 import os
 import sys
 import weakref
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Dict, Optional, TypeVar
 
 import torch
 from torch import nn
@@ -89,6 +89,7 @@ class ProcessGroup:
         self.name = name
         self.hang_guard: Any = None  # a HangGuard once the group exists (strategies/hang_guard.py)
         self.owned = False  # this component started the group (and so destroys it)
+        self._dimension_groups: Dict[Any, Any] = {}  # (mesh names, sizes, dimension) -> this process's group
 
     @property
     def backend(self) -> str:
@@ -182,6 +183,22 @@ class ProcessGroup:
 
         return dist.new_group(backend="gloo", timeout=self.timeout)
 
+    def dimension_group(self, mesh: Any, dimension: str) -> Any:
+        """The torch.distributed group of this process along one dimension of `mesh` (a `base.Mesh`): the processes
+        that share every other coordinate. Every process builds every group of the dimension, in the same order, as
+        torch requires; built once per dimension."""
+        import torch.distributed as dist
+
+        key = (mesh.names, mesh.sizes, dimension)
+        if key not in self._dimension_groups:
+            rank, mine = self.strategy.process.global_rank, None
+            for ranks in mesh.groups(dimension):
+                group = dist.new_group(ranks, timeout=self.timeout)
+                if rank in ranks:
+                    mine = group
+            self._dimension_groups[key] = mine
+        return self._dimension_groups[key]
+
     def destroy(self) -> None:
         """Destroy the group, if this component started it."""
         import torch.distributed as dist
@@ -189,6 +206,7 @@ class ProcessGroup:
         if self.owned and dist.is_initialized():
             dist.destroy_process_group()
         self.owned = False
+        self._dimension_groups.clear()
 
     def _teardown_at_exit(self) -> None:
         import torch.distributed as dist

@@ -22,7 +22,7 @@ import torch
 
 from fabric_lite.strategies.environments import ProcessInfo
 
-__all__ = ["Runtime", "RuntimeSlot", "PROCESS_PER_DEVICE", "REPLICAS", "SPMD"]
+__all__ = ["Runtime", "Slot", "RuntimeSlot", "PROCESS_PER_DEVICE", "REPLICAS", "SPMD"]
 
 PROCESS_PER_DEVICE, REPLICAS, SPMD = "process_per_device", "replicas", "spmd"
 
@@ -87,13 +87,14 @@ class Runtime:
         return None
 
 
-class RuntimeSlot:
-    """`runtime = RuntimeSlot(SomeRuntime)` on a strategy class: the class reads the runtime class (what the Trainer
-    re-launches by, before anything is built), each instance its own runtime, built on first use."""
+class Slot:
+    """`runtime = Slot(SomeRuntime)` (or `collectives = Slot(SomeCollectives)`) on a strategy class: the class reads
+    the collaborator's class (the runtime: what the Trainer re-launches by, before anything is built), each instance
+    its own collaborator, built from the strategy on first use."""
 
-    def __init__(self, runtime: Type[Runtime]) -> None:
+    def __init__(self, runtime: Type[Any], name: str = "runtime") -> None:
         self.runtime = runtime
-        self.name = "runtime"
+        self.name = name
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
@@ -105,3 +106,6 @@ class RuntimeSlot:
         obj.__dict__[self.name] = built  # later reads find it there, without this call
         return built
 
+
+
+RuntimeSlot = Slot  # (the name strategies use for their runtime)

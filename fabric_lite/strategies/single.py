@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-from typing import ClassVar, ContextManager, Tuple
+from typing import ContextManager
 
 import torch
 from torch import nn
 
-from fabric_lite.strategies.base import Strategy
+from fabric_lite.strategies.base import Strategy, Traits
 
 __all__ = ["SingleDeviceStrategy"]
 
@@ -16,7 +16,7 @@ __all__ = ["SingleDeviceStrategy"]
 class SingleDeviceStrategy(Strategy):
     """Train in this process on `root_device`; every collective is an identity."""
 
-    aliases: ClassVar[Tuple[str, ...]] = ("single", "single_device")
+    traits = Traits(names=("single", "single_device"))
 
     def setup_environment(self) -> None:
         if self.world_size > 1:

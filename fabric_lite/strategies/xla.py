@@ -14,20 +14,75 @@ from __future__ import annotations
 import contextlib
 import pickle
 import weakref
-from typing import Any, Callable, ClassVar, ContextManager, Dict, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional
 
 import torch
 from torch import nn
 
 from fabric_lite._tree import tree_map
+from fabric_lite.strategies.base import Traits
 from fabric_lite.strategies.parallel import ParallelStrategy
 from fabric_lite.strategies.moved_params import MovedParameters
-from fabric_lite.strategies.runtime import RuntimeSlot
+from fabric_lite.strategies.collectives import Collectives
+from fabric_lite.strategies.runtime import RuntimeSlot, Slot
 from fabric_lite.strategies.xla_runtime import (  # (import_torch_xla & co.: importable from here as before)
     XLARuntime, XLASPMDRuntime, abort_replica_barriers, import_torch_xla, torch_xla_problem,
 )
 
 __all__ = ["XLAStrategy", "XLASPMDStrategy", "import_torch_xla", "torch_xla_problem", "abort_replica_barriers"]
+
+
+class XLACollectives(Collectives):
+    """The collectives among XLA replicas, each built on one channel-numbered all-gather (`rows`).
+
+    Replicas that are threads of one process (XLA's CPU device, TPU v2/v3) hang in XLA's all-reduce when two of
+    them compile the same graph at once: each compile numbers its all-reduce differently and the threads wait at
+    different rendezvous. An all-gather with a channel id is numbered by that id, so every collective here is built
+    on one; only gradients of replicas that are processes (one per TPU chip) take XLA's all-reduce (the strategy's
+    `_average_in_place`), which moves W times less data.
+    """
+
+    def rows(self, tensor: torch.Tensor, now: bool = True) -> torch.Tensor:
+        """Every replica's `tensor`, stacked along a new first dimension (on this replica's device); `now`:
+        the exchange runs before returning, with every replica in it (reading the result is then safe)."""
+        strategy = self.strategy
+        t = tensor if tensor.device.type == "xla" else tensor.to(strategy.root_device)
+        rows = strategy.runtime.xm.all_gather(t.unsqueeze(0), dim=0, pin_layout=False, channel_id=1,
+                                   use_global_device_ids=True, groups=[list(range(strategy.world_size))])
+        if now:
+            strategy.runtime.sync()
+        return rows
+
+    def primitive_barrier(self) -> None:
+        self.rows(torch.zeros(1)).cpu()  # returns once every replica has sent its part
+
+    def primitive_all_reduce(self, tensor: torch.Tensor, op: str) -> None:
+        rows = self.rows(tensor)
+        reduced = rows.sum(0) if op == "sum" else (rows.amax(0) if op == "max" else rows.amin(0))
+        tensor.copy_(reduced)
+
+    def primitive_all_gather(self, tensor: torch.Tensor) -> List[torch.Tensor]:
+        return list(self.rows(tensor).to(tensor.device).unbind(0))
+
+    def primitive_broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        tensor.copy_(self.rows(tensor)[src])
+
+    def exchange(self, obj: Any) -> List[Any]:
+        """Every replica's `obj` (pickled: the payloads come from this job's own replicas, as with
+        torch.distributed's object collectives)."""
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = [int(n) for n in self.rows(torch.tensor([payload.numel()])).cpu().reshape(-1)]
+        padded = torch.zeros(max(sizes), dtype=torch.uint8)
+        padded[:payload.numel()] = payload
+        rows = self.rows(padded).cpu()
+        return [pickle.loads(rows[i, :n].numpy().tobytes()) for i, n in enumerate(sizes)]
+
+    def primitive_all_gather_object(self, out: List[Any], obj: Any) -> None:
+        out[:] = self.exchange(obj)
+
+    def primitive_broadcast_object_list(self, box: List[Any], src: int) -> None:
+        box[0] = self.exchange(box[0] if self.rank == src else None)[src]
+
 
 class XLAStrategy(ParallelStrategy):
     """One replica per XLA device (a TPU core, or XLA's CPU device); gradients averaged by XLA's all-reduce.
@@ -35,9 +90,9 @@ class XLAStrategy(ParallelStrategy):
     ``XLAStrategy(sync_module_states=True)``: every replica starts from replica 0's weights, as under DDP.
     """
 
-    aliases: ClassVar[Tuple[str, ...]] = ("xla",)
-    accelerate_type: ClassVar[Optional[str]] = "XLA"
+    traits = Traits(names=("xla",), accelerate_type="XLA")
     runtime = RuntimeSlot(XLARuntime)
+    collectives = Slot(XLACollectives, "collectives")
 
     def __init__(self, sync_module_states: bool = True) -> None:
         super().__init__()
@@ -68,7 +123,7 @@ class XLAStrategy(ParallelStrategy):
         """Point an optimizer built before `prepare` at the model's XLA parameters (by name): moving a module to
         an XLA device makes new Parameter objects."""
         self._moved.repoint(optimizer, "the model before it moved to the XLA device",
-                            lambda p: p.device.type == "xla", (type(self).aliases or ("xla",))[0])
+                            lambda p: p.device.type == "xla", (self.traits.names or ("xla",))[0])
         return optimizer
 
     def unwrap_module(self, module: nn.Module) -> nn.Module:
@@ -143,22 +198,7 @@ class XLAStrategy(ParallelStrategy):
     def optimizer_state_dict(self, module: Optional[nn.Module], optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
         return self._to_cpu(optimizer.state_dict())
 
-    # -- collectives, through XLA ------------------------------------------------------------------
-    # Replicas that are threads of one process (XLA's CPU device, TPU v2/v3) hang in XLA's all-reduce when
-    # two of them compile the same graph at once: each compile numbers its all-reduce differently and the
-    # threads wait at different rendezvous. An all-gather with a channel id is numbered by that id, so every
-    # collective here is built on one (`_rows`); only gradients of replicas that are processes (one per TPU
-    # chip) take XLA's all-reduce, which moves W times less data.
-    def _rows(self, tensor: torch.Tensor, now: bool = True) -> torch.Tensor:
-        """Every replica's `tensor`, stacked along a new first dimension (on this replica's device); `now`:
-        the exchange runs before returning, with every replica in it (reading the result is then safe)."""
-        t = tensor if tensor.device.type == "xla" else tensor.to(self.root_device)
-        rows = self.runtime.xm.all_gather(t.unsqueeze(0), dim=0, pin_layout=False, channel_id=1,
-                                   use_global_device_ids=True, groups=[list(range(self.world_size))])
-        if now:
-            self.runtime.sync()
-        return rows
-
+    # -- gradients and weights in place, through XLA (the other collectives: XLACollectives) -------------
     def _average_in_place(self, tensors: List[torch.Tensor]) -> None:
         if self.runtime.threads and self.world_size > 1:
             self._exchange_flat(tensors, lambda rows: rows.sum(0) / self.world_size)
@@ -177,41 +217,11 @@ class XLAStrategy(ParallelStrategy):
         copied back in place."""
         with torch.no_grad():
             for group in _by_dtype(tensors):
-                flat = combine(self._rows(torch.cat([t.reshape(-1) for t in group]), now=False))
+                flat = combine(self.collectives.rows(torch.cat([t.reshape(-1) for t in group]), now=False))
                 offset = 0
                 for t in group:
                     t.copy_(flat[offset:offset + t.numel()].view_as(t))
                     offset += t.numel()
-
-    def _primitive_barrier(self) -> None:
-        self._rows(torch.zeros(1)).cpu()  # returns once every replica has sent its part
-
-    def _primitive_all_reduce(self, tensor: torch.Tensor, op: str) -> None:
-        rows = self._rows(tensor)
-        reduced = rows.sum(0) if op == "sum" else (rows.amax(0) if op == "max" else rows.amin(0))
-        tensor.copy_(reduced)
-
-    def _primitive_all_gather(self, tensor: torch.Tensor) -> List[torch.Tensor]:
-        return list(self._rows(tensor).to(tensor.device).unbind(0))
-
-    def _primitive_broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        tensor.copy_(self._rows(tensor)[src])
-
-    def _exchange(self, obj: Any) -> List[Any]:
-        """Every replica's `obj` (pickled: the payloads come from this job's own replicas, as with
-        torch.distributed's object collectives)."""
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        sizes = [int(n) for n in self._rows(torch.tensor([payload.numel()])).cpu().reshape(-1)]
-        padded = torch.zeros(max(sizes), dtype=torch.uint8)
-        padded[:payload.numel()] = payload
-        rows = self._rows(padded).cpu()
-        return [pickle.loads(rows[i, :n].numpy().tobytes()) for i, n in enumerate(sizes)]
-
-    def _primitive_all_gather_object(self, out: List[Any], obj: Any) -> None:
-        out[:] = self._exchange(obj)
-
-    def _primitive_broadcast_object_list(self, box: List[Any], src: int) -> None:
-        box[0] = self._exchange(box[0] if self.global_rank == src else None)[src]
 
 
 def _by_dtype(tensors: List[torch.Tensor]) -> List[List[torch.Tensor]]:
@@ -225,7 +235,7 @@ class XLASPMDStrategy(XLAStrategy):
     """One process drives every XLA device: weights replicated, each batch split over a one-axis "data"
     mesh; the compiler inserts the gradient reduction. Global batches must divide by the device count."""
 
-    aliases: ClassVar[Tuple[str, ...]] = ("xla_spmd",)
+    traits = Traits(names=("xla_spmd",), accelerate_type="XLA")
     runtime = RuntimeSlot(XLASPMDRuntime)
 
     def __init__(self) -> None:

@@ -65,7 +65,7 @@ def restore(trainer: "Trainer", ckpt_path: str) -> None:
 
         root = trainer.checkpoint_dir()
         found = checkpoint_io.newest_whole_checkpoint(root) if trainer.is_global_zero else None
-        found = trainer.strategy.broadcast_object(found)
+        found = trainer.strategy.collectives.broadcast_object(found)
         if found is None:
             return  # nothing saved yet: a fresh start, as Lightning does
         ckpt_path = found
@@ -95,7 +95,7 @@ def load_eval_weights(trainer: "Trainer", stage: str, ckpt_path: str) -> None:
         path = callback.last_model_path if callback is not None else ""
         if not path:
             found = checkpoint_io.newest_whole_checkpoint(trainer.checkpoint_dir()) if trainer.is_global_zero else None
-            path = trainer.strategy.broadcast_object(found)
+            path = trainer.strategy.collectives.broadcast_object(found)
         if not path:
             warnings.warn(f'{stage}(ckpt_path="last"): there is no checkpoint yet; the module runs with the '
                           f'weights it has.', UserWarning, stacklevel=4)

@@ -180,7 +180,7 @@ def prepare_eval_loader(trainer: "Trainer", loader: Any, stage: str = "validate"
     # Every sample exactly once (no even-batch padding), so metrics over the whole set are exact;
     # unless each forward is a collective (ZeRO-3), where a process that ran out would hang the rest:
     # then the last step is padded as in training, and its repeated samples count in epoch means.
-    return _prepared(trainer, loader, trainer.strategy.forward_is_collective, dataloader_idx)
+    return _prepared(trainer, loader, trainer.strategy.traits.forward_is_collective, dataloader_idx)
 
 
 def reload_loaders(trainer: "Trainer") -> None:

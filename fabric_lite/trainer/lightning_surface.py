@@ -312,7 +312,7 @@ class ModuleLightningNames:
         trainer = self._trainer
         if trainer is None or trainer.world_size == 1:
             return data
-        return _map_tensors(data, lambda t: trainer.strategy.all_gather(t.detach().unsqueeze(0)))
+        return _map_tensors(data, lambda t: trainer.strategy.collectives.all_gather(t.detach().unsqueeze(0)))
 
     def toggle_optimizer(self, optimizer: Any) -> None:
         """Only `optimizer`'s parameters require gradients until `untoggle_optimizer` (for alternating optimizers,

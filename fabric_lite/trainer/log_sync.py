@@ -17,8 +17,8 @@ def reduce_value(strategy: Strategy, tensor: torch.Tensor, op: str, group: Any) 
     """`tensor` reduced across processes by `op` (mean/sum/max/min), over `group` when one is given."""
     if strategy.world_size == 1:
         return tensor
-    if group is None:
-        return strategy.all_reduce(tensor, op)
+    if group is None:  # (logged values are averaged over the data-parallel group)
+        return strategy.collectives.over("dp").all_reduce(tensor, op)
     import torch.distributed as dist
 
     out = tensor.detach().clone()
@@ -35,12 +35,13 @@ def check_same_sync_names(strategy: Strategy, stage: str, names: List[str], kind
     # only when they differ are the names themselves gathered, to say which process logged what.
     digest = hashlib.blake2b("\0".join(sorted(names)).encode(), digest_size=8).digest()
     fingerprint = int.from_bytes(digest, "little") >> 1  # 63 bits: -fingerprint fits an int64 too
-    spread = strategy.all_reduce(torch.tensor([fingerprint, -fingerprint], dtype=torch.long,
-                                              device=strategy.root_device), "max")
+    dp = strategy.collectives.over("dp")
+    spread = dp.all_reduce(torch.tensor([fingerprint, -fingerprint], dtype=torch.long, device=strategy.root_device),
+                           "max")
     highest, minus_lowest = spread.tolist()
     if highest == -minus_lowest:
         return
-    everyone = strategy.all_gather_object(sorted(names))
+    everyone = dp.all_gather_object(sorted(names))
     if any(keys != everyone[0] for keys in everyone):
         detail = "; ".join(f"rank {r}: {keys}" for r, keys in enumerate(everyone))
         raise RuntimeError(

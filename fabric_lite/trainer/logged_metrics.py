@@ -228,7 +228,7 @@ class MetricStore:
             # Loaders are not padded in evaluation, so processes may run different numbers of steps; synced
             # step values are reduced only on the steps every process runs (one collective per loader).
             mine = torch.tensor([batches if batches is not None else -1], device=self.strategy.root_device)
-            self._common_steps = max(0, int(self.strategy.all_reduce(mine, "min").item()))
+            self._common_steps = max(0, int(self.strategy.collectives.all_reduce(mine, "min").item()))
 
     def clear_outputs(self) -> None:
         """Forget every output (after the sanity check, as Lightning does)."""

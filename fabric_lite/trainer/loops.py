@@ -232,7 +232,7 @@ def _train_epoch(trainer: "Trainer") -> bool:
     # a module stepping its own optimizers may run several backwards per forward: unwrapped where the wrapper
     # could not follow them (see manual_optimization.py)
     manual_forward: Any = forward
-    if not module.automatic_optimization and strategy.syncs_gradients_per_forward and trainer.world_size > 1:
+    if not module.automatic_optimization and strategy.traits.syncs_gradients_per_forward and trainer.world_size > 1:
         manual_forward = trainer.eval_model if instrument is None else \
             instrument.wrap(f"[Strategy]{type(strategy).__name__}.training_step", trainer.eval_model)
     models = (model,)
@@ -319,7 +319,7 @@ def _train_epoch(trainer: "Trainer") -> bool:
     voters = events.epoch_end
     for voter in voters:
         flags.append(float(voter.flag(trainer)))
-    agreed = strategy.all_reduce(torch.tensor(flags, device=trainer.device), "max").tolist()  # (nccl: device tensors)
+    agreed = strategy.collectives.all_reduce(torch.tensor(flags, device=trainer.device), "max").tolist()  # (nccl: device tensors)
     trainer.should_stop = bool(agreed[0])
     for voter, raised in zip(voters, agreed[1:]):
         if raised:

@@ -23,7 +23,7 @@ def average_gradients_before_step(strategy: Any) -> Callable[..., None]:
                                      if p.grad is not None]
         if not grads:
             return
-        flat = strategy.all_reduce(torch.cat([g.reshape(-1) for g in grads]), "mean")
+        flat = strategy.collectives.all_reduce(torch.cat([g.reshape(-1) for g in grads]), "mean")
         offset = 0
         for grad in grads:
             grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))

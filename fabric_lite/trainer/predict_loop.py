@@ -186,7 +186,7 @@ def gather_in_dataset_order(trainer: "Trainer", predictions: List[Any], batch_in
         for index, sample in zip(indices, split_samples(out, len(indices))):
             mine.setdefault(int(index), sample)
     everyone: Dict[int, Any] = {}
-    for part in trainer.strategy.all_gather_object(list(mine.items())):
+    for part in trainer.strategy.collectives.all_gather_object(list(mine.items())):
         for index, sample in part:
             everyone.setdefault(index, sample)
     ordered = [everyone[i] for i in sorted(everyone)]

@@ -266,7 +266,7 @@ class Trainer(TrainerFacts, TrainerLightningNames):
                     raise ValueError(f"{type(self.strategy).__name__} steps its optimizer inside its engine; manual "
                                      f"optimization (automatic_optimization=False) is not available with it.")
                 opt.optimizer.register_step_post_hook(self.count_manual_step)
-                if self.strategy.syncs_gradients_per_forward and self.world_size > 1:
+                if self.strategy.traits.syncs_gradients_per_forward and self.world_size > 1:
                     if self.strategy.precision.scaler is not None:  # (a rank skipping an inf step would hang the rest)
                         raise ValueError(
                             f"Manual optimization (automatic_optimization=False) on {self.world_size} processes under "

@@ -143,3 +143,21 @@ def test_processes_sharing_a_gpu_are_refused_each(gpus, refused):
     for rank, message in errors.items():
         assert f"Rank {rank} and {gpus.count(gpus[rank]) - 1} other process(es) of this job picked the same GPU " \
                f"(cuda:0 of 1 visible, {gpus[rank]}): NCCL needs a GPU of its own for each process." in message
+
+
+def test_the_doors_shard_and_gather_over_the_data_parallel_dimension_of_a_two_dimensional_mesh(launch):
+    res = launch("mesh_groups", 4)
+    assert [r["dp"] for r in res] == [[2, 0], [2, 0], [2, 1], [2, 1]]
+    # ranks that share a data-parallel coordinate read the same samples; the two shards cover the data (10 samples,
+    # batches of 2: 3 batches per shard, the last one padded with repeated samples)
+    assert res[0]["seen"] == res[1]["seen"] and res[2]["seen"] == res[3]["seen"] and len(res[0]["seen"]) == 6
+    assert set(res[0]["seen"] + res[2]["seen"]) == set(range(10))
+    for r in res:  # gather_for_metrics counts each sample once: over "dp" (padding dropped), not over the 4 processes
+        assert sorted(r["gathered"]) == list(range(10))
+        assert r["world_sum"] == 6.0
+    assert [r["objects"] for r in res] == [["r0", "r2"], ["r1", "r3"], ["r0", "r2"], ["r1", "r3"]]
+    assert [r["dp_sum"] for r in res] == [2.0, 4.0, 2.0, 4.0]  # {0, 2} and {1, 3}
+    assert [r["tp_sum"] for r in res] == [1.0, 1.0, 5.0, 5.0]  # {0, 1} and {2, 3}
+    assert [r["tp_gather"] for r in res] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["dp_broadcast"] for r in res] == ["from2", "from3", "from2", "from3"]  # src is a rank in the group
+    assert [r["tp_broadcast"] for r in res] == [[0], [0], [2], [2]]

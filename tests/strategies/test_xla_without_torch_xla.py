@@ -147,7 +147,7 @@ def test_a_strategy_instance_without_aliases_works_in_the_trainer():
     from fabric_lite.strategies.single import SingleDeviceStrategy
 
     class Mine(SingleDeviceStrategy):
-        aliases = ()
+        traits = SingleDeviceStrategy.traits.but(names=())
 
     assert isinstance(Trainer(strategy=Mine(), enable_progress_bar=False).strategy, Mine)
 

@@ -59,7 +59,7 @@ result = {
     "config": trainer.strategy.config, "checkpoint": checkpoint,
     # a checkpoint of another strategy, and a DeepSpeed checkpoint loaded without DeepSpeed
     "foreign_into_deepspeed": error_of(lambda: trainer.accelerator.load_state(args.foreign)) if args.foreign else None,
-    "clip_by_value": error_of(lambda: trainer.strategy.clip_gradients_value([], None, 1.0)),
+    "clip_by_value": error_of(lambda: trainer.strategy.clip_gradients([], None, clip_value=1.0)),
 }
 ddp_door = Accelerator(strategy="ddp")
 ddp_model = torch.nn.Linear(4, 1)

@@ -211,7 +211,7 @@ def review_cases():
 
     # optimizer state through a sharded checkpoint when the loading run has frozen parameters, or already
     # has state for some parameters only, or another optimizer configuration (nothing made up stays)
-    folder = acc.strategy.broadcast_object(tempfile.mkdtemp(prefix="fsdp-optim-") if acc.is_main_process else None)
+    folder = acc.strategy.collectives.broadcast_object(tempfile.mkdtemp(prefix="fsdp-optim-") if acc.is_main_process else None)
     acc = Accelerator(strategy=strategy("fsdp"))
     model = make()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)

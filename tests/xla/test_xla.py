@@ -185,7 +185,7 @@ def test_set_seed_before_the_accelerator_under_an_spmd_launch(tmp_path):
         "acc = Accelerator()\n"
         "model = acc.prepare(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5)))\n"
         "out = model(torch.ones(4, 4).to(acc.device))\n"
-        "print('SPMD', acc.strategy.aliases[0], acc.num_processes, int((out == 0).sum()))\n")
+        "print('SPMD', acc.strategy.traits.names[0], acc.num_processes, int((out == 0).sum()))\n")
     code, output = run([sys.executable, "-m", "fabric_lite.cli", "launch", "--strategy", "xla_spmd", str(script)],
                        tmp_path, env={"CPU_NUM_DEVICES": "2"})
     assert code == 0, output[-6000:]
