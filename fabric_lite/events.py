@@ -10,6 +10,9 @@ per step; fit(), validate(), ... and prepare() call `emit` once per event.
 Events, each with what its observers are called with:
 
 ================  =================================================================================================
+`configured`      ``(door, run_config)`` once the door resolved its `RunConfig` (the launch environment read once),
+                  before it builds its strategy: an observer that depends on the launch (explain, Ray) reads it
+                  there and subscribes what it needs.
 `prepared`        Accelerator: ``(accelerator, objects)`` once `prepare(*objects)` prepared them. Trainer:
                   ``(trainer, run)`` once fit() set up model, optimizers and loaders; an observer may set
                   ``run.train = False`` (fit then returns without training: the plan of `explain` was printed).
@@ -37,8 +40,9 @@ from typing import Any, Callable, Dict, List, Optional
 
 __all__ = ["EVENTS", "EventBus", "FitRun", "WIRING_MODULES", "announces_construction", "on_construction"]
 
-#: The events a door emits, in the order a fit() emits them.
-EVENTS = ("prepared", "stage_start", "fit_start", "train_start", "step", "epoch_end", "fit_end", "stage_end")
+#: The events a door emits, in the order it emits them (construction, then a fit()).
+EVENTS = ("configured", "prepared", "stage_start", "fit_start", "train_start", "step", "epoch_end", "fit_end",
+          "stage_end")
 
 
 class EventBus:
@@ -48,6 +52,7 @@ class EventBus:
 
     def __init__(self) -> None:
         # (one list per event of EVENTS, written out: a bus is made per door, and loops read these lists)
+        self.configured: List[Any] = []
         self.prepared: List[Any] = []
         self.stage_start: List[Any] = []
         self.fit_start: List[Any] = []

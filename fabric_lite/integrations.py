@@ -16,14 +16,16 @@ __all__ = ["wire_accelerator", "wire_trainer"]
 
 def wire_accelerator(accelerator: Any, arguments: Dict[str, Any]) -> None:
     """Under `fabric-lite explain`: keep the arguments given, and print the plan at the first
-    `prepare(...)` given a dataloader."""
-    from fabric_lite.strategies.environments import read_launch_settings
+    `prepare(...)` given a dataloader (decided once the door has read the launch environment: `configured`)."""
 
-    launch = read_launch_settings()
-    if launch.explain_dry_run:
-        accelerator.explain_arguments = arguments
-    if launch.explain is not None:
-        accelerator.events.subscribe("prepared", _explain_prepared)
+    def configured(door: Any, config: Any) -> None:
+        launch = config.launch
+        if launch.explain_dry_run:
+            door.explain_arguments = arguments
+        if launch.explain is not None:
+            door.events.subscribe("prepared", _explain_prepared)
+
+    accelerator.events.subscribe("configured", configured)
 
 
 def _explain_prepared(accelerator: Any, objects: Any) -> None:
@@ -40,7 +42,6 @@ def wire_trainer(trainer: Any, arguments: Dict[str, Any]) -> None:
     in place of training, preemption on every fit, and under Ray, the checkpoint Ray hands the run."""
     from fabric_lite.launch.preemption import TrainerPreemption
     from fabric_lite.profilers import resolve_profiler
-    from fabric_lite.strategies.environments import read_launch_environment
 
     events = trainer.events
     #: Profiles the hooks and steps when given one (`profiler="simple"`, "advanced", "pytorch"); a
@@ -50,14 +51,17 @@ def wire_trainer(trainer: Any, arguments: Dict[str, Any]) -> None:
         events.instrument = profiler
         events.subscribe("stage_start", _start_profile)
         events.subscribe("stage_end", _end_profile)
-    env = read_launch_environment()  # (one read for the three features that ask it)
-    launch = env.launch
-    if launch.explain_dry_run:
-        trainer.explain_arguments = arguments
-    if arguments.get("explain") or launch.explain is not None:
-        events.subscribe("prepared", _explain_fit)
-    if env.process.started_by_ray:
-        events.subscribe("fit_start", _ray_resume)
+
+    def configured(door: Any, config: Any) -> None:
+        # (the run config holds the launch environment the Trainer read once)
+        if config.explain_dry_run:
+            door.explain_arguments = arguments
+        if arguments.get("explain") or config.launch.explain is not None:
+            door.events.subscribe("prepared", _explain_fit)
+        if config.process.started_by_ray:
+            door.events.subscribe("fit_start", _ray_resume)
+
+    events.subscribe("configured", configured)
     TrainerPreemption(trainer).subscribe(events)
 
 

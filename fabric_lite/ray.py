@@ -22,7 +22,7 @@ import tempfile
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
 
 from fabric_lite.callbacks.base import Callback
-from fabric_lite.strategies.environments import detect_process
+from fabric_lite.strategies.environments import ProcessInfo, read_launch_environment
 
 if TYPE_CHECKING:
     from fabric_lite.accelerator.accelerator import Accelerator
@@ -44,9 +44,9 @@ def _import_ray() -> Any:
     return ray
 
 
-def _api() -> Any:
-    """`ray.train` inside Ray Train's workers, `ray.tune` in a Tune trial (one process); an error elsewhere."""
-    process = detect_process()
+def _api(process: ProcessInfo) -> Any:
+    """`ray.train` inside Ray Train's workers, `ray.tune` in a Tune trial (one process); an error elsewhere.
+    `process`: this process's place, as the door read it (or the launch environment, with no door)."""
     if process.engine == "ray_train":
         return _import_ray().train
     if process.engine == "ray":
@@ -102,7 +102,7 @@ def report(accelerator: "Accelerator", metrics: Mapping[str, Any], checkpoint: O
         >>> fabric_lite.ray.report(accelerator, {"loss": loss}, checkpoint=path)    # doctest: +SKIP
     """
     _check_upload("report", upload)
-    api = _api()
+    api = _api(accelerator.run_config.process)
     if checkpoint is not None:
         accelerator.wait_for_checkpoint()  # published (or its failure raised) before Ray copies it
         checkpoint = os.fspath(checkpoint)
@@ -114,10 +114,13 @@ def get_checkpoint() -> Optional[str]:
     Ray. Ray gives a restarted worker group, and a new driver pointed at the same storage path and run name, the
     newest checkpoint reported. Remote storage pyarrow reaches but fsspec may not is copied to a local temporary
     directory first."""
-    process = detect_process()
+    return _checkpoint(read_launch_environment().process)  # (with no door: a Ray driver, a script's own code)
+
+
+def _checkpoint(process: ProcessInfo) -> Optional[str]:
     if not process.started_by_ray:
         return None
-    api = _api()
+    api = _api(process)
     checkpoint = api.get_checkpoint()
     if checkpoint is None:
         return None
@@ -138,7 +141,7 @@ def resume_checkpoint(trainer: "Trainer", ckpt_path: Optional[str]) -> Optional[
     the checkpoint Ray hands this run (a restarted worker group, a new driver on the same storage and run name) for
     "last"; for None too when it is a fabric_lite checkpoint (one RayReportCallback reported), so a run Ray restarts
     resumes by itself, as under torch elastic."""
-    found = get_checkpoint()
+    found = _checkpoint(trainer.accelerator.run_config.process)
     if found is None:
         return ckpt_path
     if ckpt_path is None:
@@ -183,7 +186,7 @@ class RayReportCallback(Callback):
 
     def setup(self, trainer: "Trainer", module: "TrainModule", stage: str) -> None:
         if stage == "fit":
-            self._api = _api()  # not under Ray: a clear error before training starts
+            self._api = _api(trainer.accelerator.run_config.process)  # not under Ray: a clear error before training starts
             self._reported_saves = len(trainer.accelerator.checkpoint_saver.history)
 
     def on_train_epoch_end(self, trainer: "Trainer", module: "TrainModule") -> None:

@@ -23,9 +23,9 @@ def set_seed(seed: int, deterministic: bool = False, device_specific: bool = Fal
         raise ValueError(f"seed must be an int, got {seed!r}.")
     if device_specific:
         if process_index is None:
-            from fabric_lite.strategies.environments import detect_process
+            from fabric_lite.strategies.environments import read_launch_environment
 
-            process_index = detect_process().global_rank
+            process_index = read_launch_environment().process.global_rank
         seed += process_index
     seed_generators(seed)
     if deterministic:

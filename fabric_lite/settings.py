@@ -19,6 +19,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 from fabric_lite.strategies.environments import (
     ENV_GRAD_ACCUM, LaunchEnvironment, LaunchSettings, ProcessInfo,
 )
+from fabric_lite.strategies.registry import runtime_for_accelerator
 
 __all__ = ["RunConfig", "resolve_run_config", "HANDLER_ATTRIBUTES", "handlers_by_attribute"]
 
@@ -62,6 +63,9 @@ class RunConfig:
     #: This process's place in the job, and what a launcher passed down (from the launch environment).
     process: ProcessInfo = ProcessInfo()
     launch: LaunchSettings = LaunchSettings()
+    #: The device runtimes' launch settings, by runtime name (`LaunchEnvironment.runtimes`): what
+    #: accelerator="auto" picks, and how a runtime starts.
+    runtimes: Mapping[str, Any] = field(default_factory=_empty)
     #: A strategy name ("auto", "ddp", ...) or a Strategy (the user's, or one a DeepSpeed/FSDP plugin made).
     strategy: Any = "auto"
     accelerator: str = "auto"
@@ -163,13 +167,15 @@ def resolve_run_config(arguments: Mapping[str, Any], plugins: Optional[Mapping[s
     accelerator = "cpu" if (a.get("cpu", False) or launch.use_cpu) else (
         launch.accelerator if accelerator == "auto" and launch.accelerator else accelerator)
     name = str(accelerator).lower()
-    if strategy == "auto" and (name in ("tpu", "xla") or (name == "auto" and env.xla.wants_xla)):
-        strategy = "xla"  # (DDP's kwargs handlers, if any, do not apply there)
+    runtime = runtime_for_accelerator(name, env.runtimes) if strategy == "auto" else None
+    if runtime is not None:  # a device whose own runtime places the processes: that runtime's strategy
+        strategy = runtime.strategy  # (DDP's kwargs handlers, if any, do not apply there)
     project_dir = a.get("project_dir")
     rng_types = a.get("rng_types")
     overrides = {k: a[k] for k in ("split_batches", "even_batches") if a.get(k) is not None}
     return RunConfig(
-        process=env.process, launch=launch, strategy=strategy, accelerator=accelerator, devices=devices,
+        process=env.process, launch=launch, runtimes=MappingProxyType(dict(env.runtimes)), strategy=strategy,
+        accelerator=accelerator, devices=devices,
         precision=a.get("mixed_precision") or launch.mixed_precision or "no",
         gradient_accumulation_steps=1 if steps is None else steps, gradient_accumulation_plugin=accumulation,
         divide_loss_by=a.get("divide_loss_by", "gradient_accumulation_steps"),

@@ -57,10 +57,10 @@ def _start_strategy(cpu: bool, mixed_precision: Optional[str], backend: Optional
     several processes, the process group is up when this returns."""
     from fabric_lite.strategies import create_strategy
     from fabric_lite.strategies.connector import connect
-    from fabric_lite.strategies.environments import detect_process, read_launch_settings
+    from fabric_lite.strategies.environments import read_launch_environment
 
-    launch = read_launch_settings()
-    process = detect_process()
+    env = read_launch_environment()  # (no Accelerator yet: this is the run's one read)
+    launch, process = env.launch, env.process
     accelerator = "cpu" if (cpu or launch.use_cpu) else (launch.accelerator or "auto")
     strategy = create_strategy("auto", process.world_size)
     group = strategy.process_group  # (None for one process on one device)
@@ -69,7 +69,7 @@ def _start_strategy(cpu: bool, mixed_precision: Optional[str], backend: Optional
     if timeout is not None and group is not None:
         group.timeout = timeout
     strategy = connect(strategy, accelerator=accelerator, precision=mixed_precision or launch.mixed_precision or "no",
-                       process=process)
+                       process=process, runtimes=env.runtimes)
     strategy.setup_environment()
     return strategy
 
@@ -81,9 +81,9 @@ def process_facts() -> Dict[str, int]:
     if strategy is not None:
         return {"process_index": strategy.global_rank, "local_process_index": strategy.process.local_rank,
                 "num_processes": strategy.world_size}
-    from fabric_lite.strategies.environments import detect_process
+    from fabric_lite.strategies.environments import read_launch_environment
 
-    process = detect_process()
+    process = read_launch_environment().process
     return {"process_index": process.global_rank, "local_process_index": process.local_rank,
             "num_processes": process.world_size}
 

@@ -9,9 +9,10 @@ import pytest
 from fabric_lite.settings import HANDLER_ATTRIBUTES, RunConfig, handlers_by_attribute, resolve_run_config
 from fabric_lite.strategies.environments import (
     ENV_ACCELERATOR, ENV_EXPLAIN, ENV_GRAD_ACCUM, ENV_LAUNCHED, ENV_MIXED_PRECISION, ENV_STRATEGY, ENV_USE_CPU,
-    LaunchEnvironment, LaunchSettings, ProcessInfo, XLASettings, detect_process, read_launch_environment,
-    read_launch_settings, read_xla_settings,
+    LaunchEnvironment, LaunchSettings, ProcessInfo, detect_process, read_launch_environment,
+    read_launch_settings,
 )
+from fabric_lite.strategies.xla_env import XLASettings, read_xla_settings
 
 
 def _env(**launch) -> LaunchEnvironment:
@@ -33,8 +34,9 @@ class _Plugin:
 def test_read_launch_environment_is_the_three_reads_of_one_mapping():
     env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", ENV_MIXED_PRECISION: "bf16", "PJRT_DEVICE": "tpu"}
     read = read_launch_environment(env)
-    assert read == LaunchEnvironment(detect_process(env), read_launch_settings(env), read_xla_settings(env))
-    assert read.process.global_rank == 1 and read.launch.mixed_precision == "bf16" and read.xla.pjrt_device == "TPU"
+    assert read == LaunchEnvironment(detect_process(env), read_launch_settings(env), {"xla": read_xla_settings(env)})
+    assert read.process.global_rank == 1 and read.launch.mixed_precision == "bf16" and \
+        read.runtimes["xla"].pjrt_device == "TPU"
     assert read_launch_environment({}) == LaunchEnvironment()
 
 
@@ -144,7 +146,7 @@ def test_under_a_planned_launch_devices_are_left_to_the_plan():
     ("cpu", "TPU", "auto", "auto"), ("auto", "TPU", "ddp", "ddp"),
 ])
 def test_an_xla_device_picks_the_xla_strategy_only_for_auto(accelerator, pjrt, strategy, expected):
-    env = LaunchEnvironment(xla=XLASettings(pjrt_device=pjrt))
+    env = LaunchEnvironment(runtimes={"xla": XLASettings(pjrt_device=pjrt)})
     assert resolve_run_config({"accelerator": accelerator, "strategy": strategy}, launch_env=env).strategy == expected
 
 

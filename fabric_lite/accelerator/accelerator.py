@@ -106,6 +106,7 @@ class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerCo
         """Build this run from its RunConfig: the strategy, the step engine and the state Accelerate's names read."""
         #: The settings this run was built from, resolved once (the explain plan reads them too).
         self.run_config = config
+        self.events.emit("configured", self, config)
         for attribute, handler in config.handlers.items():
             setattr(self, attribute, handler)
         self.dataloader_config = config.dataloader_config or DataLoaderConfiguration()
@@ -129,7 +130,7 @@ class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerCo
             strategy, accelerator=config.accelerator, devices=config.devices, precision=config.precision,
             process=process, scaler_kwargs=config.scaler_kwargs,
             autocast_kwargs=autocast_kwargs(config.handlers["autocast_handler"]),
-            fp8_recipe=fp8_recipe_from_handlers(config.kwargs_handlers),
+            fp8_recipe=fp8_recipe_from_handlers(config.kwargs_handlers), runtimes=config.runtimes,
         )
         plugin = config.gradient_accumulation_plugin or GradientAccumulationPlugin(
             num_steps=config.gradient_accumulation_steps)

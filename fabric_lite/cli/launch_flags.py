@@ -134,22 +134,27 @@ def launch_command_parser() -> CliParser:
             acc.add_argument(*names, dest=dest, default=None, action="append", help=argparse.SUPPRESS)
         else:
             acc.add_argument(*names, dest=dest, action="store_true", default=False, help=argparse.SUPPRESS)
-    xla = parser.add_argument_group("XLA / TPU (torch_xla's launcher instead of torchrun)")
-    xla.add_argument("--tpu", action="store_true", default=False,
+    replicas = parser.add_argument_group("XLA / TPU (torch_xla's launcher instead of torchrun)")
+    replicas.add_argument("--tpu", action="store_true", default=False,
                      help="Start XLA replicas with torch_xla's launcher (implied by --strategy xla / xla_spmd). "
                           "With PJRT_DEVICE=CPU, --nproc-per-node (or --num-processes) sets how many.")
-    xla.add_argument("--main-training-function", "--main_training_function", default=None, metavar="NAME",
+    replicas.add_argument("--main-training-function", "--main_training_function", default=None, metavar="NAME",
                      help="Call this function of the script in each replica instead of running it as __main__.")
     return parser
 
 
 
 def replica_runtime(args: argparse.Namespace) -> Optional[ModuleType]:
-    """The launch file of the device runtime that starts its own replicas, where the flags ask for it (--tpu,
-    --strategy xla / xla_spmd: `launch/xla_launch.py`); None for a launch over torchrun."""
-    from fabric_lite.launch import xla_launch
+    """The launch module of the device runtime that starts its own replicas, where the flags ask for it (its
+    `asked_for(args)`: --tpu, or one of its strategies; the registry's `register_runtime` names the module); None
+    for a launch over torchrun."""
+    from fabric_lite.strategies.registry import runtime_launcher, runtimes
 
-    return xla_launch if xla_launch.asked_for(args.tpu, args.strategy) else None
+    for entry in runtimes():
+        module = runtime_launcher(entry.name)
+        if module.asked_for(args):
+            return module
+    return None
 
 
 def refuse_replica_flags(args: argparse.Namespace) -> None:
@@ -180,7 +185,7 @@ def resolve_accelerate_flags(args: argparse.Namespace, config: Optional[LaunchCo
     flags given that set nothing here). LaunchError for what no launch can run.
 
     --num_processes is the total over every machine (Accelerate's meaning): --nproc-per-node becomes
-    num_processes / nnodes, for torchrun launches; for XLA launches (--tpu) it stays the replica count.
+    num_processes / nnodes, for torchrun launches; for a runtime's replica launch (--tpu) it stays the replica count.
     A flag on the command line wins over the config file (--nproc-per-node over a config's num_processes)."""
     given: frozenset = getattr(args, "command_line", frozenset())
     ignored = [flag for flag, _ in IGNORED_ACCELERATE_FLAGS

@@ -42,7 +42,8 @@ def _env(args: List[str]) -> int:
     from fabric_lite.launch.config_file import (
         AccelerateConfig, ConfigError, accelerate_config_path, default_config_path, find_config, load_config,
     )
-    from fabric_lite.strategies.environments import detect_node_layout, detect_process
+    from fabric_lite.strategies.environments import detect_node_layout, read_launch_environment
+    from fabric_lite.utils.imports import REPORTED_PACKAGES
 
     parser = CliParser(prog="fabric-lite env", description="Print versions, devices and config.")
     parser.add_argument("--config-file", "--config_file", default=None, metavar="PATH",
@@ -55,7 +56,7 @@ def _env(args: List[str]) -> int:
         f"distributed gloo={torch.distributed.is_gloo_available()} nccl={torch.distributed.is_nccl_available()}",
     ]
     try:
-        lines.append(f"processes   {detect_process().source}")
+        lines.append(f"processes   {read_launch_environment().process.source}")
     except ValueError as err:
         lines.append(f"processes   -- INVALID: {err}")
     try:
@@ -70,7 +71,7 @@ def _env(args: List[str]) -> int:
                         else "processes per node not said")
             lines.append(f"cluster     {layout.source}: node {layout.node_rank} of {layout.nnodes}, head {head}, "
                          f"{per_node}")
-    for name in ("numpy", "fsspec", "tensorboard", "safetensors", "deepspeed", "torch_xla"):
+    for name in REPORTED_PACKAGES:
         try:
             from importlib.metadata import version
 

@@ -420,9 +420,9 @@ def _shared_random_seed() -> int:
     launch by torchrun or `fabric-lite launch`, where each rank parses the command line on its own)."""
     import hashlib
 
-    from fabric_lite.strategies.environments import detect_process
+    from fabric_lite.strategies.environments import read_launch_environment
 
-    process = detect_process()
+    process = read_launch_environment().process
     inherited = os.environ.get(SEED_VARIABLE)
     if process.is_distributed and inherited:
         return int(inherited)

@@ -55,16 +55,16 @@ class Plan:
 
 def requested() -> bool:
     """Whether this process runs under `fabric-lite explain` (FABRIC_LITE_EXPLAIN is set)."""
-    from fabric_lite.strategies.environments import read_launch_settings
+    from fabric_lite.strategies.environments import read_launch_environment
 
-    return read_launch_settings().explain is not None
+    return read_launch_environment().launch.explain is not None
 
 
 def _request() -> Dict[str, Any]:
     """The planned launch `fabric-lite explain` handed down ({} for a bare FABRIC_LITE_EXPLAIN=1)."""
-    from fabric_lite.strategies.environments import read_launch_settings
+    from fabric_lite.strategies.environments import read_launch_environment
 
-    raw = read_launch_settings().explain
+    raw = read_launch_environment().launch.explain
     if raw and raw.lstrip().startswith("{"):
         try:
             value = json.loads(raw)

@@ -171,16 +171,20 @@ def notebook_launcher(
 
 
 def replica_runtime() -> Any:
-    """The launch file of the device runtime that starts its own replicas where the environment names its device
-    (`launch/xla_launch.py`, where PJRT_DEVICE is set), else None. With `runtime_unset`, the one place launch/
-    reaches that runtime."""
-    from fabric_lite.launch import xla_launch
+    """The launch module of the device runtime that starts its own replicas where the launch environment names its
+    device (the registry's `register_runtime`), else None. With `runtime_unset`, the one place launch/ reaches the
+    runtimes."""
+    from fabric_lite.strategies.environments import read_launch_environment
+    from fabric_lite.strategies.registry import runtime_launcher
 
-    return xla_launch if xla_launch.named_by_environment() else None
+    for name, settings in read_launch_environment().runtimes.items():  # (notebook_launcher: no door)
+        if getattr(settings, "names_device", False):
+            return runtime_launcher(name)
+    return None
 
 
 def runtime_unset() -> Dict[str, Optional[str]]:
     """The variables to remove so that no runtime of its own starts the replicas (`patched_environ` takes it)."""
-    from fabric_lite.launch import xla_launch
+    from fabric_lite.strategies.registry import runtime_launcher, runtimes
 
-    return dict.fromkeys(xla_launch.RUNTIME_VARIABLES)
+    return {name: None for entry in runtimes() for name in runtime_launcher(entry.name).RUNTIME_VARIABLES}

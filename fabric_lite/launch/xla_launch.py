@@ -21,12 +21,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from fabric_lite.launch.launch_checks import LaunchError
 from fabric_lite.launch.worker_env import patched_environ, settings_env
-from fabric_lite.strategies.environments import ENV_ACCELERATOR, read_xla_settings
+from fabric_lite.strategies.environments import ENV_ACCELERATOR, read_launch_environment
+from fabric_lite.strategies.xla_env import XLASettings, xla_settings
 
 __all__ = ["launch_xla_script", "launch_xla_function", "xla_replica_env", "check_xla_launch", "asked_for",
-           "named_by_environment", "one_process", "EXPLAIN_REFUSAL", "RUNTIME_VARIABLES"]
+           "one_process", "EXPLAIN_REFUSAL", "RUNTIME_VARIABLES"]
 
-# What a launch names this runtime by, as `cli/launch_flags.py` and `launcher.replica_runtime` ask.
+# What a launch names this runtime by, as `cli/launch_flags.py` asks (the registry names this module for "xla").
 STRATEGIES = ("xla", "xla_spmd")
 RUNTIME_VARIABLES = ("PJRT_DEVICE",)  # (set: notebook_launcher starts XLA replicas; debug_launcher removes it)
 EXPLAIN_REFUSAL = ("explain plans launches over torchrun; an XLA launch (--tpu, --strategy xla or xla_spmd) is "
@@ -34,9 +35,10 @@ EXPLAIN_REFUSAL = ("explain plans launches over torchrun; an XLA launch (--tpu, 
                    "what each replica runs.")
 
 
-def asked_for(tpu: bool, strategy: Optional[str]) -> bool:
-    """Whether a launch's flags ask for XLA replicas: --tpu, or an XLA strategy."""
-    return bool(tpu) or strategy in STRATEGIES
+def asked_for(args: Any) -> bool:
+    """Whether a launch's flags (`fabric-lite launch`'s parsed arguments) ask for XLA replicas: --tpu, or an XLA
+    strategy."""
+    return bool(getattr(args, "tpu", False)) or getattr(args, "strategy", None) in STRATEGIES
 
 
 def one_process(strategy: Optional[str]) -> bool:
@@ -44,17 +46,14 @@ def one_process(strategy: Optional[str]) -> bool:
     return strategy == "xla_spmd"
 
 
-def named_by_environment() -> bool:
-    """Whether the environment names an XLA device (PJRT_DEVICE): notebook_launcher then starts XLA replicas."""
-    return read_xla_settings().names_device
-
-
-def xla_replica_env(num_processes: Optional[int], settings: Dict[str, str]) -> Dict[str, str]:
+def xla_replica_env(num_processes: Optional[int], settings: Dict[str, str],
+                    xla: Optional[XLASettings] = None) -> Dict[str, str]:
     """The environment the replicas need: the launch's settings, XLA as the accelerator, and on XLA's CPU
-    device as many devices as replicas were asked for. Raises ValueError for a count that cannot be."""
+    device as many devices as replicas were asked for. `xla`: what the launch environment tells the runtime
+    (None: read it here; a launcher has no door). Raises ValueError for a count that cannot be."""
     env = dict(settings)
     env[ENV_ACCELERATOR] = "xla"
-    xla = read_xla_settings()
+    xla = xla if xla is not None else xla_settings(read_launch_environment())
     if num_processes is not None:
         if num_processes < 1:
             raise ValueError(f"--nproc-per-node={num_processes} must be >= 1.")

@@ -6,47 +6,48 @@ environment, and the place that refuses combinations that cannot work.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Type, Union
+from typing import Any, Dict, Mapping, Optional, Type, Union
 
 import torch
 
 from fabric_lite.strategies.environments import ProcessInfo
 from fabric_lite.strategies.fp8 import FP8Recipe, default_fp8_recipe
 from fabric_lite.strategies.precision import Precision, resolve_precision
+from fabric_lite.strategies.registry import runtime_entry, runtime_for_accelerator, runtimes as registered_runtimes
 from fabric_lite.strategies.runtime import PROCESS_PER_DEVICE, Runtime
-from fabric_lite.strategies.xla_env import read_xla_settings
 from fabric_lite.strategies import Strategy, create_strategy, strategy_class
 
 __all__ = ["connect", "resolve_accelerator", "check_devices", "default_strategy", "runtime_class", "ACCELERATORS",
            "RUNTIME_DEVICES"]
 
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps", "tpu", "xla")
-#: Device types whose own runtime places the processes, each with the registry name strategy="auto" becomes there.
-RUNTIME_DEVICES = {"xla": "xla"}
+#: Device types whose own runtime places the processes (the registry's runtimes), each with the registry name
+#: strategy="auto" becomes there.
+RUNTIME_DEVICES: Dict[str, str] = {entry.name: entry.strategy for entry in registered_runtimes()}
 
 
-def _runtime_device(name: str) -> Optional[str]:
-    """The device type among RUNTIME_DEVICES that accelerator `name` (lower case) picks, without probing hardware:
-    'tpu' and 'xla' name XLA, and 'auto' picks it only where PJRT_DEVICE names a TPU (or another XLA accelerator);
-    replicas that `fabric-lite launch --tpu` started are told by the launch settings (the doors read them)."""
-    if name in ("tpu", "xla") or (name == "auto" and read_xla_settings().wants_xla):
-        return "xla"
-    return None
+def _runtime_device(name: str, runtimes: Optional[Mapping[str, Any]]) -> Optional[str]:
+    """The device type of the runtime that accelerator `name` (lower case) picks, without probing hardware: a name a
+    runtime registered, or 'auto' where the launch environment's settings of a runtime (`runtimes`, as
+    `LaunchEnvironment.runtimes`) request it; None: a device torch drives."""
+    entry = runtime_for_accelerator(name, runtimes)
+    return None if entry is None else entry.name
 
 
 def _mps_available() -> bool:
     return bool(getattr(torch.backends, "mps", None)) and torch.backends.mps.is_available()
 
 
-def resolve_accelerator(accelerator: str) -> str:
-    """'auto' -> the best device type here (a device runtime's first, see `_runtime_device`); 'gpu' -> 'cuda' (or
-    'mps' on Apple silicon); 'tpu' -> 'xla'."""
+def resolve_accelerator(accelerator: str, runtimes: Optional[Mapping[str, Any]] = None) -> str:
+    """'auto' -> the best device type here (a device runtime's first, where the launch environment's `runtimes`
+    request one, see `_runtime_device`); 'gpu' -> 'cuda' (or 'mps' on Apple silicon); a name a device runtime
+    registered -> its device type."""
     name = str(accelerator).lower()
     if name not in ACCELERATORS:
         raise ValueError(
             f"Unknown accelerator {accelerator!r}. Allowed values: {', '.join(map(repr, ACCELERATORS))}."
         )
-    runtime_device = _runtime_device(name)
+    runtime_device = _runtime_device(name, runtimes)
     if runtime_device is not None:
         return runtime_device
     if name == "auto":
@@ -64,24 +65,24 @@ def resolve_accelerator(accelerator: str) -> str:
     return name
 
 
-def default_strategy(strategy: Any, accelerator: str) -> Any:
+def default_strategy(strategy: Any, accelerator: str, runtimes: Optional[Mapping[str, Any]] = None) -> Any:
     """`strategy` as given, except "auto" on a device whose own runtime places the processes: that runtime's
     strategy (checks `accelerator` as `resolve_accelerator` does)."""
     if isinstance(strategy, str) and strategy.lower() == "auto":
-        return RUNTIME_DEVICES.get(resolve_accelerator(accelerator), strategy)
+        return RUNTIME_DEVICES.get(resolve_accelerator(accelerator, runtimes), strategy)
     return strategy
 
 
-def runtime_class(accelerator: str, strategy: Any) -> Type[Runtime]:
+def runtime_class(accelerator: str, strategy: Any, runtimes: Optional[Mapping[str, Any]] = None) -> Type[Runtime]:
     """The runtime class a run with these arguments gets, known before anything starts and without probing
     hardware (the Trainer re-launches by it): the strategy's, or, where the accelerator names a device with
-    a runtime of its own, that device's strategy's."""
+    a runtime of its own (`runtimes`: the launch environment's, for 'auto'), that device's strategy's."""
     if isinstance(strategy, Strategy):
         cls: Any = type(strategy)
     else:
         cls = None if str(strategy).lower() == "auto" else strategy_class(str(strategy))
     runtime: Type[Runtime] = Runtime if cls is None else cls.runtime
-    device = _runtime_device(str(accelerator).lower())
+    device = _runtime_device(str(accelerator).lower(), runtimes)
     if runtime.device_type is None and runtime.kind == PROCESS_PER_DEVICE and device is not None:
         runtime = strategy_class(RUNTIME_DEVICES[device]).runtime
     return runtime
@@ -121,11 +122,15 @@ def connect(
     scaler_kwargs: Optional[dict] = None,
     autocast_kwargs: Optional[Dict[str, Any]] = None,
     fp8_recipe: Any = None,
+    runtimes: Optional[Mapping[str, Any]] = None,
 ) -> Strategy:
     """Return a configured (not yet started) strategy for this process.
 
     `autocast_kwargs`: torch.autocast's `enabled` / `cache_enabled` for every autocast of the run (Accelerate's
-    AutocastKwargs). `fp8_recipe`: how precision "fp8" trains (an `FP8Recipe`; None: torchao's default)."""
+    AutocastKwargs). `fp8_recipe`: how precision "fp8" trains (an `FP8Recipe`; None: torchao's default).
+    `runtimes`: the device runtimes' launch settings (`LaunchEnvironment.runtimes`, the RunConfig's), which say
+    what accelerator="auto" picks and how a runtime starts; None: nothing set."""
+    runtimes = runtimes if runtimes is not None else {}
     process = process if process is not None else ProcessInfo()
     precision_name = resolve_precision(precision)
 
@@ -137,7 +142,7 @@ def connect(
         return Precision(precision_name, device_type, scaler_kwargs, autocast_kwargs=autocast_kwargs,
                          fp8_recipe=recipe, device=device)
 
-    device_type = resolve_accelerator(accelerator)
+    device_type = resolve_accelerator(accelerator, runtimes)
     if isinstance(strategy, Strategy):
         instance = strategy
     elif isinstance(strategy, str):
@@ -149,19 +154,23 @@ def connect(
     runtime = instance.runtime
     needs = runtime.device_type
     if needs is not None and accelerator == "auto":
-        device_type = needs  # strategy="xla" alone says where it trains
+        device_type = needs  # a runtime's strategy alone says where it trains
     if needs is not None and device_type != needs:
+        entry = runtime_entry(needs)
         raise ValueError(
-            f"strategy {type(instance).__name__} trains on XLA devices (TPU), but accelerator={accelerator!r} was "
-            f"asked for. Pass accelerator='tpu' (or leave it 'auto'), or pick a strategy for {device_type!r}.")
+            f"strategy {type(instance).__name__} trains on {entry.label}, but accelerator={accelerator!r} was "
+            f"asked for. Pass accelerator={entry.accelerators[0]!r} (or leave it 'auto'), or pick a strategy for "
+            f"{device_type!r}.")
     if needs is None and device_type in RUNTIME_DEVICES:
-        why = f"PJRT_DEVICE={read_xla_settings().pjrt_device} made accelerator='auto'" if accelerator == "auto" \
-            else f"accelerator={accelerator!r} was asked for"
+        entry = runtime_entry(device_type)
+        said = runtimes.get(device_type)
+        why = f"{getattr(said, 'reason', 'the launch environment')} made accelerator='auto'" \
+            if accelerator == "auto" else f"accelerator={accelerator!r} was asked for"
         raise ValueError(
-            f"strategy {type(instance).__name__} does not train on XLA devices, but {why}. Use strategy='xla' (a "
-            f"replica per device) or 'xla_spmd' (one process over every device), or leave strategy 'auto'.")
-    if needs is not None:  # the runtime owns the world (XLA's PJRT): it says where this replica is
-        process, root = runtime.start(process, devices)
+            f"strategy {type(instance).__name__} does not train on {entry.label}, but {why}. Use {entry.advice}, "
+            f"or leave strategy 'auto'.")
+    if needs is not None:  # the runtime owns the world: it says where this replica is
+        process, root = runtime.start(process, devices, runtimes.get(needs))
         runtime.check_precision(precision_name)
         configure_strategy(instance, process, root, make_precision(device_type))
         return instance

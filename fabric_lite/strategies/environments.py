@@ -9,10 +9,8 @@ resolve their settings from that value (`fabric_lite.settings`).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
-
-from fabric_lite.strategies.xla_env import XLASettings, read_xla_settings
+from dataclasses import dataclass, field
+from typing import Any, Dict, Mapping, Optional
 
 __all__ = ["ProcessInfo", "LaunchSettings", "LaunchEnvironment", "NodeLayout", "detect_process", "detect_node_layout",
            "read_launch_environment", "read_launch_settings", "first_host", "torchrun_master_port"]
@@ -83,27 +81,6 @@ class LaunchSettings:
         return self.explain is not None and self.explain.lstrip().startswith("{")
 
 
-def records_explain_arguments(init: Callable[..., None]) -> Callable[..., None]:
-    """For the doors' `__init__`: under `fabric-lite explain`, keep the arguments the caller gave (as
-    given, before the door adjusts them) in `self.explain_arguments`, for the plan to report settings
-    given twice or ignored. Costs one environment read per construction otherwise."""
-    import functools
-
-    @functools.wraps(init)
-    def recording_init(self: Any, *args: Any, **kwargs: Any) -> None:
-        if read_launch_settings().explain_dry_run:
-            import inspect
-
-            try:
-                bound = inspect.signature(init).bind(self, *args, **kwargs)
-            except TypeError:  # the door reports the mistake itself
-                return init(self, *args, **kwargs)
-            self.explain_arguments = {k: v for k, v in bound.arguments.items() if k != "self"}
-        return init(self, *args, **kwargs)
-
-    return recording_init
-
-
 def _int(env: Mapping[str, str], name: str, default: Optional[int] = None) -> Optional[int]:
     raw = env.get(name)
     if raw is None or raw == "":
@@ -117,7 +94,7 @@ def _int(env: Mapping[str, str], name: str, default: Optional[int] = None) -> Op
         ) from None
 
 
-def detect_process(env: Optional[Mapping[str, str]] = None) -> ProcessInfo:
+def detect_process(env: Mapping[str, str]) -> ProcessInfo:
     """Return this process's ranks: from torchrun / torch elastic (or plain RANK/WORLD_SIZE)
     variables (Ray Train's workers set those too; they are told apart by Ray's own variables), else from a
     SLURM step started by `srun`, else from OpenMPI or MPICH/Intel MPI (`mpirun`), else a lone process. The
@@ -129,8 +106,9 @@ def detect_process(env: Optional[Mapping[str, str]] = None) -> ProcessInfo:
     ...                 "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_NODEID": "1",
     ...                 "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "1234"}).master_addr
     'gpu07'
+
+    Pure: `read_launch_environment` passes it the process environment.
     """
-    env = os.environ if env is None else env
     world_size = _int(env, "WORLD_SIZE")
     if world_size is None:
         if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
@@ -398,9 +376,9 @@ def torchrun_master_port(env: Optional[Mapping[str, str]] = None) -> Optional[st
     return env.get("PET_MASTER_PORT") or None
 
 
-def read_launch_settings(env: Optional[Mapping[str, str]] = None) -> LaunchSettings:
-    """Settings that `fabric-lite launch --mixed-precision ...` passed down to this worker."""
-    env = os.environ if env is None else env
+def read_launch_settings(env: Mapping[str, str]) -> LaunchSettings:
+    """Settings that `fabric-lite launch --mixed-precision ...` passed down to this worker, in `env` (pure:
+    `read_launch_environment` passes it the process environment)."""
     return LaunchSettings(
         mixed_precision=env.get(ENV_MIXED_PRECISION) or None,
         gradient_accumulation_steps=_int(env, ENV_GRAD_ACCUM),
@@ -412,32 +390,28 @@ def read_launch_settings(env: Optional[Mapping[str, str]] = None) -> LaunchSetti
     )
 
 
-#: Names a device runtime's own file defines (its launch variables), importable from here as before.
-_RUNTIME_NAMES = dict.fromkeys(("detect_xla_process",),
-                               "fabric_lite.strategies.xla_env")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _RUNTIME_NAMES:
-        import importlib
-
-        return getattr(importlib.import_module(_RUNTIME_NAMES[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 @dataclass(frozen=True)
 class LaunchEnvironment:
     """Everything the launch environment says about this process, read at once: its place in the job, the
-    settings a launcher passed down, and the XLA runtime's device. A plain value: the doors resolve their
-    settings from it (`fabric_lite.settings`), and tests build one instead of setting variables."""
+    settings a launcher passed down, and the settings of each device runtime it names. A plain value: the doors
+    resolve their settings from it (`fabric_lite.settings`), and tests build one instead of setting variables."""
 
     process: ProcessInfo = ProcessInfo()
     launch: LaunchSettings = LaunchSettings()
-    xla: XLASettings = XLASettings()
+    #: By runtime name (the registry's `register_runtime`): the settings its reader found, for each runtime the
+    #: environment says something about (none: no entry).
+    runtimes: Mapping[str, Any] = field(default_factory=dict)
+
+    def __hash__(self) -> int:  # (the mapping is not hashable; the runtimes' settings are seldom set)
+        return hash((self.process, self.launch, tuple(sorted(self.runtimes))))
 
 
 def read_launch_environment(env: Optional[Mapping[str, str]] = None) -> LaunchEnvironment:
-    """The one read of the launch environment the doors make (`os.environ` unless `env` is given)."""
+    """The one read of the launch environment (`os.environ` unless `env` is given): the doors make it once per
+    construction and hand on what it says; code that runs with no door (the command line, a Ray driver, a
+    PartialState before any Accelerator, a launcher) calls it where it needs a launch fact."""
+    from fabric_lite.strategies.registry import read_runtime_settings
+
     env = os.environ if env is None else env
-    return LaunchEnvironment(process=detect_process(env), launch=read_launch_settings(env),
-                             xla=read_xla_settings(env))
+    runtimes: Dict[str, Any] = read_runtime_settings(env)
+    return LaunchEnvironment(process=detect_process(env), launch=read_launch_settings(env), runtimes=runtimes)

@@ -20,7 +20,7 @@ from typing import Any, Callable, ClassVar, List, Optional, Tuple, Type
 
 import torch
 
-from fabric_lite.strategies.environments import ProcessInfo
+from fabric_lite.strategies.environments import LaunchSettings, ProcessInfo
 
 __all__ = ["Runtime", "Slot", "RuntimeSlot", "PROCESS_PER_DEVICE", "REPLICAS", "SPMD"]
 
@@ -60,9 +60,10 @@ class Runtime:
         """One process drives every device of the machine (SPMD)."""
         return self.kind == SPMD
 
-    def start(self, launched: ProcessInfo, devices: Any) -> Tuple[ProcessInfo, torch.device]:
+    def start(self, launched: ProcessInfo, devices: Any, settings: Any = None) -> Tuple[ProcessInfo, torch.device]:
         """Start the runtime that owns the world (only where `device_type` is set); return this replica's place in
-        it and its device. `launched`: what the launch environment said; `devices`: what the user asked for."""
+        it and its device. `launched`: what the launch environment said; `devices`: what the user asked for;
+        `settings`: this runtime's launch settings (`LaunchEnvironment.runtimes`; None where nothing is set)."""
         raise NotImplementedError(f"{type(self).__name__} trains where the accelerator says; it starts nothing.")
 
     def check_precision(self, precision: str) -> None:
@@ -76,8 +77,9 @@ class Runtime:
         return None
 
     @classmethod
-    def started_by_launcher(cls) -> bool:
-        """This process is one that the runtime's own launcher started (nothing to re-launch)."""
+    def started_by_launcher(cls, launch: LaunchSettings) -> bool:
+        """This process is one that the runtime's own launcher started (nothing to re-launch); `launch`: the
+        settings the launch environment passed down."""
         return False
 
     @classmethod

@@ -1,16 +1,17 @@
 """What the environment tells torch_xla's PJRT runtime, and a replica's place in an XLA job (the XLA runtime's
-part of the launch protocol: `environments.py` holds the rest)."""
+part of the launch protocol: `environments.py` holds the rest). `read_xla_settings` is the reader the registry
+names for the runtime "xla": `read_launch_environment` calls it, and keeps its answer in
+`LaunchEnvironment.runtimes["xla"]` (`xla_settings` reads it back)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
-if TYPE_CHECKING:  # (imported when used: environments.py may import this module at its top)
-    from fabric_lite.strategies.environments import ProcessInfo
+if TYPE_CHECKING:  # (imported when used: the registry imports this module while environments.py reads)
+    from fabric_lite.strategies.environments import LaunchEnvironment, ProcessInfo
 
-__all__ = ["XLASettings", "read_xla_settings", "detect_xla_process"]
+__all__ = ["XLASettings", "read_xla_settings", "xla_settings", "detect_xla_process"]
 
 
 @dataclass(frozen=True)
@@ -25,15 +26,26 @@ class XLASettings:
         return bool(self.pjrt_device)
 
     @property
-    def wants_xla(self) -> bool:
+    def requested(self) -> bool:
         """PJRT_DEVICE names an XLA accelerator: accelerator="auto" picks XLA. Not "CPU": importing torch_xla sets
         PJRT_DEVICE=CPU where it finds no TPU, and a CPU run must not turn into one on XLA's CPU device."""
         return self.pjrt_device not in (None, "CPU")
 
+    @property
+    def reason(self) -> str:
+        """The variable that says so, for messages."""
+        return f"PJRT_DEVICE={self.pjrt_device}"
 
-def read_xla_settings(env: Optional[Mapping[str, str]] = None) -> XLASettings:
-    env = os.environ if env is None else env
+
+def read_xla_settings(env: Mapping[str, str]) -> XLASettings:
+    """The XLA runtime's launch variables in `env` (the registry's reader; `read_launch_environment` calls it)."""
     return XLASettings(pjrt_device=(env.get("PJRT_DEVICE") or "").strip().upper() or None)
+
+
+def xla_settings(env: "LaunchEnvironment") -> XLASettings:
+    """The XLA runtime's settings in a launch environment read once (nothing set: the defaults)."""
+    found = env.runtimes.get("xla")
+    return found if isinstance(found, XLASettings) else XLASettings()
 
 
 def detect_xla_process(runtime: Any, spmd: bool = False) -> ProcessInfo:

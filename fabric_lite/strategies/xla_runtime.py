@@ -17,9 +17,9 @@ from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
 
 import torch
 
-from fabric_lite.strategies.environments import ProcessInfo, read_launch_settings
+from fabric_lite.strategies.environments import LaunchSettings, ProcessInfo, read_launch_environment
 from fabric_lite.strategies.runtime import REPLICAS, SPMD, Runtime
-from fabric_lite.strategies.xla_env import detect_xla_process, read_xla_settings
+from fabric_lite.strategies.xla_env import XLASettings, detect_xla_process, xla_settings
 
 __all__ = ["XLARuntime", "XLASPMDRuntime", "import_torch_xla", "torch_xla_problem", "torch_xla_runs_here",
            "abort_replica_barriers", "NEWEST_TORCH_XLA", "INSTALL", "THREAD_BARRIER_TIMEOUT_S"]
@@ -69,16 +69,16 @@ def torch_xla_runs_here(check_is_tpu: bool = False, check_is_gpu: bool = False) 
         return False
     if not (check_is_tpu or check_is_gpu):
         return True
-    kind = read_xla_settings().pjrt_device
+    kind = xla_settings(read_launch_environment()).pjrt_device  # (asked with no run: the launch environment)
     return (check_is_tpu and kind == "TPU") or (check_is_gpu and kind in ("GPU", "CUDA"))
 
 
-def _check_devices(devices: Any, process: ProcessInfo, runtime: Any, spmd: bool) -> None:
+def _check_devices(devices: Any, process: ProcessInfo, runtime: Any, spmd: bool, settings: XLASettings) -> None:
     if devices is None or devices == "auto":
         return
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
         raise ValueError(f"devices={devices!r} is not valid: pass a positive integer or 'auto'.")
-    kind = read_xla_settings().pjrt_device or "TPU"
+    kind = settings.pjrt_device or "TPU"
     available = runtime.global_runtime_device_count()
     hint = "set CPU_NUM_DEVICES (or pass --nproc-per-node to `fabric-lite launch --tpu`)" if kind == "CPU" else \
         "check TPU_VISIBLE_CHIPS"
@@ -124,7 +124,7 @@ class XLARuntime(Runtime):
     def started(self) -> bool:
         return self.torch_xla is not None
 
-    def start(self, launched: ProcessInfo, devices: Any) -> Tuple[ProcessInfo, torch.device]:
+    def start(self, launched: ProcessInfo, devices: Any, settings: Any = None) -> Tuple[ProcessInfo, torch.device]:
         torch_xla = import_torch_xla()
         import torch_xla.core.xla_model as xm
         import torch_xla.runtime as xr
@@ -143,7 +143,7 @@ class XLARuntime(Runtime):
                 f"{launched.world_size} processes were started by {launched.source}, but torch_xla sees "
                 f"{process.world_size} replica(s) in this one: XLA replicas are started by torch_xla's own launcher. "
                 f"Use `fabric-lite launch --tpu --nproc-per-node N train.py`.")
-        _check_devices(devices, process, xr, spmd)
+        _check_devices(devices, process, xr, spmd, settings if isinstance(settings, XLASettings) else XLASettings())
         from fabric_lite.rng_state import add_runtime_rng
 
         # From now on XLA's random stream is seeded, saved and restored with the others.
@@ -189,9 +189,9 @@ class XLARuntime(Runtime):
         return feed
 
     @classmethod
-    def started_by_launcher(cls) -> bool:
+    def started_by_launcher(cls, launch: LaunchSettings) -> bool:
         """A replica that torch_xla's launcher started (replicas that are threads share one environment)."""
-        return read_launch_settings().accelerator == cls.device_type
+        return launch.accelerator == cls.device_type
 
     @classmethod
     def relaunch_command(cls, devices: int, num_nodes: int, script: str, args: List[str]) -> List[str]:

@@ -8,25 +8,30 @@ exits with their code.
 from __future__ import annotations
 
 import os
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from fabric_lite.strategies.connector import runtime_class  # the runtime a Trainer's arguments give, re-launched by
+from fabric_lite.strategies.environments import LaunchEnvironment
 
 __all__ = ["runtime_class", "relaunch_if_needed"]
 
 
-def relaunch_if_needed(devices: Union[int, str], num_nodes: int, runtime: Any = None) -> None:
+def relaunch_if_needed(devices: Union[int, str], num_nodes: int, runtime: Any = None,
+                       launch_env: Optional[LaunchEnvironment] = None) -> None:
     """`Trainer(devices=N)` in a script started with plain `python train.py`: start the script again on N
     processes with `runtime`'s re-launcher (a Runtime class; None: process per device, under torch's elastic
-    launcher); this process waits for them and exits with their code."""
+    launcher); this process waits for them and exits with their code. `launch_env`: the launch environment the
+    Trainer read (None: read it here)."""
     from fabric_lite.strategies.runtime import SPMD, Runtime
 
     runtime = Runtime if runtime is None else runtime
     import sys
 
-    from fabric_lite.strategies.environments import detect_process
+    if launch_env is None:
+        from fabric_lite.strategies.environments import read_launch_environment
 
-    process = detect_process()
+        launch_env = read_launch_environment()
+    process = launch_env.process
     if not isinstance(devices, int) or devices <= 1 or process.is_distributed or runtime.kind == SPMD:
         return
     if process.started_by_ray:  # Ray starts, places and restarts the processes: never a second launcher under it
@@ -34,7 +39,7 @@ def relaunch_if_needed(devices: Union[int, str], num_nodes: int, runtime: Any = 
             f"Trainer(devices={devices}) in a single Ray process ({process.source}): under Ray, Ray starts the "
             f"processes. Run the training function in Ray Train's TorchTrainer(train_fn, scaling_config="
             f"ScalingConfig(num_workers={devices})) and leave `devices` out (or 'auto'), or pass devices=1.")
-    if runtime.started_by_launcher():
+    if runtime.started_by_launcher(launch_env.launch):
         return
     main = sys.modules.get("__main__")
     script = getattr(main, "__file__", None)

@@ -95,12 +95,15 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         check = ArgumentCheck("Trainer")
         settings = resolve_settings(check, given)
         apply_torch_settings(settings)
-        run_config = resolve_trainer_run_config(settings, read_launch_environment())
+        launch_env = read_launch_environment()
+        run_config = resolve_trainer_run_config(settings, launch_env)
+        self.events.emit("configured", self, run_config)
         devices, num_nodes = settings.devices or "auto", settings.num_nodes  # (None, as "auto": what the launch says)
         if run_config.explain_dry_run:  # one process stands in for the planned launch
             num_nodes = 1  # the plan compares the requested nodes with the launch
         else:
-            relaunch_if_needed(devices, num_nodes, runtime_class(settings.accelerator, settings.strategy))
+            relaunch_if_needed(devices, num_nodes, runtime_class(settings.accelerator, settings.strategy,
+                                                                 launch_env.runtimes), launch_env)
         # The Trainer's micro-steps run through the Accelerator's step engine, built from the same RunConfig.
         self.settings = settings
         self.accelerator = Accelerator.from_run_config(run_config)

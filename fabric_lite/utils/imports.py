@@ -14,7 +14,7 @@ __all__ = ["installed", "is_torch_version", "is_torch_xla_available", "is_tpu_av
            "is_cuda_available",
            "is_mps_available", "is_bf16_available", "is_fp16_available", "is_fp8_available", "is_xpu_available",
            "is_npu_available", "is_mlu_available", "is_musa_available", "is_sdaa_available", "is_hpu_available",
-           "is_ipex_available", "is_torchdata_stateful_dataloader_available", "PACKAGES"]
+           "is_ipex_available", "is_torchdata_stateful_dataloader_available", "PACKAGES", "REPORTED_PACKAGES"]
 
 
 def installed(name: str) -> bool:
@@ -38,6 +38,11 @@ PACKAGES: Dict[str, tuple] = {
     "triton": ("triton",), "wandb": ("wandb",), "import_timer": ("import_timer",), "4bit_bnb": ("bitsandbytes",),
     "8bit_bnb": ("bitsandbytes",), "bnb": ("bitsandbytes",),
 }
+
+
+#: The optional packages `fabric-lite env` reports the versions of: the common ones, and the optional engines'
+#: (DeepSpeed's, XLA's runtime).
+REPORTED_PACKAGES = ("numpy", "fsspec", "tensorboard", "safetensors", "deepspeed", "torch_xla")
 
 
 def _package_check(key: str, modules: tuple) -> Callable[[], bool]:

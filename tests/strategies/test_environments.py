@@ -6,7 +6,7 @@ import pytest
 
 from fabric_lite.strategies.environments import (
     ENV_GRAD_ACCUM, ENV_MIXED_PRECISION, ENV_USE_CPU, LaunchSettings, ProcessInfo, detect_process,
-    first_host, read_launch_settings,
+    first_host, read_launch_environment, read_launch_settings,
 )
 
 _LAUNCH_VARS = (
@@ -106,8 +106,8 @@ def test_empty_strings_count_as_unset():
 def test_reads_os_environ_by_default(monkeypatch):
     for k, v in TORCHRUN_ENV.items():
         monkeypatch.setenv(k, v)
-    assert detect_process() == detect_process(TORCHRUN_ENV)
-    assert detect_process().global_rank == 5
+    assert read_launch_environment().process == detect_process(TORCHRUN_ENV)
+    assert read_launch_environment().process.global_rank == 5
 
 
 @pytest.mark.parametrize("name", [
@@ -175,7 +175,7 @@ def test_bad_gradient_accumulation_setting_names_the_variable():
 def test_launch_settings_read_os_environ_by_default(monkeypatch):
     monkeypatch.setenv(ENV_MIXED_PRECISION, "fp16")
     monkeypatch.setenv(ENV_GRAD_ACCUM, "3")
-    assert read_launch_settings() == LaunchSettings("fp16", 3, False)
+    assert read_launch_environment().launch == LaunchSettings("fp16", 3, False)
 
 
 def test_accelerator_takes_launch_settings_and_explicit_arguments_win(monkeypatch):

@@ -25,10 +25,12 @@ def test_the_runtime_of_a_trainers_arguments(monkeypatch, accelerator, strategy,
 
 
 def test_pjrt_device_naming_a_tpu_makes_auto_replicas(monkeypatch):
-    monkeypatch.setenv("PJRT_DEVICE", "TPU")
-    assert runtime_class("auto", "auto").kind == REPLICAS
+    from fabric_lite.strategies.environments import read_launch_environment
+
+    monkeypatch.setenv("PJRT_DEVICE", "TPU")  # (the Trainer hands on the launch environment it read)
+    assert runtime_class("auto", "auto", read_launch_environment().runtimes).kind == REPLICAS
     monkeypatch.setenv("PJRT_DEVICE", "CPU")  # (importing torch_xla sets it where it finds no TPU)
-    assert runtime_class("auto", "auto") is Runtime
+    assert runtime_class("auto", "auto", read_launch_environment().runtimes) is Runtime
 
 
 def test_the_slot_gives_the_class_to_the_class_and_one_runtime_to_each_instance():

@@ -131,7 +131,11 @@ def test_the_pjrt_world_comes_from_torch_xla_runtime_not_the_environment():
 
 
 def test_auto_picks_xla_only_where_pjrt_device_says_so(monkeypatch):
-    from fabric_lite.strategies.connector import resolve_accelerator
+    from fabric_lite.strategies.connector import resolve_accelerator as resolve
+    from fabric_lite.strategies.environments import read_launch_environment
+
+    def resolve_accelerator(name):  # (the doors hand the connector the launch environment they read)
+        return resolve(name, read_launch_environment().runtimes)
 
     monkeypatch.delenv("PJRT_DEVICE", raising=False)
     assert resolve_accelerator("auto") == "cpu"
