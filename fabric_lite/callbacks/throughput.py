@@ -58,13 +58,14 @@ class ThroughputMonitor(Callback):
         elapsed = time.perf_counter() - self._start
         if elapsed <= 0:
             return
-        world = trainer.world_size
+        # different batches run on the data-parallel replicas; every device of the world counts for the peak
+        world, replicas = trainer.world_size, trainer.strategy.dp_size
         metrics: Dict[str, float] = {
-            "throughput/batches_per_sec": self._batches * world / elapsed,
-            "throughput/samples_per_sec": self._samples * world / elapsed,
+            "throughput/batches_per_sec": self._batches * replicas / elapsed,
+            "throughput/samples_per_sec": self._samples * replicas / elapsed,
         }
         if self.flops_per_batch is not None:
-            flops = self.flops_per_batch * self._batches * world / elapsed
+            flops = self.flops_per_batch * self._batches * replicas / elapsed
             metrics["throughput/flops_per_sec"] = flops
             peak = device_peak_flops(trainer.device)
             if peak is not None:

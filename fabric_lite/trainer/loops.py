@@ -180,7 +180,7 @@ def empty_loader_warning(trainer: "Trainer") -> str:
     dataset = getattr(loader, "dataset", None)
     samples = loader_length(dataset) if dataset is not None else None
     batch_size, drop_last = getattr(loader, "batch_size", None), getattr(loader, "drop_last", False)
-    world = trainer.world_size
+    world = trainer.strategy.dp_size  # (the processes the data is sharded over)
     what = type(loader).__name__ + (f" over {type(dataset).__name__}" if dataset is not None else "")
     if samples is not None:
         what += f" of {samples} samples"
