@@ -7,7 +7,7 @@ dimensions gets a torch.distributed group per dimension from its process group (
 Every collective is an identity on a group of one process.
 
 The default talks through torch.distributed, under the process group's hang guard where it has one; a device
-runtime with collectives of its own (XLA's replicas) subclasses `Collectives` and overrides the six `primitive_*`
+runtime with collectives of its own (a runtime's replicas) subclasses `Collectives` and overrides the six `primitive_*`
 methods, which see the tensors already laid out (same shape on every process, reductions "sum"/"max"/"min").
 """
 
