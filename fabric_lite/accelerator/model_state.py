@@ -114,7 +114,7 @@ class ModelState(ProcessFacts):
         """Save `obj` from the main process only, atomically (any fsspec URL). No collective inside,
         so ``if accelerator.is_main_process: accelerator.save(...)`` is fine."""
         if self.is_main_process:
-            state_io.save_object(self.strategy.to_host(obj), os.fspath(f), safe_serialization)
+            state_io.save_object(self.strategy.checkpoint_format.to_host(obj), os.fspath(f), safe_serialization)
 
     def save_model(
         self, model: nn.Module, save_directory: Union[str, os.PathLike], max_shard_size: Union[int, str] = "10GB",
@@ -129,7 +129,7 @@ class ModelState(ProcessFacts):
             state_io.save_model_weights(state, os.fspath(save_directory), max_shard_size, safe_serialization)
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> Dict[str, torch.Tensor]:
-        return names.canonical_state(self.strategy.module_state_dict(model))
+        return names.canonical_state(self.strategy.checkpoint_format.module_state_dict(model))
 
     @contextlib.contextmanager
     def init_module(self, empty_init: Optional[bool] = None) -> Iterator[None]:
@@ -167,7 +167,7 @@ class ModelState(ProcessFacts):
         if error is not None:
             raise ValueError(f"load_model_weights could not read {source}: {error}")
         state = names.for_module(state, self.strategy.unwrap_module(model).state_dict())
-        self.strategy.load_module_state_dict(model, state, strict=strict)
+        self.strategy.checkpoint_format.load_module_state_dict(model, state, strict=strict)
 
     # -- whole-run checkpoints ---------------------------------------------------------------------
     def register_for_checkpointing(self, *objects: Any, per_process: bool = False) -> None:

@@ -67,10 +67,10 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.optimizer.add_param_group(param_group)
 
     def state_dict(self) -> Dict[str, Any]:
-        return self._strategy.optimizer_state_dict(self.module, self.optimizer)
+        return self._strategy.checkpoint_format.optimizer_state_dict(self.module, self.optimizer)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        self._strategy.load_optimizer_state_dict(self.module, self.optimizer, state_dict)
+        self._strategy.checkpoint_format.load_optimizer_state_dict(self.module, self.optimizer, state_dict)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._gradient_state.sync_gradients:

@@ -358,7 +358,8 @@ def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]],
     if apply_engine is not None:
         heavy.append((f"the {saved_as} model and optimizer state", apply_engine))
     for i, (model, saved_weights) in enumerate(zip(acc.models, weights)):
-        heavy.append((f"model {i}", functools.partial(strategy.load_module_state_dict, model, saved_weights, strict=strict)))
+        load = functools.partial(strategy.checkpoint_format.load_module_state_dict, model, saved_weights, strict=strict)
+        heavy.append((f"model {i}", load))
     for what, step in heavy:
         # checked to fit above; what still fails here (memory, a collective) leaves the weights partly loaded:
         # keeping a copy of every model to put back would cost as much memory again

@@ -240,7 +240,7 @@ def _collect(acc: "Accelerator", url: str, engine: Optional[str]) -> Tuple[Dict[
     write_more: Optional[Callable[[CheckpointWriter], None]] = None
     if engine is None:
         # State dicts are built on every rank: sharded strategies need all ranks to assemble them.
-        weights = [names.canonical_state(strategy.module_state_dict(model)) for model in acc.models]
+        weights = [names.canonical_state(strategy.checkpoint_format.module_state_dict(model)) for model in acc.models]
     elif engine == sharded.ENGINE:  # every rank writes its own shards
         weights = []
         optimizers = [(opt.module, opt.optimizer) for opt in acc.optimizers]

@@ -18,8 +18,6 @@ topology                               `device_mesh` (named dimensions; one "dp"
                                        `force_backward_sync` undoes it for one backward
 `clip_gradients`                       by norm or by value, the right way for this strategy
 `barrier()`                            wait for every process (the other collectives: `collectives` below)
-full state                             `module_state_dict`, `load_module_state_dict`, `optimizer_state_dict`,
-                                       `load_optimizer_state_dict`, `to_host`
 =====================================  ==================================================================
 
 Collaborators it holds, each with one meaning:
@@ -30,7 +28,8 @@ Collaborators it holds, each with one meaning:
 - `process_group` (`process_group.py`): backend, timeout, store, hang guard, side group; None where there is
   no torch.distributed group of its own (one device, a runtime that owns the world).
 - `checkpoint_format` (`checkpoint_format.py`): "state_dict" | "dcp" | an engine's own files, with save, read,
-  consolidate and what a save may do (partial gradients, background writes, rank-0 weight reads).
+  consolidate and what a save may do (partial gradients, background writes, rank-0 weight reads); it holds the
+  state dict reads and writes (`module_state_dict`, `optimizer_state_dict`, their loads, `to_host`).
 - `engine_step` (`engine_step.py`): for an engine that owns the step (DeepSpeed): joint set-up, run hints and
   the accumulation boundary; None elsewhere.
 
@@ -48,7 +47,7 @@ import abc
 import contextlib
 import dataclasses
 import itertools
-from typing import TYPE_CHECKING, Any, ContextManager, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, ContextManager, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -117,7 +116,7 @@ class Strategy(abc.ABC):
         self.root_device = torch.device("cpu")
         self.precision = Precision("32-true", "cpu")
         #: How checkpoints hold model and optimizer state (strategies/checkpoint_format.py).
-        self.checkpoint_format = CheckpointFormat()
+        self.checkpoint_format = CheckpointFormat(self)
 
     # -- set-up (the connector binds process, root_device and precision: connector.configure_strategy) --
     def adapt_precision(self, precision: Precision) -> Precision:
@@ -210,26 +209,6 @@ class Strategy(abc.ABC):
             raise TypeError("clip_gradients() needs max_norm or clip_value.")
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
-    # -- state -------------------------------------------------------------------------------------
-    def module_state_dict(self, module: nn.Module) -> Dict[str, Any]:
-        """A full (unsharded) state dict of the user's module, valid on global rank 0."""
-        return self.unwrap_module(module).state_dict()
-
-    def to_host(self, obj: Any) -> Any:
-        """`obj` as `Accelerator.save` writes it: tensors that only this strategy's device can read back (a device
-        runtime's) copied to the host; others as they are (a CUDA tensor saves as one, as with torch.save)."""
-        return obj
-
-    def load_module_state_dict(self, module: nn.Module, state: Dict[str, Any], strict: bool = True) -> None:
-        self.unwrap_module(module).load_state_dict(state, strict=strict)
-
-    def optimizer_state_dict(self, module: Optional[nn.Module], optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
-        """The optimizer's full state; `module` is the prepared model it trains (None when unknown)."""
-        return optimizer.state_dict()
-
-    def load_optimizer_state_dict(self, module: Optional[nn.Module], optimizer: torch.optim.Optimizer,
-                                  state: Dict[str, Any]) -> None:
-        optimizer.load_state_dict(state)
 
     def explain_lines(self, modules: Sequence[nn.Module], optimizers: Sequence[Any], world: int) -> List[Tuple[str, str, str]]:
         """What `fabric-lite explain` adds about this strategy, as (section, label, text); section is

@@ -10,11 +10,20 @@
 
 The other fields say what the doors may do around a save: keep partial gradients, save in the background, read
 big weights on rank 0 only.
+
+It also holds the full state dicts that checkpoints and `save_model` read and write: `module_state_dict`,
+`load_module_state_dict`, `optimizer_state_dict`, `load_optimizer_state_dict`, and `to_host` (what
+`Accelerator.save` writes). The defaults here read the user's module (`strategy.unwrap_module`) and the optimizer
+as they are; a strategy that shards or moves its state (FSDP, DeepSpeed, XLA) holds a subclass of its own.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Dict, Optional
+
+import torch
+from torch import nn
 
 __all__ = ["CheckpointFormat", "STATE_DICT", "DCP"]
 
@@ -30,14 +39,28 @@ class CheckpointFormat:
     exactly). `background`: the state copies to host memory without a step of the runtime, so a background thread
     can write it (`save_state(blocking=False)`). `weights_on_rank_zero`: `load_module_state_dict` needs the full
     weights on global rank 0 only (the others pass {}): big weights are read by one process and scattered.
+    `strategy`: the strategy that holds this format (held weakly), whose module unwrapping and collectives the
+    state dict reads and writes use.
     """
 
-    def __init__(self, kind: str = STATE_DICT, partial_gradients: bool = True, background: bool = True,
+    def __init__(self, strategy: Any, kind: str = STATE_DICT, partial_gradients: bool = True, background: bool = True,
                  weights_on_rank_zero: bool = False) -> None:
+        # Held weakly: the strategy holds its format, and a cycle would keep a finished run's strategy (and the
+        # parameters it recorded) alive until the garbage collector runs (as its runtime does, runtime.py).
+        self._strategy = weakref.ref(strategy)
         self.kind = kind
         self.partial_gradients = partial_gradients
         self.background = background
         self.weights_on_rank_zero = weights_on_rank_zero
+
+    @property
+    def strategy(self) -> Any:
+        """The strategy holding this format."""
+        strategy = self._strategy()
+        if strategy is None:
+            raise RuntimeError(f"The strategy that held this {type(self).__name__} is gone; use the checkpoint_format "
+                               f"of the strategy that trains the model.")
+        return strategy
 
     @property
     def engine(self) -> Optional[str]:
@@ -49,6 +72,28 @@ class CheckpointFormat:
         """The engine writes and reads model and optimizer state itself (neither state dicts nor DCP)."""
         return self.kind not in (STATE_DICT, DCP)
 
+    # -- full state dicts ----------------------------------------------------------------------------
+    def module_state_dict(self, module: nn.Module) -> Dict[str, Any]:
+        """A full (unsharded) state dict of the user's module, valid on global rank 0."""
+        return self.strategy.unwrap_module(module).state_dict()
+
+    def load_module_state_dict(self, module: nn.Module, state: Dict[str, Any], strict: bool = True) -> None:
+        self.strategy.unwrap_module(module).load_state_dict(state, strict=strict)
+
+    def optimizer_state_dict(self, module: Optional[nn.Module], optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+        """The optimizer's full state; `module` is the prepared model it trains (None when unknown)."""
+        return optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, module: Optional[nn.Module], optimizer: torch.optim.Optimizer,
+                                  state: Dict[str, Any]) -> None:
+        optimizer.load_state_dict(state)
+
+    def to_host(self, obj: Any) -> Any:
+        """`obj` as `Accelerator.save` writes it: tensors that only this strategy's device can read back (a device
+        runtime's) copied to the host; others as they are (a CUDA tensor saves as one, as with torch.save)."""
+        return obj
+
+    # -- an engine's own files ---------------------------------------------------------------------
     def save_engine_state(self, writer: Any) -> None:
         """Every rank: write the engine's files through `writer`."""
         raise NotImplementedError(f"The {self.kind!r} checkpoint format has no engine files.")

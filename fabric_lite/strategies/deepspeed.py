@@ -329,34 +329,6 @@ class DeepSpeedStrategy(ParallelStrategy):
             engine.optimizer.clip_grad = max_norm
         return None
 
-    # -- state --------------------------------------------------------------------------------------
-    def module_state_dict(self, module: nn.Module) -> Dict[str, Any]:
-        """The full weights in the engine's dtype (gathered from every rank at stage 3); valid on rank 0."""
-        engine = self.engine
-        if self.stage == 3:
-            from fabric_lite.strategies.deepspeed_checkpoint import match_module_keys
-
-            state = engine._zero3_consolidated_16bit_state_dict() or {}
-            return match_module_keys(state, engine.module.state_dict()) if state else {}
-        return engine.module.state_dict()
-
-    def load_module_state_dict(self, module: nn.Module, state: Dict[str, Any], strict: bool = True) -> None:
-        engine = self.engine
-        if self.stage == 3:
-            import deepspeed
-
-            params = list(engine.module.parameters())
-            with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
-                if self.is_global_zero:
-                    engine.module.load_state_dict(state, strict=strict)
-        else:
-            engine.module.load_state_dict(state, strict=strict)
-        if hasattr(engine.optimizer, "refresh_fp32_params"):
-            engine.optimizer.refresh_fp32_params()  # the optimizer's fp32 master copy follows the weights
-
-    def optimizer_state_dict(self, module: Optional[nn.Module], optimizer: Any) -> Dict[str, Any]:
-        raise RuntimeError("DeepSpeed's optimizer state is partitioned across processes; save it with "
-                           "save_state(), which writes every rank's part.")
 
     def teardown(self) -> None:
         self.engine = None

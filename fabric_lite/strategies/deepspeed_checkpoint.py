@@ -20,6 +20,7 @@ import tempfile
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 import torch
+from torch import nn
 
 from fabric_lite.checkpoint.files import CheckpointError, CheckpointWriter
 from fabric_lite.checkpoint.loading import load_file
@@ -247,11 +248,39 @@ def match_module_keys(state: Dict[str, Any], module_keys: Any) -> Dict[str, Any]
 
 class DeepSpeedCheckpointFormat(CheckpointFormat):
     """DeepSpeed's own per-rank files: written, read and consolidated by the functions above. The engine keeps
-    partial gradients in its own buffers."""
+    partial gradients in its own buffers. Full state dicts are the engine module's (gathered from every rank at
+    ZeRO stage 3); the optimizer state stays partitioned, in the engine's files only."""
 
     def __init__(self, strategy: "DeepSpeedStrategy") -> None:
-        super().__init__(ENGINE, partial_gradients=False)
-        self.strategy = strategy
+        super().__init__(strategy, ENGINE, partial_gradients=False)
+
+    def module_state_dict(self, module: nn.Module) -> Dict[str, Any]:
+        """The full weights in the engine's dtype (gathered from every rank at stage 3); valid on rank 0."""
+        strategy = self.strategy
+        engine = strategy.engine
+        if strategy.stage == 3:
+            state = engine._zero3_consolidated_16bit_state_dict() or {}
+            return match_module_keys(state, engine.module.state_dict()) if state else {}
+        return engine.module.state_dict()
+
+    def load_module_state_dict(self, module: nn.Module, state: Dict[str, Any], strict: bool = True) -> None:
+        strategy = self.strategy
+        engine = strategy.engine
+        if strategy.stage == 3:
+            import deepspeed
+
+            params = list(engine.module.parameters())
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+                if strategy.is_global_zero:
+                    engine.module.load_state_dict(state, strict=strict)
+        else:
+            engine.module.load_state_dict(state, strict=strict)
+        if hasattr(engine.optimizer, "refresh_fp32_params"):
+            engine.optimizer.refresh_fp32_params()  # the optimizer's fp32 master copy follows the weights
+
+    def optimizer_state_dict(self, module: Optional[nn.Module], optimizer: Any) -> Dict[str, Any]:
+        raise RuntimeError("DeepSpeed's optimizer state is partitioned across processes; save it with "
+                           "save_state(), which writes every rank's part.")
 
     def save_engine_state(self, writer: Any) -> None:
         save_engine_state(self.strategy, writer)

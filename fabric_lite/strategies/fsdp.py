@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from fabric_lite.strategies.base import Traits
-from fabric_lite.checkpoint.fit import fit_problem, shapes_of
-from fabric_lite.strategies.checkpoint_format import DCP, STATE_DICT, CheckpointFormat
+from fabric_lite.strategies.checkpoint_format import DCP, STATE_DICT
+from fabric_lite.strategies.fsdp_state import FSDPCheckpointFormat
 from fabric_lite.strategies.moved_params import MovedParameters
 from fabric_lite.strategies.parallel import ParallelStrategy
 from fabric_lite.strategies.process_group import ProcessGroup, ProcessGroupSetting
@@ -93,11 +93,9 @@ class FSDPStrategy(ParallelStrategy):
         self.activation_checkpointing = activation_checkpointing
         self.state_dict_type = kind
         self.user_mp_policy = mixed_precision_policy
-        # "sharded": shard by shard (torch.distributed.checkpoint, checkpoint/sharded.py). Between micro-steps
-        # FSDP keeps the unsharded partial gradients in its own buffers, not `param.grad`; big weights are read
-        # on rank 0 and scattered.
-        self.checkpoint_format = CheckpointFormat(DCP if kind == "sharded" else STATE_DICT, partial_gradients=False,
-                                                  weights_on_rank_zero=True)
+        # "sharded": shard by shard (torch.distributed.checkpoint, checkpoint/sharded.py); full state dicts are
+        # gathered to rank 0 and scattered back (fsdp_state.py).
+        self.checkpoint_format = FSDPCheckpointFormat(self, DCP if kind == "sharded" else STATE_DICT)
         #: What `setup_module` did, per prepared model (for `explain`): wrapped block paths, skipped ones.
         self.plans: List[Dict[str, Any]] = []
         # old parameter id -> (weakref to it, its sharded replacement): re-points optimizers built before prepare
@@ -253,93 +251,6 @@ class FSDPStrategy(ParallelStrategy):
                        clip_value: Optional[float] = None) -> Optional[torch.Tensor]:
         norm = super().clip_gradients(parameters, optimizer, max_norm=max_norm, norm_type=norm_type, clip_value=clip_value)
         return norm.full_tensor() if is_dtensor(norm) else norm  # the norm over every shard, a plain tensor
-
-    # -- state -------------------------------------------------------------------------------------
-    def module_state_dict(self, module: nn.Module) -> Dict[str, Any]:
-        """The full state dict, gathered shard by shard onto rank 0's CPU memory (empty on other ranks)."""
-        out: Dict[str, Any] = {}
-        for name, value in module.state_dict().items():
-            if is_dtensor(value):
-                value = self._gathered(value)
-            if self.is_global_zero:
-                out[name] = value.detach().cpu()
-        return out
-
-    def _gathered(self, value: Any) -> torch.Tensor:
-        """The whole tensor of a sharded one (a collective); offloaded shards travel through the GPU, as NCCL needs."""
-        if value.device != self.root_device:
-            value = value.to(self.root_device)
-        return value.full_tensor()
-
-    def load_module_state_dict(self, module: nn.Module, state: Dict[str, Any], strict: bool = True) -> None:
-        """Load a full state dict (needed on rank 0 only; the others may pass {}): each tensor is scattered
-        from rank 0 to the shards, so no process holds more than one whole tensor at a time."""
-        current = module.state_dict()
-        if any(getattr(v, "is_meta", False) for v in current.values()):
-            raise ValueError("This model is still on the meta device: prepare it first (prepare() gives each process "
-                             "its shards), then load the weights.")
-        problem = None
-        if self.is_global_zero:
-            problem = fit_problem(shapes_of(current), shapes_of(state), strict)
-            if problem:
-                problem = (f"The weights do not fit this model: {problem}. Nothing was loaded. Load weights of this "
-                           f"model (strict=False allows missing or unexpected keys).")
-        problem = self.collectives.broadcast_object(problem)
-        if problem:
-            raise ValueError(problem)
-        from torch.distributed.tensor import distribute_tensor
-
-        names = [n for n in current if n in state] if self.is_global_zero else None
-        names = self.collectives.broadcast_object(names)
-        with torch.no_grad():
-            for name in names:
-                target = current[name]
-                if is_dtensor(target):
-                    src = state[name] if self.is_global_zero else torch.empty(target.shape, dtype=target.dtype)
-                    shard = distribute_tensor(src.to(device=self.root_device, dtype=target.dtype), target.device_mesh,
-                                              target.placements, src_data_rank=0)
-                    target.to_local().copy_(shard.to_local())
-                else:
-                    src = state[name] if self.is_global_zero else torch.empty_like(target)
-                    target.copy_(self.collectives.broadcast(src.to(device=target.device, dtype=target.dtype).contiguous()))
-
-    def optimizer_state_dict(self, module: Optional[nn.Module], optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
-        """The optimizer's full state (each sharded tensor gathered), meaningful on rank 0."""
-        state = optimizer.state_dict()
-        full: Dict[Any, Any] = {}
-        for index in sorted(state["state"]):  # the same order on every rank: each gather is a collective
-            entry = {}
-            for key, value in state["state"][index].items():
-                if is_dtensor(value):
-                    value = self._gathered(value)
-                entry[key] = value.detach().cpu() if isinstance(value, torch.Tensor) else value
-            if self.is_global_zero:
-                full[index] = entry
-        # a collective (every rank calls it); the whole state is kept on rank 0 only
-        return {"state": full, "param_groups": state["param_groups"]}
-
-    def load_optimizer_state_dict(self, module: Optional[nn.Module], optimizer: torch.optim.Optimizer,
-                                  state: Dict[str, Any]) -> None:
-        """Load a full optimizer state (every rank holds it): each process keeps the slices of its shards."""
-        from torch.distributed.tensor import distribute_tensor
-
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        saved_ids = [i for group in state["param_groups"] for i in group["params"]]
-        if len(saved_ids) != len(params):
-            raise ValueError(f"The saved optimizer state has {len(saved_ids)} parameters; this optimizer has "
-                             f"{len(params)}. Build the optimizer as the run that saved it did.")
-        by_id = dict(zip(saved_ids, params))
-        sharded: Dict[Any, Any] = {}
-        for index, entry in state["state"].items():
-            p = by_id.get(index)
-            out = {}
-            for key, value in entry.items():
-                if p is not None and is_dtensor(p) and isinstance(value, torch.Tensor) and value.shape == p.shape:
-                    value = distribute_tensor(value.to(self.root_device), p.device_mesh, p.placements,
-                                              src_data_rank=None).to(p.device)
-                out[key] = value
-            sharded[index] = out
-        optimizer.load_state_dict({"state": sharded, "param_groups": state["param_groups"]})
 
     # -- what `explain` shows ----------------------------------------------------------------------
     def explain_lines(self, modules: Sequence[nn.Module], optimizers: Sequence[Any], world: int) -> List[Tuple[str, str, str]]:

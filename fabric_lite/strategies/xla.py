@@ -96,8 +96,10 @@ class XLAStrategy(ParallelStrategy):
 
     def __init__(self, sync_module_states: bool = True) -> None:
         super().__init__()
-        #: Reading XLA tensors to the host runs the pending graph (a step of the runtime, which moves its RNG).
-        self.checkpoint_format.background = False
+        from fabric_lite.strategies.xla_state import XLACheckpointFormat
+
+        #: Plain CPU tensors, never copied in the background: reading XLA tensors to the host runs the pending graph.
+        self.checkpoint_format = XLACheckpointFormat(self)
         self.sync_module_states = sync_module_states
         self._modules: List["weakref.ref[nn.Module]"] = []  # in preparation order: every replica reduces alike
         self._syncing: Dict[int, bool] = {}  # id(module) -> gradients are reduced by the next backward
@@ -182,21 +184,6 @@ class XLAStrategy(ParallelStrategy):
     def batch_to_device(self, batch: Any) -> Any:
         device = self.root_device
         return tree_map(lambda t: t.to(device), batch)
-
-    # -- state: plain CPU tensors, after the pending graph ran ---------------------------------------
-    def _to_cpu(self, state: Any) -> Any:
-        # No step marker: it would advance the XLA random stream, and a run that saves a checkpoint must draw the
-        # same dropout masks as one that does not (exact resume). Reading a tensor runs what it still needs.
-        return tree_map(lambda t: t.cpu() if t.device.type == "xla" else t, state)
-
-    def module_state_dict(self, module: nn.Module) -> Dict[str, Any]:
-        return self._to_cpu(module.state_dict())
-
-    def to_host(self, obj: Any) -> Any:
-        return self._to_cpu(obj)
-
-    def optimizer_state_dict(self, module: Optional[nn.Module], optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
-        return self._to_cpu(optimizer.state_dict())
 
     # -- gradients and weights in place, through XLA (the other collectives: XLACollectives) -------------
     def _average_in_place(self, tensors: List[torch.Tensor]) -> None:

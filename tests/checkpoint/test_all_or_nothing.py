@@ -146,7 +146,7 @@ def test_a_model_that_fails_to_load_puts_the_optimizer_back_and_says_the_weights
     def failing(*_, **__):
         raise RuntimeError("out of memory (simulated)")
 
-    monkeypatch.setattr(strategy, "load_module_state_dict", failing)
+    monkeypatch.setattr(strategy.checkpoint_format, "load_module_state_dict", failing)
     with pytest.raises(CheckpointError, match=r"model 0 failed .*out of memory.*put back as it was, but model 0 may "
                                               r"be partly loaded"):
         run[0].load_state(mid_epoch)

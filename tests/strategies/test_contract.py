@@ -2,8 +2,10 @@
 hooks the doors call for it (device feed, step marker, optimizer state with its module, joint set-up,
 precision adaptation, registry)."""
 
+import gc
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fabric_lite import Accelerator, Trainer, TrainModule
 from fabric_lite.strategies import SingleDeviceStrategy, Strategy, available_strategies, create_strategy
+from fabric_lite.strategies.checkpoint_format import CheckpointFormat
 from fabric_lite.strategies.engine_step import EngineStep
 from fabric_lite.strategies.registry import strategy_class, strategy_for_checkpoint_engine
 from fabric_lite.strategies.runtime import Runtime, RuntimeSlot
@@ -62,6 +65,7 @@ class Recording(SingleDeviceStrategy):
         self.marks = 0
         self.optimizer_modules = []
         self.adapted = None
+        self.checkpoint_format = self.format_type(self)
 
     def adapt_precision(self, precision):
         self.adapted = precision.name
@@ -84,9 +88,10 @@ class Recording(SingleDeviceStrategy):
 
     runtime = RuntimeSlot(runtime_type)
 
-    def optimizer_state_dict(self, module, optimizer):
-        self.optimizer_modules.append(module)
-        return super().optimizer_state_dict(module, optimizer)
+    class format_type(CheckpointFormat):  # the state dict reads: the optimizer's, with the model it trains
+        def optimizer_state_dict(self, module, optimizer):
+            self.strategy.optimizer_modules.append(module)
+            return super().optimizer_state_dict(module, optimizer)
 
 
 def loader():
@@ -202,6 +207,43 @@ def test_topology_names_the_data_parallel_group():
     assert strategy.device_mesh.names == ("dp",) and strategy.device_mesh.size("dp") == 1
     with pytest.raises(KeyError, match="no dimension 'tp'"):
         strategy.device_mesh.size("tp")
+
+
+@pytest.mark.parametrize("cls, flags", [
+    ("SingleDeviceStrategy", ("state_dict", True, True, False)),
+    ("FSDPStrategy", ("dcp", False, True, True)),
+    ("XLAStrategy", ("state_dict", True, False, False)),
+])
+def test_the_checkpoint_format_holds_the_state_dicts_and_its_strategy_weakly(cls, flags):
+    """The full state dict reads and writes are the checkpoint format's, not the strategy's; the format holds its
+    strategy weakly, so a dropped strategy is freed at once (no cycle), as with its runtime."""
+    import fabric_lite.strategies as strategies
+
+    strategy = getattr(strategies, cls)()
+    fmt = strategy.checkpoint_format
+    assert (fmt.kind, fmt.partial_gradients, fmt.background, fmt.weights_on_rank_zero) == flags
+    assert fmt.strategy is strategy
+    for name in ("module_state_dict", "load_module_state_dict", "optimizer_state_dict", "load_optimizer_state_dict",
+                 "to_host"):
+        assert not hasattr(strategy, name) and callable(getattr(fmt, name))
+    if cls == "SingleDeviceStrategy":
+        model = nn.Linear(2, 1)
+        state = fmt.module_state_dict(model)
+        assert state.keys() == model.state_dict().keys()
+        fmt.load_module_state_dict(model, {k: torch.zeros_like(v) for k, v in state.items()})
+        assert not model.weight.any() and fmt.to_host(state) is state
+    assert not any(r is strategy for r in gc.get_referents(vars(fmt)))  # only a weak reference
+    if strategy.process_group is not None:
+        return  # (its process group holds it: freed by the garbage collector)
+    gc.disable()
+    try:
+        gone = weakref.ref(strategy)
+        del strategy
+        assert gone() is None
+        with pytest.raises(RuntimeError, match="is gone"):
+            fmt.strategy
+    finally:
+        gc.enable()
 
 
 def test_collaborators_each_say_one_thing():

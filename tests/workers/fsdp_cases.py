@@ -204,7 +204,8 @@ def review_cases():
     with acc.init_module():
         on_meta = make()
     try:
-        Accelerator(strategy=strategy("fsdp")).strategy.load_module_state_dict(on_meta, make().state_dict())
+        meta_strategy = Accelerator(strategy=strategy("fsdp")).strategy
+        meta_strategy.checkpoint_format.load_module_state_dict(on_meta, make().state_dict())
         out["meta_target"] = None
     except ValueError as err:
         out["meta_target"] = str(err)
