@@ -287,11 +287,14 @@ def consolidate(url: str, manifest: Dict[str, Any], model_index: int = 0) -> Dic
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     class _Lone:
+        """A strategy's stand-in for one process without a process group (what `_verify` asks of it)."""
+
         global_rank, world_size = 0, 1
 
-        @staticmethod
-        def all_gather_object(value: Any) -> List[Any]:
-            return [value]
+        class collectives:
+            @staticmethod
+            def all_gather_object(value: Any) -> List[Any]:
+                return [value]
 
     metadata = _verify(url, manifest, _Lone)
     fs, path = checkpoint_io.filesystem(url)
