@@ -32,6 +32,7 @@ _EXPORTS = {
     "DeepSpeedPlugin": "fabric_lite.accelerator.configs",
     "FullyShardedDataParallelPlugin": "fabric_lite.accelerator.configs",
     "TorchDynamoPlugin": "fabric_lite.accelerator.configs",
+    "ParallelismConfig": "fabric_lite.accelerator.parallelism",
     "LoggerType": "fabric_lite.accelerator.enums",
     "PartialState": "fabric_lite.state",
     "AcceleratorState": "fabric_lite.state",

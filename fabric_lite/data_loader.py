@@ -38,9 +38,10 @@ def _refuse_device_mesh(caller: str, torch_device_mesh: Any) -> None:
         from fabric_lite.utils import NotSupportedError
 
         raise NotSupportedError(
-            f"{caller}(torch_device_mesh=...): sharding data by a device mesh's data-parallel dimension needs N-D "
-            f"parallelism, which fabric_lite does not have yet; leave torch_device_mesh=None (the loader is sharded "
-            f"over every process).")
+            f"{caller}(torch_device_mesh=...): sharding a loader built outside the Accelerator by a device mesh of "
+            f"the script's own is not supported by fabric_lite; build the Accelerator with parallelism_config="
+            f"ParallelismConfig(...) and pass the loader to accelerator.prepare, which shards it over the "
+            f"data-parallel ranks (or leave torch_device_mesh=None: sharded over every process).")
 
 
 def _check_rng_types(caller: str, rng_types: Any) -> None:

@@ -29,7 +29,8 @@ HANDLER_ATTRIBUTES = ("ddp_handler", "scaler_handler", "init_handler", "autocast
                       "fp8_recipe_handler", "ao_recipe_handler", "te_recipe_handler", "msamp_recipe_handler")
 
 #: The plugins `resolve_run_config` reads, by the Accelerator's argument names.
-PLUGIN_NAMES = ("gradient_accumulation_plugin", "deepspeed_plugin", "fsdp_plugin", "dynamo_plugin")
+PLUGIN_NAMES = ("gradient_accumulation_plugin", "deepspeed_plugin", "fsdp_plugin", "dynamo_plugin",
+                "parallelism_config")
 
 
 
@@ -89,6 +90,7 @@ class RunConfig:
     dynamo_backend: Optional[str] = None
     deepspeed_plugin: Any = None
     fsdp_plugin: Any = None
+    parallelism_config: Any = None
     dynamo_plugin: Any = None
     kwargs_handlers: Tuple[Any, ...] = ()
     #: Each kind of kwargs handler given, under Accelerate's attribute names (`ddp_handler`, ...; else None).
@@ -149,6 +151,13 @@ def resolve_run_config(arguments: Mapping[str, Any], plugins: Optional[Mapping[s
         if strategy != "auto" or deepspeed is not None:
             raise ValueError(f"Pass one of strategy={strategy!r}, deepspeed_plugin and fsdp_plugin, not several.")
         strategy = fsdp.to_strategy()
+    parallel = p.get("parallelism_config")
+    if parallel is not None and parallel.total_size > 1:  # (one process in all: nothing to lay out)
+        if deepspeed is not None or (fsdp is None and strategy != "auto"):
+            raise ValueError(f"parallelism_config lays the processes out for FSDP2 and tensor parallelism; pass it "
+                             f"without strategy={strategy!r} and deepspeed_plugin (an fsdp_plugin may give FSDP's "
+                             f"settings).")
+        strategy = parallel.to_strategy(fsdp)
     handlers = handlers_by_attribute(kwargs_handlers)
     accumulation = p.get("gradient_accumulation_plugin")
     if accumulation is not None:
@@ -188,6 +197,7 @@ def resolve_run_config(arguments: Mapping[str, Any], plugins: Optional[Mapping[s
         rng_types=("generator",) if rng_types is None else ((rng_types,) if isinstance(rng_types, str)
                                                             else tuple(rng_types)),
         dynamo_backend=a.get("dynamo_backend"), deepspeed_plugin=deepspeed, fsdp_plugin=fsdp,
+        parallelism_config=parallel,
         dynamo_plugin=p.get("dynamo_plugin"), kwargs_handlers=tuple(kwargs_handlers),
         handlers=MappingProxyType(handlers), arguments=MappingProxyType(a),
     )

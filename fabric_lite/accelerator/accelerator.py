@@ -28,6 +28,7 @@ from fabric_lite.strategies.environments import read_launch_environment
 from fabric_lite.settings import RunConfig, resolve_run_config
 from fabric_lite.accelerator.wrappers import AcceleratedOptimizer, AcceleratedScheduler, is_scheduler
 from fabric_lite.accelerator.model_state import ModelState
+from fabric_lite.accelerator.parallelism import MeshFacts, ParallelismConfig
 from fabric_lite.accelerator.optimizer_check import PreparedParameters
 from fabric_lite.checkpoint.saver import CheckpointSaver
 from fabric_lite.strategies.precision import PrecisionForward
@@ -46,7 +47,7 @@ from fabric_lite import state as run_state
 __all__ = ["Accelerator", "DistributedType"]
 
 
-class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerControl):
+class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerControl, MeshFacts):
     """Run a hand-written training loop on any device, any number of processes, any precision.
 
     Examples:
@@ -86,6 +87,7 @@ class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerCo
         fsdp_plugin: Optional[FullyShardedDataParallelPlugin] = None,
         dynamo_plugin: Optional[TorchDynamoPlugin] = None,
         divide_loss_by: str = "gradient_accumulation_steps",
+        parallelism_config: Optional[ParallelismConfig] = None,
     ) -> None:
         # Every argument is checked first, before anything starts (the process group, the strategy); then every
         # source of settings is resolved into one RunConfig (fabric_lite/settings.py), which the run is built from.
@@ -161,6 +163,10 @@ class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerCo
         self.dynamo_backend = self.dynamo_plugin.backend if self.dynamo_plugin.enabled else None
         self.deepspeed_plugin = config.deepspeed_plugin
         self.fsdp_plugin = config.fsdp_plugin
+        #: N-D parallelism (Accelerate's ParallelismConfig), with torch's DeviceMesh once the strategy built it.
+        self.parallelism_config = config.parallelism_config
+        if self.parallelism_config is not None:
+            self.parallelism_config.device_mesh = strategy.device_mesh.torch
         #: `register_save_state_pre_hook` / `register_load_state_pre_hook` hooks, by handle id.
         self.save_state_pre_hooks: Dict[int, Callable] = {}
         self.load_state_pre_hooks: Dict[int, Callable] = {}

@@ -93,6 +93,9 @@ def check_arguments(given: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, An
         _check_plugin_steps("deepspeed_plugin", "DeepSpeedPlugin", "gradient_accumulation_steps",
                             deepspeed.gradient_accumulation_steps)
     check.instance("fsdp_plugin", g["fsdp_plugin"], FullyShardedDataParallelPlugin)
+    from fabric_lite.accelerator.parallelism import ParallelismConfig
+
+    check.instance("parallelism_config", g["parallelism_config"], ParallelismConfig)
     check.choice("divide_loss_by", g["divide_loss_by"], LOSS_DIVISIONS)
     plugins = {name: g.pop(name) for name in PLUGIN_NAMES}
     del g["kwargs_handlers"]

@@ -230,10 +230,13 @@ class Strategy(abc.ABC):
 class Mesh:
     """Named dimensions of a device mesh: each one's size and this process's coordinate on it."""
 
-    __slots__ = ("names", "sizes", "coords")
+    __slots__ = ("names", "sizes", "coords", "torch")
 
-    def __init__(self, names: Tuple[str, ...], sizes: Tuple[int, ...], coords: Tuple[int, ...]) -> None:
+    def __init__(self, names: Tuple[str, ...], sizes: Tuple[int, ...], coords: Tuple[int, ...],
+                 torch_mesh: Any = None) -> None:
         self.names, self.sizes, self.coords = tuple(names), tuple(sizes), tuple(coords)
+        #: torch's DeviceMesh over the same processes, where the strategy built one (N-D parallelism), else None.
+        self.torch = torch_mesh
 
     def size(self, name: str) -> int:
         return self.sizes[self._index(name)]

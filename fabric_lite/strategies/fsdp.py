@@ -11,14 +11,15 @@ default, or gathered whole), and an optimizer built before `prepare` is pointed 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, ContextManager, cast, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
-from fabric_lite.strategies.base import Traits
+from fabric_lite.strategies.base import Mesh, Traits
 from fabric_lite.strategies.checkpoint_format import DCP, STATE_DICT
 from fabric_lite.strategies.fsdp_state import FSDPCheckpointFormat
+from fabric_lite.strategies.mesh_shape import MeshShape
 from fabric_lite.strategies.moved_params import MovedParameters
 from fabric_lite.strategies.parallel import ParallelStrategy
 from fabric_lite.strategies.process_group import ProcessGroup, ProcessGroupSetting
@@ -60,6 +61,9 @@ class FSDPStrategy(ParallelStrategy):
     (CUDA only). `activation_checkpointing`: True (the wrapped blocks) or classes/names to recompute in
     backward. `state_dict_type`: "sharded" (default) or "full". `mixed_precision_policy`: a
     `torch.distributed.fsdp.MixedPrecisionPolicy` that replaces the one derived from `precision`.
+    `mesh_shape`: a `MeshShape` for N-D parallelism: FSDP shards over `dp_shard` (and replicates over `dp_replicate`:
+    HSDP), a model whose weights are already tensor-parallel DTensors on `torch_mesh["tp"]` keeps that layout, and
+    the doors shard data and gather metrics over the data-parallel ranks only.
     """
 
     traits = Traits(names=("fsdp",), accelerate_type="FSDP", initializes_on_meta=True, syncs_gradients_per_forward=True)
@@ -79,6 +83,7 @@ class FSDPStrategy(ParallelStrategy):
         mixed_precision_policy: Any = None,
         process_group_backend: Optional[str] = None,
         timeout: Any = None,
+        mesh_shape: Optional[MeshShape] = None,
     ) -> None:
         super().__init__()
         # one process is one shard: FSDP still needs a (one-member) process group for its mesh
@@ -101,6 +106,10 @@ class FSDPStrategy(ParallelStrategy):
         # old parameter id -> (weakref to it, its sharded replacement): re-points optimizers built before prepare
         self._replaced = MovedParameters()
         self._syncing: Dict[int, bool] = {}  # id(model) -> whether its backward reduce-scatters now
+        #: N-D parallelism: how the world is laid out (dp_replicate x dp_shard x tp; None: one dimension, every
+        #: process a shard), and torch's DeviceMesh over it once the process group started (None without a shape).
+        self.mesh_shape = mesh_shape
+        self.torch_mesh: Any = None
 
     @property
     def sharded_checkpoints(self) -> bool:
@@ -138,30 +147,55 @@ class FSDPStrategy(ParallelStrategy):
                 f"{torch.__version__}, CUDA available: {torch.cuda.is_available()}). Drop cpu_offload, or train on CUDA."
             )
         _fsdp()
+        if self.mesh_shape is not None:
+            self.mesh_shape.check_world(self.world_size)
         self.process_group.start()
+        if self.mesh_shape is not None:
+            self.torch_mesh = self.mesh_shape.build(self.root_device.type)
+
+    @property
+    def device_mesh(self) -> Mesh:
+        if self.mesh_shape is None:
+            return super().device_mesh
+        return self.mesh_shape.mesh(self.global_rank, self.torch_mesh)
 
     def teardown(self) -> None:
         self.process_group.destroy()
 
     def _mesh(self) -> Any:
+        """The mesh `fully_shard` works over: every process, or the data-parallel dimensions of `torch_mesh`."""
+        if self.torch_mesh is not None and self.mesh_shape is not None:
+            return self.torch_mesh[self.mesh_shape.fsdp_dimensions]
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(self.root_device.type, (self.world_size,))
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         fsdp = _fsdp()
-        if is_dtensor(next(module.parameters(), None)):
+        if isinstance(module, fsdp.FSDPModule):
             raise ValueError(f"{type(module).__name__} is already sharded; prepare each model once.")
+        if self.torch_mesh is None and any(is_dtensor(p) for p in module.parameters()):
+            raise ValueError(f"{type(module).__name__}'s weights are already distributed tensors (tensor parallel?), "
+                             f"but this strategy has no tensor-parallel dimension. Pass "
+                             f"parallelism_config=ParallelismConfig(tp_size=..., dp_shard_size=...), or prepare the "
+                             f"model before distributing it.")
         model_name = type(module).__name__
         module = self.precision.convert_module(module)
         tensors = [*module.parameters(), *module.buffers()]
         on_meta = any(t.is_meta for t in tensors)
+        dp = self.collectives.over("dp")
         with torch.no_grad():
             for t in tensors:  # (a model built partly on the meta device keeps its real tensors, moved here)
                 if not t.is_meta and t.device != self.root_device:
                     t.data = t.data.to(self.root_device)
-                if not t.is_meta and self.world_size > 1:
-                    # every process starts from rank 0's values, as under DDP (each keeps its slice of them)
+                if t.is_meta or self.world_size == 1:
+                    continue
+                # every process starts from rank 0's values, as under DDP (each keeps its slice of them); a
+                # tensor-parallel slice, from data-parallel rank 0 of its own tensor-parallel rank
+                if is_dtensor(t):
+                    local = cast(Any, t.data).to_local()
+                    local.copy_(dp.broadcast(local.contiguous()))
+                else:
                     t.data = self.collectives.broadcast(t.data.contiguous())
         old = {n: p for n, p in module.named_parameters()}
         wrap = resolve_wrap_policy(self.auto_wrap_policy, module)

@@ -118,10 +118,9 @@ def test_refused_rows_raise_naming_the_feature(row):
 def test_n_d_parallelism_members_read_as_accelerates_defaults_where_they_exist():
     acc = Accelerator()
     later = [r["name"].rsplit(".", 1)[1] for r in ROWS if r["status"] == "later: issue N-D"]
-    assert {"parallelism_config", "torch_device_mesh", "data_parallel_rank"} <= set(later)
-    for member in ("parallelism_config", "torch_device_mesh"):
-        if hasattr(acc, member):  # Accelerate gives None without a parallelism config
-            assert getattr(acc, member) is None, member
+    assert {"context_parallel_rank", "pipeline_parallel_rank"} <= set(later)
+    for member in ("parallelism_config", "torch_device_mesh"):  # Accelerate gives None without a parallelism config
+        assert getattr(acc, member) is None, member
 
 
 def test_accelerator_members_scripts_read_as_accelerates():

@@ -1,0 +1,111 @@
+"""N-D parallelism through the raw door: Accelerate's ParallelismConfig, FSDP2 over the data-parallel dimensions and
+tensor parallelism the script applies on accelerator.torch_device_mesh["tp"] (real processes, gloo on CPU)."""
+
+import itertools
+
+import pytest
+import torch
+
+from fabric_lite import Accelerator, ParallelismConfig
+from fabric_lite.strategies.base import Mesh
+from fabric_lite.strategies.mesh_shape import MeshShape
+from fabric_lite.utils import NotSupportedError
+
+
+# -- the layout, as plain values -------------------------------------------------------------------------------
+def test_a_mesh_shape_numbers_ranks_row_major_with_tensor_parallel_neighbours():
+    shape = MeshShape(dp_replicate=2, dp_shard=2, tp=2)
+    assert (shape.total, shape.dp) == (8, 4)
+    assert [shape.coordinates(r) for r in (0, 1, 2, 5, 7)] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 1), (1, 1, 1)]
+    mesh = shape.mesh(5)
+    assert (mesh.names, mesh.sizes, mesh.coords) == (("dp", "tp"), (4, 2), (2, 1))
+    assert mesh.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert mesh.groups("dp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert shape.fsdp_dimensions == ("dp_replicate", "dp_shard") and MeshShape(dp_shard=4).fsdp_dimensions == ("dp_shard",)
+    assert Mesh(("a", "b", "c"), (2, 3, 2), (0, 0, 0)).groups("b")[:2] == [[0, 2, 4], [1, 3, 5]]
+
+
+@pytest.mark.parametrize("sizes, words", [
+    (dict(tp_size=0), "tp_size=0 must be an integer >= 1"),
+    (dict(dp_shard_size=2.0), "dp_shard_size=2.0 must be an integer"),
+    (dict(dp_replicate_size=2, tp_size=2), "dp_replicate_size=2 with tp_size=2 and dp_shard_size=1"),
+])
+def test_sizes_that_cannot_lay_out_a_mesh_are_refused_naming_them(sizes, words):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(")):
+        ParallelismConfig(**sizes)
+
+
+def test_context_parallelism_is_refused_and_the_sizes_must_multiply_to_the_world():
+    with pytest.raises(NotSupportedError, match="context parallelism"):
+        ParallelismConfig(cp_size=2)
+    with pytest.raises(ValueError, match=r"multiply to 4 processes .*dp_shard_size=2 x tp_size=2.*this run has 1"):
+        Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2))
+    with pytest.raises(ValueError, match="without strategy='ddp'"):
+        Accelerator(strategy="ddp", parallelism_config=ParallelismConfig(dp_shard_size=2))
+
+
+def test_accelerates_members_without_a_layout():
+    config = ParallelismConfig(dp_replicate_size=2, dp_shard_size=3, tp_size=2)
+    assert (config.total_size, config.data_parallel_size, config.non_data_parallel_size) == (12, 6, 2)
+    assert config.dp_dim_names == ["dp_replicate", "dp_shard"] and config.non_dp_dim_names == ["tp"]
+    assert config.fsdp_dim_names == ["dp_replicate", "dp_shard"] and config.active_mesh_dims == ["dp_replicate", "dp_shard", "tp"]
+    acc = Accelerator()
+    assert acc.parallelism_config is None and acc.torch_device_mesh is None
+    with pytest.raises(RuntimeError, match="parallelism_config"):
+        acc.data_parallel_rank
+    one = Accelerator(parallelism_config=ParallelismConfig())  # one process in all: nothing to lay out
+    assert (one.data_parallel_rank, one.data_parallel_shard_rank, one.tensor_parallel_rank) == (0, 0, 0)
+
+
+def test_a_tensor_parallel_model_without_a_tensor_parallel_dimension_is_refused():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    acc = Accelerator(strategy="fsdp")  # one process: FSDP's own one-member process group
+    try:
+        model = parallelize_module(torch.nn.Linear(4, 4), init_device_mesh("cpu", (1,)), ColwiseParallel())
+        with pytest.raises(ValueError, match="already distributed tensors .*ParallelismConfig"):
+            acc.prepare(model)
+    finally:
+        acc.end_training()
+
+
+# -- training on 4 processes equals one process ---------------------------------------------------------------
+def _flat(value):
+    return list(itertools.chain.from_iterable(value)) if value and isinstance(value[0], list) else value
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    from conftest import torchrun, WORKERS
+
+    out = tmp_path_factory.mktemp("nd_reference")
+    return torchrun(WORKERS / "nd_parallel.py", 1, out_dir=out)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("sizes", ["1,2,2", "2,2,1", "1,1,2"], ids=["fsdp_x_tp_2x2", "hsdp_2x2", "tp_2"])
+def test_n_d_layouts_train_as_one_process_does(launch, reference, sizes):
+    nproc = 1
+    for size in sizes.split(","):
+        nproc *= int(size)
+    results = launch("nd_parallel", nproc, "--sizes", sizes)
+    for r in results:
+        # accumulation over 2 micro-batches and clipping at 0.5, three optimizer steps, AdamW
+        assert r["losses"] == pytest.approx(reference["losses"], abs=1e-5)
+        assert r["norms"] == pytest.approx(reference["norms"], abs=1e-5)
+        assert r["gathered"] == list(range(10))  # gather_for_metrics: each sample once, over the dp ranks
+        assert r["mesh"] == ["dp_replicate", "dp_shard", "tp"]
+    weights = results[0]["weights"]
+    for name, value in reference["weights"].items():
+        assert _flat(weights[name]) == pytest.approx(_flat(value), abs=1e-5), name
+    replicate, shard, tp = (int(s) for s in sizes.split(","))
+    assert [r["ranks"] for r in results] == [
+        [rank // (shard * tp), (rank // tp) % shard, rank % tp] for rank in range(nproc)]
+    # the ranks of one tensor-parallel group read the same batches; the data-parallel ranks split them
+    by_dp = {}
+    for rank, r in enumerate(results):
+        by_dp.setdefault(rank // tp, []).append(r["seen"])
+    assert all(all(s == seen[0] for s in seen) for seen in by_dp.values())
+    assert sorted(itertools.chain.from_iterable(seen[0] for seen in by_dp.values())) == sorted(reference["seen"])
