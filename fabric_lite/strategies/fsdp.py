@@ -151,7 +151,15 @@ class FSDPStrategy(ParallelStrategy):
             self.mesh_shape.check_world(self.world_size)
         self.process_group.start()
         if self.mesh_shape is not None:
-            self.torch_mesh = self.mesh_shape.build(self.root_device.type)
+            self.torch_mesh = self.build_torch_mesh(self.mesh_shape)
+
+    def build_torch_mesh(self, shape: MeshShape) -> Any:
+        """torch's DeviceMesh over `shape` (Accelerate's dimension names; a subclass may name them its own way)."""
+        return shape.build(self.root_device.type)
+
+    def fsdp_mesh_dimensions(self, shape: MeshShape) -> Tuple[str, ...]:
+        """The dimensions of `torch_mesh` that FSDP shards (and replicates) over."""
+        return shape.fsdp_dimensions
 
     @property
     def device_mesh(self) -> Mesh:
@@ -165,7 +173,7 @@ class FSDPStrategy(ParallelStrategy):
     def _mesh(self) -> Any:
         """The mesh `fully_shard` works over: every process, or the data-parallel dimensions of `torch_mesh`."""
         if self.torch_mesh is not None and self.mesh_shape is not None:
-            return self.torch_mesh[self.mesh_shape.fsdp_dimensions]
+            return self.torch_mesh[self.fsdp_mesh_dimensions(self.mesh_shape)]
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(self.root_device.type, (self.world_size,))
@@ -184,6 +192,7 @@ class FSDPStrategy(ParallelStrategy):
         tensors = [*module.parameters(), *module.buffers()]
         on_meta = any(t.is_meta for t in tensors)
         dp = self.collectives.over("dp")
+        sharded_over = self.fsdp_mesh_dimensions(self.mesh_shape) if self.mesh_shape is not None else ()
         with torch.no_grad():
             for t in tensors:  # (a model built partly on the meta device keeps its real tensors, moved here)
                 if not t.is_meta and t.device != self.root_device:
@@ -193,6 +202,8 @@ class FSDPStrategy(ParallelStrategy):
                 # every process starts from rank 0's values, as under DDP (each keeps its slice of them); a
                 # tensor-parallel slice, from data-parallel rank 0 of its own tensor-parallel rank
                 if is_dtensor(t):
+                    if set(t.device_mesh.mesh_dim_names or ()) & set(sharded_over):
+                        continue  # (sharded over the data-parallel ranks already, in the script's configure_model)
                     local = cast(Any, t.data).to_local()
                     local.copy_(dp.broadcast(local.contiguous()))
                 else:

@@ -197,7 +197,7 @@ def public_classes() -> Dict[str, str]:
 
 
 for _name, _module in (("Strategy", "base"), ("ParallelStrategy", "parallel"), ("SingleDeviceStrategy", "single"),
-                       ("DDPStrategy", "ddp"), ("FSDPStrategy", "fsdp")):
+                       ("DDPStrategy", "ddp"), ("FSDPStrategy", "fsdp"), ("ModelParallelStrategy", "model_parallel")):
     register_public_class(_name, f"fabric_lite.strategies.{_module}")
 
 register_strategy("single", "fabric_lite.strategies.single:SingleDeviceStrategy", one_process=True)
@@ -207,6 +207,7 @@ register_strategy("ddp", "fabric_lite.strategies.ddp:DDPStrategy")
 register_strategy("ddp_find_unused_parameters_true", "fabric_lite.strategies.ddp:DDPStrategy", find_unused_parameters=True)
 register_strategy("ddp_find_unused_parameters_false", "fabric_lite.strategies.ddp:DDPStrategy", find_unused_parameters=False)
 register_strategy("fsdp", "fabric_lite.strategies.fsdp:FSDPStrategy")
+register_strategy("model_parallel", "fabric_lite.strategies.model_parallel:ModelParallelStrategy")
 _DEEPSPEED = "fabric_lite.strategies.deepspeed:DeepSpeedStrategy"
 register_strategy("deepspeed", _DEEPSPEED)
 for _stage in (1, 2, 3):

@@ -177,6 +177,12 @@ class TrainModule(ModuleDataHooks, ModuleLightningNames, nn.Module):
         self._trainer = trainer
 
     @property
+    def device_mesh(self) -> Any:
+        """torch's DeviceMesh of an N-D strategy, for `configure_model` to parallelize over (ModelParallelStrategy:
+        dimensions "data_parallel" and "tensor_parallel"); None with any other strategy or without a Trainer."""
+        return None if self._trainer is None else self._trainer.strategy.device_mesh.torch
+
+    @property
     def device(self) -> torch.device:
         if self._trainer is not None:
             return self._trainer.device

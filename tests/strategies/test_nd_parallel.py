@@ -109,3 +109,40 @@ def test_n_d_layouts_train_as_one_process_does(launch, reference, sizes):
         by_dp.setdefault(rank // tp, []).append(r["seen"])
     assert all(all(s == seen[0] for s in seen) for seen in by_dp.values())
     assert sorted(itertools.chain.from_iterable(seen[0] for seen in by_dp.values())) == sorted(reference["seen"])
+
+
+# -- the Trainer door: Lightning's ModelParallelStrategy --------------------------------------------------------
+def test_model_parallel_strategy_is_registered_and_refuses_sizes_it_cannot_lay_out():
+    from fabric_lite.strategies import ModelParallelStrategy, create_strategy
+    from fabric_lite import TrainModule
+
+    assert isinstance(create_strategy("model_parallel"), ModelParallelStrategy)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=0\): give an integer >= 1, or 'auto'"):
+        ModelParallelStrategy(tensor_parallel_size=0)
+    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"2 x 2 = 4 processes, but this run has 1"):
+        strategy.resolve_shape()
+    assert TrainModule().device_mesh is None  # (no Trainer: no mesh)
+
+
+@pytest.fixture(scope="module")
+def trainer_reference(tmp_path_factory):
+    from conftest import torchrun, WORKERS
+
+    return torchrun(WORKERS / "nd_trainer.py", 1, out_dir=tmp_path_factory.mktemp("nd_trainer_reference"))[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("flags", [["--dp", 2, "--tp", 2], ["--dp", 2, "--tp", 2, "--user-fsdp"]],
+                         ids=["tp_in_configure_model", "tp_and_fully_shard_in_configure_model"])
+def test_model_parallel_strategy_trains_as_one_process_does(launch, trainer_reference, flags):
+    results = launch("nd_trainer", 4, *flags)
+    for rank, r in enumerate(results):
+        assert r["mesh"] == ["data_parallel", "tensor_parallel"] and r["global_step"] == 3
+        # the last step's loss logged with sync_dist=True: averaged over the 2 data-parallel ranks = the global batch's
+        assert r["logged"] == pytest.approx(trainer_reference["logged"], abs=1e-5)
+        assert r["seen"] == results[rank ^ 1]["seen"]  # ranks 0,1 (and 2,3) form a tensor-parallel group
+    assert sorted(results[0]["seen"] + results[2]["seen"]) == sorted(trainer_reference["seen"])
+    for name, value in trainer_reference["weights"].items():  # accumulation 2, clipping at 0.5, AdamW
+        assert results[0]["weights"][name] == pytest.approx(value, abs=1e-5), name
