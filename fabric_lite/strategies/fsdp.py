@@ -188,6 +188,8 @@ class FSDPStrategy(ParallelStrategy):
                              f"parallelism_config=ParallelismConfig(tp_size=..., dp_shard_size=...), or prepare the "
                              f"model before distributing it.")
         model_name = type(module).__name__
+        if self.torch_mesh is not None:
+            self._check_distributed_on_this_mesh(module, model_name)
         module = self.precision.convert_module(module)
         tensors = [*module.parameters(), *module.buffers()]
         on_meta = any(t.is_meta for t in tensors)
@@ -237,6 +239,20 @@ class FSDPStrategy(ParallelStrategy):
         self.plans.append({"model": model_name, "wrapped": wrapped,
                            "kept_whole": kept_whole, "recomputed": recomputed, "meta_init": on_meta})
         return module
+
+    def _check_distributed_on_this_mesh(self, module: nn.Module, model_name: str) -> None:
+        """Refuse, in one sentence, weights distributed on a device mesh of their own: FSDP composes with tensor
+        parallelism only over dimensions of one mesh (torch's error would name neither the weight nor the fix)."""
+        for name, p in module.named_parameters():
+            if not is_dtensor(p):
+                continue
+            mesh = p.device_mesh
+            if mesh._get_root_mesh() is not self.torch_mesh:  # (torch names no public way to ask)
+                dims = ", ".join(self.torch_mesh.mesh_dim_names or ())
+                raise ValueError(
+                    f"{model_name}'s weight {name!r} is distributed on a device mesh of its own ({mesh}); FSDP can "
+                    f"shard it only on this run's mesh (dimensions {dims}). Distribute it on a dimension of that "
+                    f"mesh: accelerator.torch_device_mesh['tp'] (a TrainModule: self.device_mesh['tensor_parallel']).")
 
     def _checkpoint_policy(self, module: nn.Module, wrap: Callable[[nn.Module], bool]) -> Callable[[nn.Module], bool]:
         ac = self.activation_checkpointing

@@ -146,3 +146,11 @@ def test_model_parallel_strategy_trains_as_one_process_does(launch, trainer_refe
     assert sorted(results[0]["seen"] + results[2]["seen"]) == sorted(trainer_reference["seen"])
     for name, value in trainer_reference["weights"].items():  # accumulation 2, clipping at 0.5, AdamW
         assert results[0]["weights"][name] == pytest.approx(value, abs=1e-5), name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_weights_distributed_on_a_mesh_of_the_scripts_own_are_refused_naming_the_weight_and_the_mesh(launch):
+    for r in launch("nd_parallel", 2, "--sizes", "1,1,2", "--own-mesh"):
+        assert "weight '0.weight' is distributed on a device mesh of its own" in r["error"]
+        assert "accelerator.torch_device_mesh['tp']" in r["error"]

@@ -10,7 +10,8 @@ from common import parse, write_result
 from fabric_lite import Accelerator, ParallelismConfig
 from fabric_lite.utils import set_seed
 
-args = parse({"--sizes": {"default": "1,1,1"}, "--steps": {"type": int, "default": 3}})
+args = parse({"--sizes": {"default": "1,1,1"}, "--steps": {"type": int, "default": 3},
+              "--own-mesh": {"action": "store_true"}})
 replicate, shard, tp = (int(x) for x in args.sizes.split(","))
 config = ParallelismConfig(dp_replicate_size=replicate, dp_shard_size=shard, tp_size=tp)
 acc = Accelerator(parallelism_config=config, gradient_accumulation_steps=2)
@@ -21,6 +22,16 @@ mesh = acc.torch_device_mesh
 if tp > 1:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    if args.own_mesh:  # a tensor-parallel layout on a mesh the script built itself: refused in one sentence
+        from torch.distributed.device_mesh import init_device_mesh
+
+        parallelize_module(model, init_device_mesh("cpu", (tp,)), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        try:
+            acc.prepare(model)
+        except ValueError as err:
+            write_result(args.out, acc.process_index, {"error": str(err)})
+        acc.end_training()
+        raise SystemExit(0)
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
 optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
 g = torch.Generator().manual_seed(1)
