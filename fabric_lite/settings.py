@@ -19,7 +19,8 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 from fabric_lite.strategies.environments import (
     ENV_GRAD_ACCUM, LaunchEnvironment, LaunchSettings, ProcessInfo,
 )
-from fabric_lite.strategies.registry import runtime_for_accelerator
+from fabric_lite.strategies.mesh_shape import MeshShape
+from fabric_lite.strategies.registry import runtime_for_accelerator, strategy_class
 
 __all__ = ["RunConfig", "resolve_run_config", "HANDLER_ATTRIBUTES", "handlers_by_attribute"]
 
@@ -91,6 +92,8 @@ class RunConfig:
     deepspeed_plugin: Any = None
     fsdp_plugin: Any = None
     parallelism_config: Any = None
+    #: N-D parallelism's layout (from parallelism_config, or from a launch's --use_parallelism_config), or None.
+    mesh_shape: Optional[MeshShape] = None
     dynamo_plugin: Any = None
     kwargs_handlers: Tuple[Any, ...] = ()
     #: Each kind of kwargs handler given, under Accelerate's attribute names (`ddp_handler`, ...; else None).
@@ -152,12 +155,14 @@ def resolve_run_config(arguments: Mapping[str, Any], plugins: Optional[Mapping[s
             raise ValueError(f"Pass one of strategy={strategy!r}, deepspeed_plugin and fsdp_plugin, not several.")
         strategy = fsdp.to_strategy()
     parallel = p.get("parallelism_config")
-    if parallel is not None and parallel.total_size > 1:  # (one process in all: nothing to lay out)
+    shape = parallel.shape() if parallel is not None else _launched_shape(launch)
+    if shape is not None and shape.total > 1:  # (one process in all: nothing to lay out)
         if deepspeed is not None or (fsdp is None and strategy != "auto"):
             raise ValueError(f"parallelism_config lays the processes out for FSDP2 and tensor parallelism; pass it "
                              f"without strategy={strategy!r} and deepspeed_plugin (an fsdp_plugin may give FSDP's "
                              f"settings).")
-        strategy = parallel.to_strategy(fsdp)
+        strategy = fsdp.to_strategy() if fsdp is not None else strategy_class("fsdp")()
+        strategy.mesh_shape = shape
     handlers = handlers_by_attribute(kwargs_handlers)
     accumulation = p.get("gradient_accumulation_plugin")
     if accumulation is not None:
@@ -197,10 +202,21 @@ def resolve_run_config(arguments: Mapping[str, Any], plugins: Optional[Mapping[s
         rng_types=("generator",) if rng_types is None else ((rng_types,) if isinstance(rng_types, str)
                                                             else tuple(rng_types)),
         dynamo_backend=a.get("dynamo_backend"), deepspeed_plugin=deepspeed, fsdp_plugin=fsdp,
-        parallelism_config=parallel,
+        parallelism_config=parallel, mesh_shape=shape,
         dynamo_plugin=p.get("dynamo_plugin"), kwargs_handlers=tuple(kwargs_handlers),
         handlers=MappingProxyType(handlers), arguments=MappingProxyType(a),
     )
+
+
+def _launched_shape(launch: LaunchSettings) -> Optional[MeshShape]:
+    """The layout a launch passed down with Accelerate's variables (`--use_parallelism_config`), or None."""
+    if launch.parallelism is None:
+        return None
+    replicate, shard, tp, cp = launch.parallelism
+    if cp != 1:
+        raise ValueError(f"PARALLELISM_CONFIG_CP_SIZE={cp}: context parallelism is not supported by fabric_lite; "
+                         f"launch with --parallelism_config_cp_size 1.")
+    return MeshShape(replicate, shard, tp)
 
 
 def _with_config_file(launch: LaunchSettings, values: Mapping[str, Any]) -> LaunchSettings:

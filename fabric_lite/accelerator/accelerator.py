@@ -165,6 +165,9 @@ class Accelerator(StepEngine, ProcessControl, ModelState, RunSettings, TrackerCo
         self.fsdp_plugin = config.fsdp_plugin
         #: N-D parallelism (Accelerate's ParallelismConfig), with torch's DeviceMesh once the strategy built it.
         self.parallelism_config = config.parallelism_config
+        shape = config.mesh_shape
+        if self.parallelism_config is None and shape is not None and shape.total > 1:  # (from the launch)
+            self.parallelism_config = ParallelismConfig(shape.dp_replicate, shape.dp_shard, shape.tp)
         if self.parallelism_config is not None:
             self.parallelism_config.device_mesh = strategy.device_mesh.torch
         #: `register_save_state_pre_hook` / `register_load_state_pre_hook` hooks, by handle id.

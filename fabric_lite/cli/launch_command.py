@@ -50,6 +50,8 @@ def _config_defaults(config: LaunchConfigFile, env: Mapping[str, str]) -> Dict[s
                   gradient_accumulation_steps=config.gradient_accumulation_steps, strategy=config.strategy)
     if isinstance(config, AccelerateConfig):
         values.update(tpu=config.tpu, main_training_function=config.main_training_function, gpu_ids=config.gpu_ids)
+        for dimension, size in config.parallelism or ():  # (as if given with --parallelism_config_*_size)
+            values[f"parallelism_config_{dimension}_size"] = size
     return values
 
 

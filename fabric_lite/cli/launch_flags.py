@@ -13,13 +13,14 @@ from fabric_lite.launch.config_file import (
     STRATEGIES, ConfigError, LaunchConfigFile, deepspeed_strategy, read_deepspeed_json,
 )
 from fabric_lite.launch.launch_checks import LaunchError
-from fabric_lite.strategies.environments import torchrun_master_port
+from fabric_lite.strategies.environments import ENV_USE_PARALLELISM, PARALLELISM_PREFIX, torchrun_master_port
 
 __all__ = ["IGNORED_ACCELERATE_FLAGS", "launch_command_parser", "resolve_accelerate_flags", "replica_runtime",
            "refuse_replica_flags"]
 
 # Accelerate's `accelerate launch` flags that set nothing here: accepted (a command line written for
 # Accelerate runs unchanged) and named in one line per run. (flag, takes a value)
+_PARALLEL_DIMENSIONS = ("dp_replicate", "dp_shard", "tp", "cp")
 IGNORED_ACCELERATE_FLAGS = (
     ("--quiet", False), ("--ipex", False), ("--use_xpu", False), ("--enable_cpu_affinity", False),
     ("--dynamo_backend", True), ("--dynamo_mode", True), ("--dynamo_use_fullgraph", False),
@@ -123,6 +124,13 @@ def launch_command_parser() -> CliParser:
     acc.add_argument("--offload-param-device", "--offload_param_device", default=None, metavar="DEVICE",
                      help="cpu / nvme: the _offload variant of DeepSpeed stage 3.")
     acc.add_argument("--use-fsdp", "--use_fsdp", action="store_true", default=False, help="= --strategy fsdp")
+    acc.add_argument("--use-parallelism-config", "--use_parallelism_config", action="store_true", default=False,
+                     help="N-D parallelism: Accelerator() in each worker builds ParallelismConfig(dp_replicate_size, "
+                          "dp_shard_size, tp_size) from the sizes below (1 where not given).")
+    for dimension in _PARALLEL_DIMENSIONS:
+        acc.add_argument(f"--parallelism-config-{dimension.replace('_', '-')}-size",
+                         f"--parallelism_config_{dimension}_size", type=int, default=None, metavar="N",
+                         help="Implies --use_parallelism_config." if dimension == "dp_replicate" else argparse.SUPPRESS)
     acc.add_argument("--use-megatron-lm", "--use_megatron_lm", action="store_true", default=False,
                      help="Refused: fabric_lite has no Megatron-LM.")
     acc.add_argument("--debug", action="store_true", default=False,
@@ -242,7 +250,36 @@ def resolve_accelerate_flags(args: argparse.Namespace, config: Optional[LaunchCo
         if args.num_cpu_threads_per_process < 1:
             raise LaunchError(f"--num_cpu_threads_per_process={args.num_cpu_threads_per_process} must be >= 1.")
         env["OMP_NUM_THREADS"] = str(args.num_cpu_threads_per_process)
+    env.update(_parallelism_env(args))
     return env, ignored
+
+
+def _parallelism_env(args: argparse.Namespace) -> Dict[str, str]:
+    """--use_parallelism_config and its sizes -> Accelerate's variables, which Accelerator() reads in each worker;
+    sizes that cannot lay out the processes are refused here, before any starts."""
+    sizes = {d: getattr(args, f"parallelism_config_{d}_size", None) for d in _PARALLEL_DIMENSIONS}
+    if not getattr(args, "use_parallelism_config", False) and all(v is None for v in sizes.values()):
+        return {}
+    for dimension, value in sizes.items():
+        if value is not None and value < 1:
+            raise LaunchError(f"--parallelism_config_{dimension}_size={value} must be a whole number >= 1.")
+    resolved = {d: v or 1 for d, v in sizes.items()}
+    if resolved["cp"] > 1:
+        raise LaunchError(f"--parallelism_config_cp_size={resolved['cp']}: context parallelism is not supported by "
+                          f"fabric_lite; leave it at 1.")
+    total = resolved["dp_replicate"] * resolved["dp_shard"] * resolved["tp"]
+    if total == 1:  # nothing to lay out: every process a data-parallel replica, as Accelerate does then
+        return {}
+    per_node, ends = str(args.nproc_per_node).strip(), {part.strip() for part in str(args.nnodes).split(":")}
+    nodes = ends.pop() if len(ends) == 1 else ""  # (an elastic range MIN:MAX leaves the count open)
+    if per_node.isdigit() and nodes.isdigit() and int(per_node) * int(nodes) != total:
+        raise LaunchError(
+            f"The parallelism sizes multiply to {total} processes (dp_replicate {resolved['dp_replicate']} x dp_shard "
+            f"{resolved['dp_shard']} x tp {resolved['tp']}), but this launch starts {int(per_node) * int(nodes)} "
+            f"({per_node} per machine on {nodes}); make them agree.")
+    env = {ENV_USE_PARALLELISM: "true"}
+    env.update({f"{PARALLELISM_PREFIX}{d.upper()}_SIZE": str(v) for d, v in resolved.items()})
+    return env
 
 
 def _resolve_paradigm(args: argparse.Namespace, given: frozenset) -> None:

@@ -31,6 +31,8 @@ class AccelerateConfig(LaunchConfigFile):
     rdzv_backend: Optional[str] = None
     ignored: Tuple[str, ...] = ()  # keys set to something this launcher does not do, for one notice line
     fp8_backend: Optional[str] = None  # fp8_config's backend (TE, MSAMP, AO), upper case; the launch passes none on
+    #: parallelism_config's sizes by dimension (dp_replicate, dp_shard, tp, cp), or None where the file has none.
+    parallelism: Optional[Tuple[Tuple[str, int], ...]] = None
 
     def summary(self) -> str:
         """What the launch makes of the file, in one line (`fabric-lite env` prints it)."""
@@ -80,7 +82,7 @@ _ACCELERATE_TYPES = ("NO", *_ACCELERATE_MULTI, "DEEPSPEED", "FSDP", "XLA", "TPU"
 _ACCELERATE_READ = frozenset((
     "compute_environment", "distributed_type", "mixed_precision", "use_cpu", "num_processes", "num_machines",
     "machine_rank", "main_process_ip", "main_process_port", "rdzv_backend", "same_network", "gpu_ids",
-    "deepspeed_config", "fsdp_config", "main_training_function",
+    "deepspeed_config", "fsdp_config", "main_training_function", "parallelism_config",
 ))
 _DEEPSPEED_READ = ("zero_stage", "offload_optimizer_device", "offload_param_device", "gradient_accumulation_steps",
                    "deepspeed_config_file")
@@ -254,8 +256,21 @@ def _accelerate(raw: Dict[str, Any]) -> AccelerateConfig:
     config = replace(_as_accelerate(values), num_processes=total, tpu=tpu,
                      main_training_function=str(function) if tpu and function not in (None, "") else None,
                      gpu_ids=gpu_ids, rdzv_backend=str(rdzv).strip() if rdzv not in (None, "") else None,
-                     ignored=tuple(ignored), fp8_backend=_fp8_backend(raw.get("fp8_config")))
+                     ignored=tuple(ignored), fp8_backend=_fp8_backend(raw.get("fp8_config")),
+                     parallelism=_parallelism(raw.get("parallelism_config")))
     return config
+
+
+def _parallelism(section: Any) -> Optional[Tuple[Tuple[str, int], ...]]:
+    """parallelism_config's `parallelism_config_<dimension>_size` keys (others in it are not read)."""
+    if _off(section) or not isinstance(section, dict):
+        return None
+    found = []
+    for dimension in ("dp_replicate", "dp_shard", "tp", "cp"):
+        key = f"parallelism_config_{dimension}_size"
+        if section.get(key) not in (None, ""):
+            found.append((dimension, whole_number(f"parallelism_config.{key}", section[key], 1)))
+    return tuple(found) or None
 
 
 def _fp8_backend(section: Any) -> Optional[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 __all__ = ["ProcessInfo", "LaunchSettings", "LaunchEnvironment", "NodeLayout", "detect_process", "detect_node_layout",
            "read_launch_environment", "read_launch_settings", "first_host", "torchrun_master_port"]
@@ -19,6 +19,9 @@ __all__ = ["ProcessInfo", "LaunchSettings", "LaunchEnvironment", "NodeLayout", "
 # Accelerator running inside each worker.
 ENV_MIXED_PRECISION = "FABRIC_LITE_MIXED_PRECISION"
 ENV_GRAD_ACCUM = "FABRIC_LITE_GRADIENT_ACCUMULATION_STEPS"
+#: Accelerate's variables for N-D parallelism (what `accelerate launch --use_parallelism_config` sets).
+ENV_USE_PARALLELISM = "ACCELERATE_USE_PARALLELISM_CONFIG"
+PARALLELISM_PREFIX = "PARALLELISM_CONFIG_"
 ENV_USE_CPU = "FABRIC_LITE_USE_CPU"
 ENV_STRATEGY = "FABRIC_LITE_STRATEGY"
 ENV_LAUNCHED = "FABRIC_LITE_LAUNCHED"  # set by `fabric-lite launch` / notebook_launcher in every worker
@@ -73,6 +76,9 @@ class LaunchSettings:
     accelerator: Optional[str] = None
     launched_by_fabric_lite: bool = False
     explain: Optional[str] = None  # FABRIC_LITE_EXPLAIN: None (off), "1", or the planned launch as JSON
+    #: N-D parallelism sizes a launch passed down, Accelerate's way (ACCELERATE_USE_PARALLELISM_CONFIG=true and
+    #: PARALLELISM_CONFIG_{DP_REPLICATE,DP_SHARD,TP,CP}_SIZE): (dp_replicate, dp_shard, tp, cp), or None.
+    parallelism: Optional[Tuple[int, int, int, int]] = None
 
     @property
     def explain_dry_run(self) -> bool:
@@ -387,7 +393,15 @@ def read_launch_settings(env: Mapping[str, str]) -> LaunchSettings:
         accelerator=env.get(ENV_ACCELERATOR) or None,
         launched_by_fabric_lite=env.get(ENV_LAUNCHED) == "1",
         explain=None if env.get(ENV_EXPLAIN, "").strip().lower() in {"", "0", "false", "no"} else env[ENV_EXPLAIN],
+        parallelism=_parallelism(env),
     )
+
+
+def _parallelism(env: Mapping[str, str]) -> Optional[Tuple[int, int, int, int]]:
+    if env.get(ENV_USE_PARALLELISM, "").strip().lower() not in {"1", "true", "yes"}:
+        return None
+    return tuple(_int(env, f"{PARALLELISM_PREFIX}{name}_SIZE", 1) or 1  # type: ignore[return-value]
+                 for name in ("DP_REPLICATE", "DP_SHARD", "TP", "CP"))
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,10 @@ two dimensions of it (`mesh()`): "dp", every data-parallel rank (replicas and sh
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Tuple
+from typing import TYPE_CHECKING, Any, Tuple
 
-from fabric_lite.strategies.base import Mesh
+if TYPE_CHECKING:
+    from fabric_lite.strategies.base import Mesh
 
 __all__ = ["MeshShape", "DIMENSIONS"]
 
@@ -56,8 +57,10 @@ class MeshShape:
                 f"dp_shard_size={self.dp_shard} x tp_size={self.tp}), but this run has {world_size}. Launch "
                 f"{self.total} processes, or change the sizes so that they multiply to {world_size}.")
 
-    def mesh(self, global_rank: int, torch_mesh: Any = None) -> Mesh:
+    def mesh(self, global_rank: int, torch_mesh: Any = None) -> "Mesh":
         """The doors' view: ("dp", "tp") with this process's coordinates (and torch's mesh, once built)."""
+        from fabric_lite.strategies.base import Mesh
+
         return Mesh(("dp", "tp"), (self.dp, self.tp), (global_rank // self.tp, global_rank % self.tp), torch_mesh)
 
     def coordinates(self, global_rank: int) -> Tuple[int, int, int]:

@@ -149,8 +149,63 @@ def test_model_parallel_strategy_trains_as_one_process_does(launch, trainer_refe
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_accelerates_launch_flags_lay_the_processes_out(tmp_path, reference):
+    from conftest import torchrun, WORKERS
+
+    flags = ["--cpu", "--oversubscribe", "--use_parallelism_config", "--parallelism_config_dp_shard_size", "2",
+             "--parallelism_config_tp_size", "2"]
+    results = torchrun(WORKERS / "nd_parallel.py", 4, "--sizes", "launch", out_dir=tmp_path, launcher="fabric-lite",
+                       launcher_args=flags, timeout=300)
+    assert [r["ranks"] for r in results] == [[0, 0, 0], [0, 0, 1], [0, 1, 0], [0, 1, 1]]
+    assert results[0]["losses"] == pytest.approx(reference["losses"], abs=1e-5)
+
+
+def test_launch_sizes_that_do_not_fit_the_processes_are_refused_before_any_starts(tmp_path):
+    from conftest import ROOT, run_command, WORKERS
+    import sys
+
+    proc = run_command([sys.executable, "-m", "fabric_lite.cli", "launch", "--cpu", "--nproc-per-node", "2",
+                        "--parallelism_config_tp_size", "4", str(WORKERS / "nd_parallel.py"), "--out", str(tmp_path)],
+                       timeout=120, cwd=ROOT)
+    assert proc.returncode != 0
+    assert "multiply to 4 processes (dp_replicate 1 x dp_shard 1 x tp 4), but this launch starts 2" in proc.stderr
+    assert not list(tmp_path.iterdir())  # no worker ran
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_weights_distributed_on_a_mesh_of_the_scripts_own_are_refused_naming_the_weight_and_the_mesh(launch):
     for r in launch("nd_parallel", 2, "--sizes", "1,1,2", "--own-mesh"):
         assert "weight '0.weight' is distributed on a device mesh of its own" in r["error"]
         assert "accelerator.torch_device_mesh['tp']" in r["error"]
+
+
+def test_an_accelerate_config_files_parallelism_section_is_read(tmp_path):
+    from fabric_lite.launch.config_file import load_config
+
+    path = tmp_path / "default_config.yaml"
+    path.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nnum_processes: 4\nuse_cpu: true\n"
+                    "parallelism_config:\n  parallelism_config_dp_replicate_size: 1\n"
+                    "  parallelism_config_dp_shard_size: 2\n  parallelism_config_tp_size: 2\n"
+                    "  parallelism_config_cp_size: 1\n")
+    config = load_config(path)
+    assert dict(config.parallelism) == {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "cp": 1}
+    assert "parallelism_config" not in " ".join(config.ignored)
+
+
+def test_the_launch_environment_carries_accelerates_parallelism_variables():
+    from fabric_lite.settings import resolve_run_config
+    from fabric_lite.strategies.environments import LaunchEnvironment, read_launch_settings
+
+    env = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2",
+           "PARALLELISM_CONFIG_TP_SIZE": "2"}
+    launch = read_launch_settings(env)
+    assert launch.parallelism == (1, 2, 2, 1)
+    assert read_launch_settings({"PARALLELISM_CONFIG_TP_SIZE": "2"}).parallelism is None  # (not switched on)
+    config = resolve_run_config({}, launch_env=LaunchEnvironment(launch=launch))
+    assert (config.mesh_shape.dp_shard, config.mesh_shape.tp) == (2, 2)
+    assert config.strategy.mesh_shape == config.mesh_shape
+    with pytest.raises(ValueError, match="context parallelism"):
+        resolve_run_config({}, launch_env=LaunchEnvironment(launch=read_launch_settings(
+            {**env, "PARALLELISM_CONFIG_CP_SIZE": "2"})))

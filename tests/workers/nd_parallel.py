@@ -12,9 +12,14 @@ from fabric_lite.utils import set_seed
 
 args = parse({"--sizes": {"default": "1,1,1"}, "--steps": {"type": int, "default": 3},
               "--own-mesh": {"action": "store_true"}})
-replicate, shard, tp = (int(x) for x in args.sizes.split(","))
-config = ParallelismConfig(dp_replicate_size=replicate, dp_shard_size=shard, tp_size=tp)
-acc = Accelerator(parallelism_config=config, gradient_accumulation_steps=2)
+if args.sizes == "launch":  # the sizes come from `fabric-lite launch --use_parallelism_config ...`
+    acc = Accelerator(gradient_accumulation_steps=2)
+    config = acc.parallelism_config
+    replicate, shard, tp = config.dp_replicate_size, config.dp_shard_size, config.tp_size
+else:
+    replicate, shard, tp = (int(x) for x in args.sizes.split(","))
+    config = ParallelismConfig(dp_replicate_size=replicate, dp_shard_size=shard, tp_size=tp)
+    acc = Accelerator(parallelism_config=config, gradient_accumulation_steps=2)
 dp = replicate * shard
 set_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
