@@ -103,14 +103,6 @@ class ParallelismConfig:
             return self.build_device_mesh(device_type)
         return self.device_mesh
 
-    def to_strategy(self, fsdp_plugin: Any = None) -> Any:
-        """FSDP2 over this layout (with the FSDP plugin's settings where one is given)."""
-        from fabric_lite.strategies.fsdp import FSDPStrategy
-
-        strategy = fsdp_plugin.to_strategy() if fsdp_plugin is not None else FSDPStrategy()
-        strategy.mesh_shape = self.shape()
-        return strategy
-
 
 class MeshFacts:
     """The Accelerator's N-D members, as Accelerate names them: torch's mesh and this process's rank in each dimension."""

@@ -11,7 +11,7 @@ default, or gathered whole), and an optimizer built before `prepare` is pointed 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, cast, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 from torch import nn
@@ -180,7 +180,9 @@ class FSDPStrategy(ParallelStrategy):
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         fsdp = _fsdp()
-        if isinstance(module, fsdp.FSDPModule):
+        sharded_already = isinstance(module, fsdp.FSDPModule) or (
+            self.torch_mesh is None and any(isinstance(m, fsdp.FSDPModule) for m in module.modules()))
+        if sharded_already:
             raise ValueError(f"{type(module).__name__} is already sharded; prepare each model once.")
         if self.torch_mesh is None and any(is_dtensor(p) for p in module.parameters()):
             raise ValueError(f"{type(module).__name__}'s weights are already distributed tensors (tensor parallel?), "
