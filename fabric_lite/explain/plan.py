@@ -389,13 +389,19 @@ def strategy_lines(plan: Plan, accelerator: "Accelerator", models: Sequence[Any]
         plan.add(sections.get(section, _HW), label, text)
 
 
-def effective_value(plan: Plan, share: Optional[Share], world: int, accumulation: int, what: str) -> None:
+def effective_value(plan: Plan, share: Optional[Share], world: int, accumulation: int, what: str,
+                    mesh_shape: Any = None) -> None:
+    """The samples per optimizer step; with an N-D layout (`RunConfig.mesh_shape`), only the data-parallel
+    processes read different samples (a tensor-parallel group reads one batch)."""
     if share is None or share.batch is None:
         plan.add(OPT_SECTION, "effective global batch", "unknown (no per-process batch size)")
         return
-    total = share.batch * world * accumulation
+    replicas, who = world, "process(es)"
+    if mesh_shape is not None and mesh_shape.total > 1:
+        replicas, who = mesh_shape.dp, f"data-parallel process(es) (of {world}; tp={mesh_shape.tp})"
+    total = share.batch * replicas * accumulation
     plan.add(OPT_SECTION, "effective global batch",
-             f"{total} = {share.batch} per process x {world} process(es) x {accumulation} accumulation "
+             f"{total} = {share.batch} per process x {replicas} {who} x {accumulation} accumulation "
              f"(samples per optimizer step{what})")
 
 
@@ -438,7 +444,8 @@ def plan_for_accelerator(accelerator: "Accelerator") -> Plan:
              f"`with accelerator.accumulate(model):`" + (", and gradients also sync at each loader's last batch"
                                                           if plugin.sync_with_dataloader and steps > 1 else ""))
     first = shares[0] if shares else None
-    effective_value(plan, first, layout.world, steps, ", loader 1" if len(shares) > 1 else "")
+    effective_value(plan, first, layout.world, steps, ", loader 1" if len(shares) > 1 else "",
+                    accelerator.run_config.mesh_shape)
     if first is not None and first.batches is not None:
         per_epoch = math.ceil(first.batches / steps) if plugin.sync_with_dataloader else first.batches // steps
         plan.add(OPT_SECTION, "optimizer steps per epoch", f"{per_epoch} (if every batch of loader 1 is one micro-step)")

@@ -209,3 +209,16 @@ def test_the_launch_environment_carries_accelerates_parallelism_variables():
     with pytest.raises(ValueError, match="context parallelism"):
         resolve_run_config({}, launch_env=LaunchEnvironment(launch=read_launch_settings(
             {**env, "PARALLELISM_CONFIG_CP_SIZE": "2"})))
+
+
+def test_explain_counts_the_data_parallel_processes_in_the_effective_batch():
+    from fabric_lite.explain.plan import Plan, effective_value
+    from fabric_lite.explain.shares import Share
+
+    plan = Plan()
+    effective_value(plan, Share(world=8, batch=4), 8, 2, "", MeshShape(dp_shard=2, tp=4))
+    assert plan.value("effective global batch").startswith(
+        "16 = 4 per process x 2 data-parallel process(es) (of 8; tp=4) x 2 accumulation")
+    plan = Plan()
+    effective_value(plan, Share(world=8, batch=4), 8, 2, "")
+    assert plan.value("effective global batch").startswith("64 = 4 per process x 8 process(es) x 2 accumulation")
