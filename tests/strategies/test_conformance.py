@@ -76,6 +76,9 @@ NOT_LAUNCHED = {
     "ddp_find_unused_parameters_true": "ddp with find_unused_parameters=True (Lightning's name); it trains on 2 "
                                        "processes in tests/trainer/test_lightning_examples.py (fine_tuning)",
     "ddp_find_unused_parameters_false": "ddp with find_unused_parameters=False, ddp's own default (Lightning's name)",
+    "model_parallel": "data_parallel x tensor_parallel; its 'auto' layout (Lightning's) on one machine is tensor "
+                      "parallel only, so its processes read the same samples, which the cases here take for data "
+                      "parallelism; trains as one process does in tests/strategies/test_nd_parallel.py",
 }
 
 # fp32 everywhere. A process group averages W per-rank means where the plain loop takes one mean over W*b
