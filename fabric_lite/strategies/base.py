@@ -7,9 +7,9 @@ strategy is one file with a subclass and one line in `strategies/registry.py`.
 The core:
 
 =====================================  ==================================================================
-topology                               `device_mesh` (named dimensions; one "dp" dimension today), `world_size`,
-                                       `global_rank`, `dp_size`, `dp_rank` (the data-parallel group the doors
-                                       shard data over), `is_global_zero`
+topology                               `device_mesh` (named dimensions: "dp", and "tp" for N-D parallelism),
+                                       `world_size`, `global_rank`, `dp_size`, `dp_rank` (the data-parallel
+                                       group the doors shard data over), `is_global_zero`
 `setup_environment()` / `teardown()`   start and release communication (abstract)
 `setup(modules, optimizers)`           wrap for this strategy; `setup_module` (abstract), `setup_optimizer`
 `unwrap_module`                        the user's module without the wrapper (abstract)
@@ -24,7 +24,6 @@ Collaborators it holds, each with one meaning:
 
 - `collectives` (`collectives.py`): `barrier`, `all_reduce`, `all_gather(_object)`, `broadcast(_object)` over the
   world, and `collectives.over("dp")` over the data-parallel group; identities on one process.
-
 - `process_group` (`process_group.py`): backend, timeout, store, hang guard, side group; None where there is
   no torch.distributed group of its own (one device, a runtime that owns the world).
 - `checkpoint_format` (`checkpoint_format.py`): "state_dict" | "dcp" | an engine's own files, with save, read,
@@ -33,12 +32,13 @@ Collaborators it holds, each with one meaning:
 - `engine_step` (`engine_step.py`): for an engine that owns the step (DeepSpeed): joint set-up, run hints and
   the accumulation boundary; None elsewhere.
 
-`traits` (`Traits`, a frozen value on the class): its registry names, Accelerate's `DistributedType` name, and the
-capabilities the doors ask instead of isinstance checks (`initializes_on_meta`, `forward_is_collective`,
-`syncs_gradients_per_forward`), each with one reader.
 - `runtime` (`runtime.py`, a class attribute `RuntimeSlot(...)`): how its processes meet its devices (process
   per device, runtime replicas, one SPMD process): the device feed, the step marker, the device type it forces,
   the start of a runtime that owns the world, and the Trainer's re-launcher.
+
+`traits` (`Traits`, a frozen value on the class): its registry names, Accelerate's `DistributedType` name, and the
+capabilities the doors ask instead of isinstance checks (`initializes_on_meta`, `forward_is_collective`,
+`syncs_gradients_per_forward`), each with one reader.
 """
 
 from __future__ import annotations
