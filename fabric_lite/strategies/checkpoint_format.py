@@ -14,7 +14,7 @@ big weights on rank 0 only.
 It also holds the full state dicts that checkpoints and `save_model` read and write: `module_state_dict`,
 `load_module_state_dict`, `optimizer_state_dict`, `load_optimizer_state_dict`, and `to_host` (what
 `Accelerator.save` writes). The defaults here read the user's module (`strategy.unwrap_module`) and the optimizer
-as they are; a strategy that shards or moves its state (FSDP, DeepSpeed, XLA) holds a subclass of its own.
+as they are; a strategy that shards or moves its state (FSDP, DeepSpeed, a device runtime) holds a subclass of its own.
 """
 
 from __future__ import annotations
