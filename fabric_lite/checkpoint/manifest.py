@@ -130,6 +130,10 @@ def manifest_problem(manifest: Any) -> Optional[str]:
         return f"meta 'saved_at' is {saved_at!r:.60}, not a time"
     if meta.get("engine") is not None and not isinstance(meta["engine"], str):
         return f"meta 'engine' is {meta['engine']!r:.60}, not a name"
+    layout = meta.get("layout")
+    if layout is not None and not (isinstance(layout, dict) and all(
+            isinstance(k, str) and _count(v, 1) for k, v in layout.items())):
+        return f"meta 'layout' is {layout!r:.60}, not sizes by mesh dimension"
     return None
 
 

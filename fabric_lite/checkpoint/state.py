@@ -202,8 +202,10 @@ def save_state(acc: "Accelerator", output_dir: Optional[Union[str, os.PathLike]]
     background = not blocking and reason is None
     job = SaveJob(url, token, update_latest=update_latest or automatic, durable=durable,
                   after_commit=list(after_commit))
+    mesh = strategy.device_mesh  # (an N-D layout is recorded: "layout": {"dp": 2, "tp": 2})
     job.meta = {"step": acc.step, "world_size": strategy.world_size, "iteration": project.iteration,
-                **({"engine": engine} if engine else {}), **(meta or {})}
+                **({"engine": engine} if engine else {}),
+                **({"layout": dict(zip(mesh.names, mesh.sizes))} if len(mesh.names) > 1 else {}), **(meta or {})}
     try:
         job.files, job.write_more = _collect(acc, url, engine)
         if background:

@@ -222,3 +222,29 @@ def test_explain_counts_the_data_parallel_processes_in_the_effective_batch():
     plan = Plan()
     effective_value(plan, Share(world=8, batch=4), 8, 2, "")
     assert plan.value("effective global batch").startswith("64 = 4 per process x 8 process(es) x 2 accumulation")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_checkpoint_of_a_2x2_layout_resumes_on_other_layouts_with_the_same_weights(launch, tmp_path):
+    import json
+
+    ckpt = tmp_path / "ckpt"
+    saved = launch("nd_parallel", 4, "--sizes", "1,2,2", "--save", ckpt)[0]["weights"]
+    assert json.loads((ckpt / "manifest.json").read_text())["meta"]["layout"] == {"dp": 2, "tp": 2}
+    for sizes, nproc in (("1,1,1", 1), ("1,1,2", 2)):  # one process; tensor parallel alone
+        loaded = launch("nd_parallel", nproc, "--sizes", sizes, "--load", ckpt)[0]["loaded"]
+        for name, value in saved.items():
+            assert _flat(loaded[name]) == pytest.approx(_flat(value), abs=1e-6), (sizes, name)
+    # `fabric-lite consolidate`: one plain state dict, which a plain module loads
+    import sys
+    from conftest import ROOT, run_command
+
+    out = tmp_path / "weights.pt"
+    proc = run_command([sys.executable, "-m", "fabric_lite.cli", "consolidate", str(ckpt), str(out)], timeout=120,
+                       cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    plain.load_state_dict(torch.load(out, weights_only=True))
+    for name, value in plain.state_dict().items():
+        assert value.reshape(-1).tolist() == pytest.approx(_flat(saved[name]), abs=1e-6), name

@@ -11,7 +11,7 @@ from fabric_lite import Accelerator, ParallelismConfig
 from fabric_lite.utils import set_seed
 
 args = parse({"--sizes": {"default": "1,1,1"}, "--steps": {"type": int, "default": 3},
-              "--own-mesh": {"action": "store_true"}})
+              "--own-mesh": {"action": "store_true"}, "--save": {"default": None}, "--load": {"default": None}})
 if args.sizes == "launch":  # the sizes come from `fabric-lite launch --use_parallelism_config ...`
     acc = Accelerator(gradient_accumulation_steps=2)
     config = acc.parallelism_config
@@ -45,6 +45,11 @@ evaluation = TensorDataset(torch.arange(10, dtype=torch.float32).unsqueeze(1).re
 # one optimizer step sees 2 micro-batches of 8 samples in all, over the data-parallel ranks
 model, optimizer, loader, eval_loader = acc.prepare(model, optimizer, DataLoader(data, batch_size=8 // dp),
                                                     DataLoader(evaluation, batch_size=2))
+if args.load:  # another layout's checkpoint: the weights it saved, in this layout
+    acc.load_state(args.load)
+    write_result(args.out, acc.process_index, {"loaded": {k: v.tolist() for k, v in acc.get_state_dict(model).items()}})
+    acc.end_training()
+    raise SystemExit(0)
 losses, norms, seen = [], [], []
 for x, y in loader:
     with acc.accumulate(model):
@@ -62,6 +67,8 @@ gathered = []
 for x, y in eval_loader:
     gathered += acc.gather_for_metrics(y).tolist()
 weights = {k: v.tolist() for k, v in acc.get_state_dict(model).items()}
+if args.save:
+    acc.save_state(args.save)
 write_result(args.out, acc.process_index, {
     "losses": losses, "norms": norms, "weights": weights, "gathered": gathered, "seen": seen,
     "ranks": [acc.data_parallel_rank, acc.data_parallel_shard_rank, acc.tensor_parallel_rank],
