@@ -312,8 +312,34 @@ class FSDPStrategy(ParallelStrategy):
     def clip_gradients(self, parameters: Iterable[torch.Tensor], optimizer: Optional[torch.optim.Optimizer], *,
                        max_norm: Optional[float] = None, norm_type: float = 2.0,
                        clip_value: Optional[float] = None) -> Optional[torch.Tensor]:
-        norm = super().clip_gradients(parameters, optimizer, max_norm=max_norm, norm_type=norm_type, clip_value=clip_value)
+        params = list(parameters)
+        meshes = {g.device_mesh if is_dtensor(g) else None for g in (p.grad for p in params) if g is not None}
+        if clip_value is None and max_norm is not None and len(meshes) > 1:
+            return self._clip_over_meshes(params, optimizer, max_norm, norm_type)
+        norm = super().clip_gradients(params, optimizer, max_norm=max_norm, norm_type=norm_type, clip_value=clip_value)
         return norm.full_tensor() if is_dtensor(norm) else norm  # the norm over every shard, a plain tensor
+
+    def _clip_over_meshes(self, params: List[torch.Tensor], optimizer: Optional[torch.optim.Optimizer],
+                          max_norm: float, norm_type: float) -> torch.Tensor:
+        """One norm over gradients that live on several meshes (a tensor-parallel model's sharded and replicated
+        weights after FSDP: 2-D and 1-D DTensors), where torch's clip_grad_norm_ cannot stack their norms."""
+        if optimizer is not None:
+            self.precision.unscale_gradients(optimizer)
+        by_mesh: Dict[Any, List[torch.Tensor]] = {}
+        for p in params:
+            if p.grad is not None:
+                by_mesh.setdefault(p.grad.device_mesh if is_dtensor(p.grad) else None, []).append(p.grad)
+        norms = []
+        for grads in by_mesh.values():
+            norm = torch.nn.utils.get_total_norm(grads, norm_type)
+            norms.append((norm.full_tensor() if is_dtensor(norm) else norm).to(self.root_device))
+        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        coefficient = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        with torch.no_grad():
+            for grads in by_mesh.values():
+                for g in grads:
+                    g.mul_(coefficient)
+        return total
 
     # -- what `explain` shows ----------------------------------------------------------------------
     def explain_lines(self, modules: Sequence[nn.Module], optimizers: Sequence[Any], world: int) -> List[Tuple[str, str, str]]:

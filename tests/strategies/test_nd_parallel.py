@@ -248,3 +248,14 @@ def test_a_checkpoint_of_a_2x2_layout_resumes_on_other_layouts_with_the_same_wei
     plain.load_state_dict(torch.load(out, weights_only=True))
     for name, value in plain.state_dict().items():
         assert value.reshape(-1).tolist() == pytest.approx(_flat(saved[name]), abs=1e-6), name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_transformers_model_loaded_tensor_parallel_trains_as_the_whole_model_does(launch):
+    pytest.importorskip("transformers.distributed")  # (transformers >= 5: DistributedConfig)
+    for r in launch("nd_transformers", 2):
+        # its weights arrive as DTensors on the tp dimension; FSDP then shards them over dp_shard (2-D), while the
+        # weights transformers replicates stay 1-D: clipping takes one norm over both meshes
+        assert "Shard(dim=0)" in r["placements"]
+        assert r["losses"] == pytest.approx(r["reference"], abs=1e-5)
