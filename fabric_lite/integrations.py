@@ -87,8 +87,8 @@ def _end_profile(trainer: Any, stage: str) -> None:
 def _explain_fit(trainer: Any, run: FitRun) -> None:
     from fabric_lite.explain import explain_trainer
 
-    explain_trainer(trainer, run.module, run.ckpt_path)  # exits 0 under `fabric-lite explain`
-    run.train = False
+    # exits 0 under `fabric-lite explain`; under `--rehearse`, fit trains up to its first optimizer step
+    run.train = explain_trainer(trainer, run.module, run.ckpt_path)
 
 
 def _ray_resume(trainer: Any, run: FitRun) -> None:

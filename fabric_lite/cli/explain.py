@@ -46,6 +46,13 @@ def explain_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None
         "Accelerator.prepare(...) with a dataloader or Trainer.fit(...), then stops with status 0. "
         "Example: fabric-lite explain --nproc-per-node 2 --mixed-precision bf16 train.py --epochs 3"
     )
+    parser.add_argument(
+        "--rehearse", action="store_true",
+        help="Go on past the plan: run ONE real training step of the script as rank 0 of the whole planned world "
+             "(e.g. --num_processes 512) on torch's fake process group, in this one process, and print the bytes "
+             "rank 0 holds (parameters, gradients, optimizer state) and the collectives the step issues. The "
+             "strategy builds its real mesh for that world: layouts that cannot work fail here, before any "
+             "machine is used.")
     argv = list(argv)
     try:  # `flags`: the command line alone, to tell a flag from a config default
         flags, args, config_path, config = parse_with_config(parser, argv, env)
@@ -126,10 +133,22 @@ def explain_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None
         "master": (f"{args.master_addr}:{args.master_port or '<port>'} (this machine is node {args.node_rank})"
                    if nodes > 1 else None),
     }
-    # This process plays rank 0 of a one-process torchrun job (a 'ddp' strategy can start its group of one).
-    settings.update({ENV_EXPLAIN: json.dumps(request), "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0",
-                     "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                     "MASTER_PORT": str(free_port()), "TORCHELASTIC_RESTART_COUNT": None, "TORCHELASTIC_RUN_ID": None})
+    world = per_node * nodes if args.rehearse else 1
+    if args.rehearse:
+        request["rehearse"] = world
+    # This process plays rank 0 of a one-process torchrun job (a 'ddp' strategy can start its group of one), or,
+    # rehearsing, rank 0 of the whole world on the fake process group started below.
+    settings.update({ENV_EXPLAIN: json.dumps(request), "WORLD_SIZE": str(world), "RANK": "0", "LOCAL_RANK": "0",
+                     "LOCAL_WORLD_SIZE": str(per_node if args.rehearse else 1), "GROUP_RANK": "0",
+                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "TORCHELASTIC_RESTART_COUNT": None,
+                     "TORCHELASTIC_RUN_ID": None})
+    if args.rehearse:
+        from fabric_lite.explain import rehearsal
+
+        try:
+            rehearsal.start_fake_world(world)
+        except RuntimeError as err:
+            return _error(str(err))
     saved_argv, saved_path = list(sys.argv), list(sys.path)
     mark_explained(False)
     code: Any = 0
@@ -154,6 +173,12 @@ def explain_command(argv: Sequence[str], env: Optional[Mapping[str, str]] = None
                 return 1
     finally:
         sys.argv[:], sys.path[:] = saved_argv, saved_path
+        if args.rehearse:
+            rehearsed = rehearsal.finish()
+            rehearsal.end_fake_world()
+    if args.rehearse and (rehearsed is None or rehearsed.report is None) and code in (0, None):
+        print(rehearsal.no_step_message(script), file=sys.stderr)
+        return 1
     if was_explained():
         return 0 if code in (0, None) else (code if isinstance(code, int) else 1)
     status = code if code not in (None,) else 0

@@ -267,6 +267,12 @@ def _parallelism_env(args: argparse.Namespace) -> Dict[str, str]:
     if resolved["cp"] > 1:
         raise LaunchError(f"--parallelism_config_cp_size={resolved['cp']}: context parallelism is not supported by "
                           f"fabric_lite; leave it at 1.")
+    from fabric_lite.strategies.mesh_shape import MeshShape
+
+    try:  # (a layout the workers would refuse: said once, here)
+        MeshShape(dp_replicate=resolved["dp_replicate"], dp_shard=resolved["dp_shard"], tp=resolved["tp"])
+    except ValueError as err:
+        raise LaunchError(f"--parallelism_config_*_size: {err}") from err
     total = resolved["dp_replicate"] * resolved["dp_shard"] * resolved["tp"]
     if total == 1:  # nothing to lay out: every process a data-parallel replica, as Accelerate does then
         return {}

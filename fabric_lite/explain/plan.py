@@ -74,9 +74,25 @@ def _request() -> Dict[str, Any]:
     return {}
 
 
+def rehearsal_world() -> Optional[int]:
+    """The world size `fabric-lite explain --rehearse` plays rank 0 of, or None (no rehearsal)."""
+    value = _request().get("rehearse")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def explain_accelerator(accelerator: "Accelerator") -> None:
-    """The hook in `Accelerator.prepare`: under `fabric-lite explain`, print the plan and exit 0."""
+    """The hook in `Accelerator.prepare`: under `fabric-lite explain`, print the plan and exit 0; under
+    `fabric-lite explain --rehearse`, print it and go on to the first optimizer step (explain/rehearsal.py)."""
     if not requested():
+        return
+    world = rehearsal_world()
+    if world is not None:
+        from fabric_lite.explain.rehearsal import active, rehearse
+
+        if active() is None:
+            mark_explained()
+            print(plan_for_accelerator(accelerator).format(), flush=True)
+            rehearse(accelerator, world)
         return
     mark_explained()
     if accelerator.is_main_process:
@@ -84,16 +100,24 @@ def explain_accelerator(accelerator: "Accelerator") -> None:
     raise SystemExit(0)
 
 
-def explain_trainer(trainer: "Trainer", module: "TrainModule", ckpt_path: Optional[str] = None) -> None:
-    """The hook in `Trainer.fit`: print the plan on rank 0; under `fabric-lite explain` exit 0."""
+def explain_trainer(trainer: "Trainer", module: "TrainModule", ckpt_path: Optional[str] = None) -> bool:
+    """The hook in `Trainer.fit`: print the plan on rank 0; under `fabric-lite explain` exit 0 (`--rehearse`: go on
+    to the first optimizer step). Returns whether fit() goes on to train (only when rehearsing)."""
     exit_after = requested()
     mark_explained()
     if trainer.is_global_zero:
         from fabric_lite.explain.trainer_plan import plan_for_trainer
 
         print(plan_for_trainer(trainer, module, ckpt_path).format(), flush=True)
+    world = rehearsal_world() if exit_after else None
+    if world is not None:  # `--rehearse`: fit goes on to its first optimizer step
+        from fabric_lite.explain.rehearsal import rehearse
+
+        rehearse(trainer, world)
+        return True
     if exit_after:
         raise SystemExit(0)
+    return False
 
 
 _STATE = {"explained": False}
@@ -390,15 +414,18 @@ def strategy_lines(plan: Plan, accelerator: "Accelerator", models: Sequence[Any]
 
 
 def effective_value(plan: Plan, share: Optional[Share], world: int, accumulation: int, what: str,
-                    mesh_shape: Any = None) -> None:
-    """The samples per optimizer step; with an N-D layout (`RunConfig.mesh_shape`), only the data-parallel
-    processes read different samples (a tensor-parallel group reads one batch)."""
+                    mesh_shape: Any = None, strategy: Any = None) -> None:
+    """The samples per optimizer step; with an N-D layout (`RunConfig.mesh_shape`, or a strategy running in the
+    planned world with fewer data-parallel processes than processes), only the data-parallel processes read
+    different samples (a tensor-parallel group reads one batch)."""
     if share is None or share.batch is None:
         plan.add(OPT_SECTION, "effective global batch", "unknown (no per-process batch size)")
         return
     replicas, who = world, "process(es)"
     if mesh_shape is not None and mesh_shape.total > 1:
         replicas, who = mesh_shape.dp, f"data-parallel process(es) (of {world}; tp={mesh_shape.tp})"
+    elif strategy is not None and strategy.world_size == world and strategy.dp_size < world:
+        replicas, who = strategy.dp_size, f"data-parallel process(es) (of {world})"
     total = share.batch * replicas * accumulation
     plan.add(OPT_SECTION, "effective global batch",
              f"{total} = {share.batch} per process x {replicas} {who} x {accumulation} accumulation "
@@ -445,7 +472,7 @@ def plan_for_accelerator(accelerator: "Accelerator") -> Plan:
                                                           if plugin.sync_with_dataloader and steps > 1 else ""))
     first = shares[0] if shares else None
     effective_value(plan, first, layout.world, steps, ", loader 1" if len(shares) > 1 else "",
-                    accelerator.run_config.mesh_shape)
+                    accelerator.run_config.mesh_shape, accelerator.strategy)
     if first is not None and first.batches is not None:
         per_epoch = math.ceil(first.batches / steps) if plugin.sync_with_dataloader else first.batches // steps
         plan.add(OPT_SECTION, "optimizer steps per epoch", f"{per_epoch} (if every batch of loader 1 is one micro-step)")

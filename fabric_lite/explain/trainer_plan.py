@@ -52,7 +52,8 @@ def plan_for_trainer(trainer: "Trainer", module: "TrainModule", ckpt_path: Optio
         plan.add(OPT_SECTION, "gradient accumulation", "done by the module (manual optimization)")
     else:
         plan.add(OPT_SECTION, "gradient accumulation", f"{accumulate} batch(es) per optimizer step (accumulate_grad_batches)")
-    effective_value(plan, train, layout.world, accumulate, "", trainer.accelerator.run_config.mesh_shape)
+    effective_value(plan, train, layout.world, accumulate, "", trainer.accelerator.run_config.mesh_shape,
+                    trainer.strategy)
     if train.batches is not None and not manual:
         from fabric_lite.trainer import loops
 

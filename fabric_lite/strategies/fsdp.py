@@ -255,6 +255,20 @@ class FSDPStrategy(ParallelStrategy):
                     f"{model_name}'s weight {name!r} is distributed on a device mesh of its own ({mesh}); FSDP can "
                     f"shard it only on this run's mesh (dimensions {dims}). Distribute it on a dimension of that "
                     f"mesh: accelerator.torch_device_mesh['tp'] (a TrainModule: self.device_mesh['tensor_parallel']).")
+            sharded_over = set(self.fsdp_mesh_dimensions(self.mesh_shape)) if self.mesh_shape is not None else set()
+            for axis, placement in enumerate(p.placements):
+                dimension = (mesh.mesh_dim_names or ())[axis] if mesh.mesh_dim_names else str(axis)
+                if not placement.is_shard() or dimension in sharded_over:
+                    continue  # (FSDP's own dimensions pad uneven shards; a tensor-parallel split must be even)
+                dim, ranks = cast(Any, placement).dim, mesh.size(axis)
+                if p.shape[dim] % ranks:
+                    fits = [k for k in range(ranks - 1, 0, -1) if p.shape[dim] % k == 0 and self.world_size % k == 0]
+                    raise ValueError(
+                        f"{model_name}'s weight {name!r} (shape {tuple(p.shape)}) is split along its dimension {dim} "
+                        f"over {ranks} ranks of mesh dimension {dimension!r}, but {p.shape[dim]} does not divide by "
+                        f"{ranks}: the ranks would hold slices of different sizes (and activations of different "
+                        f"widths). Use a {dimension} size that divides {p.shape[dim]} (the largest below {ranks}: "
+                        f"{fits[0] if fits else 1}), or leave this weight out of the tensor-parallel plan.")
 
     def _checkpoint_policy(self, module: nn.Module, wrap: Callable[[nn.Module], bool]) -> Callable[[nn.Module], bool]:
         ac = self.activation_checkpointing

@@ -98,20 +98,21 @@ class Trainer(TrainerFacts, TrainerLightningNames):
         launch_env = read_launch_environment()
         run_config = resolve_trainer_run_config(settings, launch_env)
         self.events.emit("configured", self, run_config)
-        devices, num_nodes = settings.devices or "auto", settings.num_nodes  # (None, as "auto": what the launch says)
-        if run_config.explain_dry_run:  # one process stands in for the planned launch
-            num_nodes = 1  # the plan compares the requested nodes with the launch
-        else:
-            relaunch_if_needed(devices, num_nodes, runtime_class(settings.accelerator, settings.strategy,
-                                                                 launch_env.runtimes), launch_env)
+        devices = settings.devices or "auto"  # (None, as "auto": what the launch says)
+        # one process standing in for the planned launch (`fabric-lite explain`) checks no nodes: the plan
+        # compares the requested nodes with the launch
+        nodes_asked = None if run_config.explain_dry_run else settings.num_nodes
+        if nodes_asked is not None:
+            relaunch_if_needed(devices, nodes_asked, runtime_class(settings.accelerator, settings.strategy,
+                                                                   launch_env.runtimes), launch_env)
         # The Trainer's micro-steps run through the Accelerator's step engine, built from the same RunConfig.
         self.settings = settings
         self.accelerator = Accelerator.from_run_config(run_config)
         self.strategy = self.accelerator.strategy
-        if num_nodes != self.strategy.process.num_nodes:
+        if nodes_asked is not None and nodes_asked != self.strategy.process.num_nodes:
             raise ValueError(
-                f"num_nodes={num_nodes} disagrees with the launch environment, which has "
-                f"{self.strategy.process.num_nodes} node(s). Launch with `fabric-lite launch --nnodes {num_nodes}`."
+                f"num_nodes={nodes_asked} disagrees with the launch environment, which has "
+                f"{self.strategy.process.num_nodes} node(s). Launch with `fabric-lite launch --nnodes {nodes_asked}`."
             )
         sync_batchnorm = settings.sync_batchnorm
         if sync_batchnorm and self.strategy.world_size > 1 and self.device.type not in SYNC_BATCHNORM_DEVICES:
