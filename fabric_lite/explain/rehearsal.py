@@ -128,6 +128,7 @@ def _collective_log_mode() -> Any:
         def __init__(self, groups: Dict[str, Tuple[str, int]]) -> None:
             super().__init__()
             self.groups = groups
+            self.recording = True
             self.counts: "OrderedDict[Tuple[str, str], CollectiveCount]" = OrderedDict()
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -136,7 +137,7 @@ def _collective_log_mode() -> Any:
             # it into plain operations and collectives, which come back here.
             if any(issubclass(t, DTensor) for t in types):
                 return NotImplemented
-            if func.namespace in ("c10d", "_c10d_functional"):
+            if self.recording and func.namespace in ("c10d", "_c10d_functional"):
                 kind = _KINDS.get(func.overloadpacket.__name__)
                 if kind is not None:
                     self.record(kind, args)
@@ -254,11 +255,14 @@ class Rehearsal:
             log.__exit__(None, None, None)
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.log is None:
+        if self.log is None or not self.log.recording:
             return
         counts = list(self.log.counts.values())
         seconds = time.perf_counter() - self.started
-        self.close()
+        self.hook.remove()
+        self.hook = None
+        self.log.counts = OrderedDict()
+        self.log.recording = False  # (it leaves the mode stack in `finish`, after any mode the script entered)
         self.report = self.measure(counts, seconds)
         print(self.format(), flush=True)  # (this process is rank 0)
         raise SystemExit(0)
@@ -290,8 +294,9 @@ class Rehearsal:
         assert r is not None
         lines = [f"Rehearsal: one training step as rank 0 of {r['world_size']} on torch's fake process group "
                  f"(one process; collectives move no data)",
-                 f"  strategy          {r['strategy']}" + (f" on the mesh {r['mesh']}" if r["mesh"] else "")
-                 + f"; data-parallel layout {r['layout']}",
+                 f"  strategy          {r['strategy']}; mesh "
+                 + " x ".join(f"{name}={size}" for name, size in r["layout"].items())
+                 + (f" ({r['mesh']})" if r["mesh"] else ""),
                  "  bytes rank 0 holds after the step:"]
         for label, key in (("parameters", "parameter_bytes"), ("gradients", "gradient_bytes"),
                            ("optimizer state", "optimizer_state_bytes"), ("total", "total_bytes")):
