@@ -450,3 +450,36 @@ def test_background_save_copies_gpu_state_to_pinned_memory_without_waiting_for_t
     acc2.load_state(tmp_path / "ckpt")
     assert all(torch.equal(a.cpu(), b) for a, b in zip(expected, cpu_model.parameters()))
     assert not all(torch.equal(a, b) for a, b in zip(expected, model.parameters()))  # training did go on
+
+
+def test_a_llama_style_model_on_a_1x1_mesh_trains_on_the_gpu_as_plain_torch(tmp_path):
+    """N-D parallelism on the one GPU there is: ModelParallelStrategy(1, 1) applies the tensor-parallel plan and
+    FSDP2 over meshes of one rank (NCCL), and trains as the plain model does on the same GPU."""
+    import json
+
+    proc = run_command([sys.executable, str(WORKERS / "llama_1x1.py"), "--out", str(tmp_path), "--accelerator", "gpu"],
+                       timeout=240, gpus=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    result = json.loads((tmp_path / "rank0.json").read_text())
+    assert result["kinds"] == ["DTensor"]
+    assert result["diff"] < 1e-4, result["diff"]
+
+
+def test_the_rehearsal_of_64_ranks_runs_on_the_gpu_and_reports_its_peak_memory(tmp_path):
+    """`fabric-lite explain --rehearse` on a GPU machine: rank 0 of 64 (FSDP 8 x TP 8, bf16) on the fake process
+    group, on cuda:0; its shards and peak allocation are reported."""
+    import re
+
+    proc = run_command([sys.executable, "-m", "fabric_lite.cli", "explain", "--rehearse", "--num_processes", "64",
+                        "--use_parallelism_config", "--parallelism_config_dp_shard_size", "8",
+                        "--parallelism_config_tp_size", "8", str(WORKERS / "rehearse_llama.py"), "--out", str(tmp_path),
+                        "--dim", "1024", "--layers", "8", "--heads", "16"], timeout=300, gpus=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    out = proc.stdout[proc.stdout.index("Rehearsal:"):]
+    print(out)
+    params = int(re.search(r"parameters\s+([\d,]+) B", out).group(1).replace(",", ""))
+    peak = int(re.search(r"peak on cuda:0\s+([\d,]+) B", out).group(1).replace(",", ""))
+    # 8 blocks of 4 x 1024^2 + 3 x 1024 x 4096 weights split 64 ways, embeddings and output 8 ways (fp32 shards)
+    blocks = 8 * (4 * 1024 * 1024 + 3 * 1024 * 4096) * 4 / 64
+    assert blocks < params < blocks + 2 * 256 * 1024 * 4 / 8 + 65536
+    assert peak > params  # (the gathered weights and the activations come on top)

@@ -230,6 +230,7 @@ class Rehearsal:
     started: float = field(default_factory=time.perf_counter)
     report: Optional[Dict[str, Any]] = None
     skipped: Optional[str] = None  # what of the script the rehearsal leaves out, said in the report
+    device: Any = None
 
     def begin(self) -> None:
         from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -243,6 +244,9 @@ class Rehearsal:
         self.hook = register_optimizer_step_post_hook(self._after_step)
         for model in self._models_and_optimizers()[0]:
             _complete_ddp_futures(model)
+        self.device = accelerator.device
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         self.started = time.perf_counter()
 
     def close(self) -> None:
@@ -286,6 +290,10 @@ class Rehearsal:
             "world_size": self.world_size, "strategy": strategy.traits.names[0], "mesh": str(shape) if shape else None,
             "layout": layout, "parameter_bytes": params, "gradient_bytes": grads, "optimizer_state_bytes": state,
             "total_bytes": params + grads + state, "seconds": seconds,
+            # on a GPU, what the allocator held at most during the step: the shards, the all-gathered weights of
+            # the largest group, activations and temporaries (the fake group's buffers are real allocations)
+            "peak_device_bytes": (torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
+                                  else None),
             "collectives": [vars(c) for c in counts],
         }
 
@@ -301,6 +309,9 @@ class Rehearsal:
         for label, key in (("parameters", "parameter_bytes"), ("gradients", "gradient_bytes"),
                            ("optimizer state", "optimizer_state_bytes"), ("total", "total_bytes")):
             lines.append(f"    {label:<17} {r[key]:>16,} B  ({_size(r[key])})")
+        if r["peak_device_bytes"] is not None:
+            lines.append(f"    {'peak on ' + str(self.device):<17} {r['peak_device_bytes']:>16,} B  "
+                         f"({_size(r['peak_device_bytes'])}; with activations and gathered weights)")
         if r["collectives"]:
             lines.append("  collectives of the step on rank 0 (calls, their buffers' bytes in all, group):")
             for c in r["collectives"]:

@@ -136,3 +136,15 @@ def test_a_script_that_takes_no_step_says_so(tmp_path):
     proc = rehearse("--num_processes", 8, SCRIPT, "--out", tmp_path, "--no-step")
     assert proc.returncode == 1
     assert "there was no step to rehearse" in proc.stderr
+
+
+def test_a_llama_style_model_at_64_ranks(tmp_path):
+    """The attention's and feed-forward's row-parallel projections sum their outputs over tp in each forward (2 per
+    block); backward sums the inputs' gradients of the 5 column-parallel ones; clipping adds one norm."""
+    layers = 2
+    proc = rehearse("--num_processes", 64, *ND, 8, "--parallelism_config_tp_size", 8, WORKERS / "rehearse_llama.py",
+                    "--out", tmp_path, "--dim", 128, "--layers", layers, "--heads", 8)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    c = report(proc.stdout)["collectives"]
+    assert c[("all_reduce", "tp")][0] == layers * (2 + 5) + 1
+    assert c[("reduce_scatter", "dp_shard")][0] == 1

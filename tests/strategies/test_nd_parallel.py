@@ -259,3 +259,13 @@ def test_a_transformers_model_loaded_tensor_parallel_trains_as_the_whole_model_d
         # weights transformers replicates stay 1-D: clipping takes one norm over both meshes
         assert "Shard(dim=0)" in r["placements"]
         assert r["losses"] == pytest.approx(r["reference"], abs=1e-5)
+
+
+def test_a_llama_style_model_on_a_1x1_mesh_trains_as_plain_torch(tmp_path):
+    """ModelParallelStrategy(1, 1) on one process: the tensor-parallel plan and FSDP2 applied over meshes of one rank
+    (what one GPU runs of a script written for many) train as the plain model does."""
+    from conftest import torchrun, WORKERS
+
+    result = torchrun(WORKERS / "llama_1x1.py", 1, out_dir=tmp_path)[0]
+    assert result["kinds"] == ["DTensor"]
+    assert result["diff"] < 1e-6, result["diff"]
