@@ -30,7 +30,8 @@ __all__ = ["ModelState", "init_empty_weights", "init_on_device"]
 def init_on_device(device: Union[str, torch.device], include_buffers: bool = False) -> Iterator[None]:
     """Build modules inside this context with their parameters on `device` (and their buffers too with
     `include_buffers`; then every tensor created inside lands there). On the meta device nothing is allocated
-    to stay: parameters are made where torch makes them, then moved (a meta tensor holds no memory).
+    to stay: parameters are made where torch makes them, then moved (a meta tensor holds no memory); with
+    `include_buffers`, a parameter registered with values made outside (a real tensor) keeps them.
 
     Examples:
         >>> with init_on_device("meta"):
@@ -43,8 +44,13 @@ def init_on_device(device: Union[str, torch.device], include_buffers: bool = Fal
 
     def parameter_on_device(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
         register_parameter(module, name, param)
-        if param is not None and param.device != device:
-            module._parameters[name] = _moved_parameter(param, device)
+        if param is None or param.device == device:
+            return
+        if include_buffers and device.type == "meta":
+            # inside torch.device("meta") every new tensor is already there: a real one registered here holds values
+            # made before (e.g. tensor parallelism distributing weights built earlier); moving it would wipe them
+            return
+        module._parameters[name] = _moved_parameter(param, device)
 
     def buffer_on_device(module: nn.Module, name: str, tensor: Optional[torch.Tensor], persistent: bool = True) -> None:
         if tensor is not None:

@@ -249,7 +249,9 @@ class FSDPStrategy(ParallelStrategy):
             if not is_dtensor(p):
                 continue
             mesh = p.device_mesh
-            if mesh._get_root_mesh() is not self.torch_mesh:  # (torch names no public way to ask)
+            # equal, not identical: torch's DTensor keeps the first of equal meshes it met, so the weights of a model
+            # distributed on a later run's mesh in the same process (the same layout) name an earlier run's object
+            if mesh._get_root_mesh() != self.torch_mesh:  # (torch names no public way to ask)
                 dims = ", ".join(self.torch_mesh.mesh_dim_names or ())
                 raise ValueError(
                     f"{model_name}'s weight {name!r} is distributed on a device mesh of its own ({mesh}); FSDP can "

@@ -227,6 +227,17 @@ def test_init_module_still_builds_on_the_device():
     assert model.weight.device == acc.device and not model.weight.is_meta
 
 
+def test_building_on_meta_with_buffers_keeps_a_parameter_registered_with_values_made_before():
+    # (what the Trainer's init_module does around configure_model under FSDP: tensor parallelism there re-registers
+    # weights that __init__ built; they must keep their values)
+    layer = nn.Linear(4, 4)
+    values = layer.weight.detach().clone()
+    with fabric_lite.utils.init_on_device("meta", include_buffers=True):
+        layer.weight = nn.Parameter(values * 2)  # made from real values
+        new = nn.Linear(4, 4)
+    assert torch.equal(layer.weight, values * 2) and new.weight.is_meta
+
+
 # -- torch.compile -------------------------------------------------------------------------------
 def _train(acc, steps=4):
     model = _model()

@@ -18,13 +18,21 @@ killed (case 6's crash); the second resumes. A module-scoped fixture starts them
 first use, and every test reads the cached results. Each launch has a timeout (the launcher's whole
 process group is killed when it runs out), so a hang fails instead of blocking. The plain-torch
 references are computed here, in the pytest process. The whole file: about 2 minutes on 2 CPU cores with
-DeepSpeed's ops already built (16 launches, 8 strategies).
+DeepSpeed's ops already built (16 launches, 8 strategies), plus about 1.5 minutes for the three N-D layouts
+(6 launches of 4 processes).
+
+N-D layouts (HSDP, FSDP x TP, ModelParallelStrategy) run the same cases. Where tensor parallelism takes part,
+only `Case.dp` of the processes read their own samples: the global batch is dp x b, the sample order is sharded
+over the data-parallel ranks (the ranks of one tensor-parallel group read the same batches, which is asserted),
+and gather_for_metrics returns each sample once. The worker applies tensor parallelism to every model on the
+mesh's tensor-parallel dimension; the plain-torch references are the same whole models.
 
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import signal
 from dataclasses import dataclass
 from functools import lru_cache
@@ -47,7 +55,32 @@ class Case:
     nproc: int                  # processes to launch (1: a plain `python worker.py`, else torchrun)
     needs: Optional[str] = None  # an optional package it needs: the cases skip without it
     timeout: int = 180          # seconds for one launch, hang included
-    env: Tuple[Tuple[str, str], ...] = ()  # environment variables the launch needs (XLA's device)
+    env: Tuple[Tuple[str, str], ...] = ()  # environment variables the launch needs (XLA's device, N-D sizes)
+    label: Optional[str] = None  # the test id, where one name runs in several layouts (default: the name)
+    dp: Optional[int] = None    # data-parallel processes, each reading its own samples (default: every process);
+    #                             the others are tensor-parallel neighbours: ranks dp_rank * tp + (0 .. tp-1)
+    kwargs: Tuple[Tuple[str, Any], ...] = ()  # the strategy's arguments: the worker builds its class with them
+    strategy_class: Optional[str] = None  # the class the launch runs, where the name alone does not say it
+
+    @property
+    def id(self) -> str:
+        return self.label or self.name
+
+    @property
+    def data_parallel(self) -> int:
+        return self.dp or self.nproc
+
+    @property
+    def tp(self) -> int:
+        return self.nproc // self.data_parallel
+
+
+def launched_layout(replicate: int = 1, shard: int = 1, tp: int = 1, **case: Any) -> Dict[str, Any]:
+    """Case fields for an N-D layout from the launch's environment (`fabric-lite launch --use_parallelism_config`,
+    Accelerate's variables): `Accelerator()` and `Trainer()` ("auto") both resolve it to FSDP2 on that mesh."""
+    env = (("ACCELERATE_USE_PARALLELISM_CONFIG", "true"), ("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", str(replicate)),
+           ("PARALLELISM_CONFIG_DP_SHARD_SIZE", str(shard)), ("PARALLELISM_CONFIG_TP_SIZE", str(tp)))
+    return dict(nproc=replicate * shard * tp, dp=replicate * shard, env=env, strategy_class="FSDPStrategy", **case)
 
 
 # A new strategy (FSDP2, XLA, ...) joins the whole suite by adding a line here.
@@ -66,19 +99,23 @@ STRATEGIES = [
     # xla_spmd splits each batch over 2 XLA CPU devices from one process. (Two replicas: tests/xla.)
     Case("xla", nproc=1, needs="torch_xla", timeout=300, env=(("PJRT_DEVICE", "CPU"),)),
     Case("xla_spmd", nproc=1, needs="torch_xla", timeout=300, env=(("PJRT_DEVICE", "CPU"), ("CPU_NUM_DEVICES", "2"))),
+    # N-D layouts on 4 processes. HSDP: 2 replicas x 2 shards, all 4 ranks data parallel.
+    Case("auto", label="hsdp", **launched_layout(replicate=2, shard=2, timeout=300)),
+    # FSDP x TP: 2 data-parallel ranks x 2 tensor-parallel ranks, the model tensor parallel on the mesh's "tp";
+    # each step's global batch is 2 x b, and the 2 ranks of a tensor-parallel group read the same b samples
+    Case("auto", label="fsdp_tp", **launched_layout(shard=2, tp=2, timeout=300)),
+    # Lightning's ModelParallelStrategy, data_parallel 2 x tensor_parallel 2, through both doors
+    Case("model_parallel", nproc=4, dp=2, kwargs=(("data_parallel_size", 2), ("tensor_parallel_size", 2)),
+         timeout=300),
 ]
 
 # Registered names that are not launched here, and why (test_every_registered_strategy_is_covered_or_excused).
 NOT_LAUNCHED = {
-    "auto": "resolves to single or ddp, both launched",
     "single_device": "an alias of single",
     "deepspeed": "an alias of deepspeed_stage_2",
     "ddp_find_unused_parameters_true": "ddp with find_unused_parameters=True (Lightning's name); it trains on 2 "
                                        "processes in tests/trainer/test_lightning_examples.py (fine_tuning)",
     "ddp_find_unused_parameters_false": "ddp with find_unused_parameters=False, ddp's own default (Lightning's name)",
-    "model_parallel": "data_parallel x tensor_parallel; its 'auto' layout (Lightning's) on one machine is tensor "
-                      "parallel only, so its processes read the same samples, which the cases here take for data "
-                      "parallelism; trains as one process does in tests/strategies/test_nd_parallel.py",
 }
 
 # fp32 everywhere. A process group averages W per-rank means where the plain loop takes one mean over W*b
@@ -118,8 +155,9 @@ class Launches:
     def _run(self, phase: str) -> tuple:
         c = self.case
         return Run("conformance.py", self.root / f"out_{phase}", "--strategy", c.name, "--phase", phase,
-                   "--root", self.root / "work", nproc=c.nproc, launcher="torchrun" if c.nproc > 1 else None,
-                   timeout=c.timeout, env=dict(c.env)).wait()
+                   "--root", self.root / "work", "--dp", c.data_parallel, "--strategy-kwargs", json.dumps(dict(c.kwargs)),
+                   nproc=c.nproc, launcher="torchrun" if c.nproc > 1 else None, timeout=c.timeout,
+                   env=dict(c.env)).wait()
 
     @property
     def first(self) -> tuple:
@@ -141,7 +179,7 @@ class Launches:
         code, output, results = self.first if phase == "first" else self.resume
         missing = [r for r, res in enumerate(results) if res is None]
         if missing:
-            pytest.fail(f"{self.case.name}: ranks {missing} wrote no results (exit {code}):\n{output[-8000:]}")
+            pytest.fail(f"{self.case.id}: ranks {missing} wrote no results (exit {code}):\n{output[-8000:]}")
         return results
 
     def case_result(self, name: str, phase: str = "first") -> List[Any]:
@@ -150,11 +188,11 @@ class Launches:
         values = []
         for rank, res in enumerate(self.results(phase)):
             if name not in res["cases"]:
-                pytest.fail(f"{self.case.name}: the {phase} launch ended (exit {code}) before case {name!r} on "
+                pytest.fail(f"{self.case.id}: the {phase} launch ended (exit {code}) before case {name!r} on "
                             f"rank {rank}:\n{output[-8000:]}")
             value = res["cases"][name]
             if isinstance(value, dict) and "error" in value:
-                pytest.fail(f"{self.case.name}: case {name!r} raised on rank {rank}:\n{value['error']}")
+                pytest.fail(f"{self.case.id}: case {name!r} raised on rank {rank}:\n{value['error']}")
             values.append(value)
         return values
 
@@ -162,13 +200,32 @@ class Launches:
     def settings(self) -> Dict[str, Any]:
         return self.results()[0]["settings"]
 
+    def data_parallel_ranks(self, per_rank: List[Any]) -> List[Any]:
+        """One value per data-parallel rank, from a value per process: the ranks of one tensor-parallel group must
+        hold the same (they read the same batches), and count once."""
+        tp = self.case.tp
+        for rank, value in enumerate(per_rank):
+            assert value == per_rank[rank - rank % tp], f"rank {rank} differs from its tensor-parallel group's first"
+        return per_rank[::tp]
 
-@pytest.fixture(scope="module", params=STRATEGIES, ids=lambda c: c.name)
+    def raw_seen(self, name: str) -> List[List[int]]:
+        """The samples of each micro-step of a raw-door case, over the data-parallel ranks (rank 0's gather of the
+        indices every process read, each tensor-parallel group counted once)."""
+        w = self.case.nproc
+        steps = []
+        for step in self.case_result(name)[0]["seen"]:
+            b = len(step) // w
+            steps.append([i for part in self.data_parallel_ranks([step[r * b:(r + 1) * b] for r in range(w)])
+                          for i in part])
+        return steps
+
+
+@pytest.fixture(scope="module", params=STRATEGIES, ids=lambda c: c.id)
 def launched(request, tmp_path_factory) -> Launches:
     reason = unavailable(request.param)
     if reason:
         pytest.skip(reason)
-    return Launches(request.param, tmp_path_factory.mktemp(request.param.name))
+    return Launches(request.param, tmp_path_factory.mktemp(request.param.id))
 
 
 # -- independent references: plain torch, no fabric_lite --------------------------------------------------
@@ -239,8 +296,7 @@ def epoch_orders(launched: Launches) -> tuple:
     test_sample_order_is_the_user_loaders_order_sharded_by_global_step: the first epoch is the user's
     loader's, every epoch holds each sample once, and every process saw the same."""
     s = launched.settings
-    seen = launched.case_result("parity")[0]["seen"]
-    flat_order = [i for step in seen for i in step]
+    flat_order = [i for step in launched.raw_seen("parity") for i in step]
     n = s["n_samples"]
     return tuple(tuple(flat_order[e * n:(e + 1) * n]) for e in range(s["epochs"]))
 
@@ -256,6 +312,11 @@ def interleave(per_rank_seen: List[List[List[int]]]) -> List[int]:
 
 
 # -- guards on the list itself ----------------------------------------------------------------------------
+
+def test_every_case_has_its_own_test_id():
+    ids = [case.id for case in STRATEGIES]
+    assert len(ids) == len(set(ids)), ids
+
 
 def test_every_registered_strategy_is_covered_or_excused():
     """A strategy registered without being added to STRATEGIES (or to NOT_LAUNCHED, with a reason) fails here."""
@@ -284,10 +345,11 @@ def test_the_launch_runs_the_strategy_on_every_process(launched):
     from fabric_lite.strategies import create_strategy
 
     results = launched.results()
-    expected = type(create_strategy(launched.case.name)).__name__
+    case = launched.case
+    expected = case.strategy_class or type(create_strategy(case.name)).__name__
     for rank, r in enumerate(results):
-        got = (r["world"], r["strategy_class"])
-        assert got == (launched.case.nproc, expected), (rank, got)
+        got = (r["world"], r["dp"], r["strategy_class"])
+        assert got == (case.nproc, case.data_parallel, expected), (rank, got)
         assert r["settings"] == results[0]["settings"]
 
 
@@ -334,7 +396,7 @@ def test_w_processes_with_batch_b_equal_one_device_with_batch_w_times_b(launched
 
 def test_trainer_parity_with_one_device(launched):
     single, accum = launched.case_result("trainer_parity"), launched.case_result("trainer_accumulation")
-    assert interleave([r["seen"] for r in single]) == [i for epoch in epoch_orders(launched) for i in epoch]
+    assert interleave(launched.data_parallel_ranks([r["seen"] for r in single])) == [i for epoch in epoch_orders(launched) for i in epoch]
     s = launched.settings
     assert single[0]["global_step"] == s["epochs"] * s["n_samples"] // s["global_batch"]
     assert_like_the_plain_loop(launched, {"batch b": single[0]["weights"],
@@ -347,7 +409,8 @@ def test_accelerator_accumulation_of_two_equals_the_double_batch(launched):
     accum = launched.case_result("accumulation")
     parity = launched.case_result("parity")
     assert len(accum[0]["seen"]) == 2 * len(parity[0]["seen"])  # micro-batches of b/2 ...
-    assert [i for s in accum[0]["seen"] for i in s] == [i for s in parity[0]["seen"] for i in s]  # ... same order
+    assert [i for s in launched.raw_seen("accumulation") for i in s] == \
+        [i for s in launched.raw_seen("parity") for i in s]  # ... same order
     assert_close(accum[0]["weights"], parity[0]["weights"], "accumulate 2 x b/2 vs batch b")
 
 
@@ -355,7 +418,8 @@ def test_trainer_accumulate_grad_batches_two_equals_the_double_batch(launched):
     accum = launched.case_result("trainer_accumulation")
     single = launched.case_result("trainer_parity")
     assert len(accum[0]["seen"]) == 2 * len(single[0]["seen"])
-    assert interleave([r["seen"] for r in accum]) == interleave([r["seen"] for r in single])
+    assert interleave(launched.data_parallel_ranks([r["seen"] for r in accum])) == \
+        interleave(launched.data_parallel_ranks([r["seen"] for r in single]))
     assert accum[0]["global_step"] == single[0]["global_step"]
     assert_close(accum[0]["weights"], single[0]["weights"], "accumulate_grad_batches=2 x b/2 vs batch b")
 
@@ -498,7 +562,7 @@ def test_backward_of_a_non_scalar_loss_is_a_value_error_naming_the_shape(launche
 
 
 def test_a_training_step_returning_a_non_scalar_loss_is_a_value_error_naming_the_shape(launched):
-    per_rank = launched.settings["global_batch"] // launched.case.nproc
+    per_rank = launched.settings["global_batch"] // launched.case.data_parallel
     for rank, r in enumerate(launched.case_result("bad_input")):
         err = r["trainer_non_scalar"]
         assert err is not None and err["type"] == "ValueError" and f"({per_rank},)" in err["message"], (rank, err)

@@ -12,8 +12,14 @@ scratch for the reference, and reports all four sets of weights.
 
 Weights are always read through `accelerator.get_state_dict` (the strategy gathers sharded parameters:
 a collective, called on every rank, valid on rank 0). A case's failure is recorded as its traceback.
+
+N-D layouts (`--dp` below the world size): the ranks of one tensor-parallel group read the same batches, so the
+global batch is GLOBAL_BATCH over the `--dp` data-parallel ranks. Where the strategy's device mesh has a
+tensor-parallel dimension, every model gets tensor parallelism on it (its first Linear column-wise, its last
+row-wise) before `prepare` (raw door) or in `configure_model` (Trainer door).
 """
 
+import json
 import os
 import signal
 import sys
@@ -30,11 +36,16 @@ from fabric_lite.callbacks import Callback, ModelCheckpoint
 
 args = parse({
     "--strategy": {"required": True},
+    # the strategy's arguments (JSON): given, the worker builds strategy_class(name)(**them) for every door
+    "--strategy-kwargs": {"default": "{}"},
+    "--dp": {"type": int, "default": None},  # the data-parallel processes (default: every process)
     "--phase": {"required": True, "choices": ["first", "resume"]},
     "--root": {"required": True},
 })
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 RANK = int(os.environ.get("RANK", "0"))
+DP = args.dp or WORLD
+STRATEGY_KWARGS = json.loads(args.strategy_kwargs)
 
 # Numerical cases: 64 samples, global batch 8 (per rank 8 / W), 2 epochs of 8 optimizer steps, SGD with momentum.
 N_SAMPLES, GLOBAL_BATCH, EPOCHS, LR, MOMENTUM, LOADER_SEED = 64, 8, 2, 0.1, 0.9, 3
@@ -42,15 +53,54 @@ CLIP = 0.3  # well below the gradient norms of this problem: clipping acts on mo
 # Kill and resume: 48 samples, global micro-batch 8, accumulation 2: 3 optimizer steps an epoch, 9 in all;
 # saved at step 4 (epoch 1, itself mid-epoch), killed mid-window after step 5.
 RESUME_SAMPLES, RESUME_EPOCHS, SAVE_STEP, KILL_STEP = 48, 3, 4, 5
-assert GLOBAL_BATCH % (2 * WORLD) == 0, f"the cases need a world size dividing {GLOBAL_BATCH // 2}, got {WORLD}"
-PER_RANK = GLOBAL_BATCH // WORLD
+assert GLOBAL_BATCH % (2 * DP) == 0, f"the cases need a data-parallel size dividing {GLOBAL_BATCH // 2}, got {DP}"
+assert WORLD % DP == 0, f"--dp {DP} does not divide the {WORLD} processes"
+PER_RANK = GLOBAL_BATCH // DP
 
 # What the tests build their plain-torch references from: read from here, never repeated there.
 SETTINGS = {"n_samples": N_SAMPLES, "global_batch": GLOBAL_BATCH, "epochs": EPOCHS, "lr": LR, "momentum": MOMENTUM,
             "loader_seed": LOADER_SEED, "clip": CLIP, "resume_epochs": RESUME_EPOCHS, "save_step": SAVE_STEP,
             "kill_step": KILL_STEP, "resume_steps_per_epoch": RESUME_SAMPLES // GLOBAL_BATCH // 2}
-results = {"strategy": args.strategy, "phase": args.phase, "world": None, "strategy_class": None, "settings": SETTINGS,
-           "cases": {}}
+results = {"strategy": args.strategy, "phase": args.phase, "world": None, "dp": None, "strategy_class": None,
+           "settings": SETTINGS, "cases": {}}
+
+
+def strategy():
+    """What `strategy=` gets: the registry name, or a fresh instance of its class with the case's arguments."""
+    if not STRATEGY_KWARGS:
+        return args.strategy
+    from fabric_lite.strategies import strategy_class
+
+    return strategy_class(args.strategy)(**STRATEGY_KWARGS)
+
+
+def tp_mesh(mesh):
+    """The tensor-parallel dimension of torch's DeviceMesh ("tp", Accelerate's name, or "tensor_parallel",
+    Lightning's), or None where there is none or it has one process."""
+    names = getattr(mesh, "mesh_dim_names", None) or ()  # (None: no mesh; another runtime's mesh: no names)
+    for name in ("tp", "tensor_parallel"):
+        if name in names and mesh[name].size() > 1:
+            return mesh[name]
+    return None
+
+
+def tensor_parallel(model, mesh):
+    """Tensor parallelism on the mesh's tp dimension, if it has one: the first Linear column-wise, the last
+    row-wise (the activation between them stays sharded). Returns the model."""
+    tp = tp_mesh(mesh)
+    if tp is None:
+        return model
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    linears = [name for name, m in model.named_children() if isinstance(m, nn.Linear)]
+    assert len(linears) == 2, linears
+    return parallelize_module(model, tp, {linears[0]: ColwiseParallel(), linears[1]: RowwiseParallel()})
+
+
+def raw_mesh(acc):
+    """torch's DeviceMesh the raw door's strategy laid out (Accelerate's torch_device_mesh, else the strategy's own:
+    ModelParallelStrategy's), or None."""
+    return acc.torch_device_mesh if acc.torch_device_mesh is not None else acc.strategy.device_mesh.torch
 
 
 def run_case(name, fn):
@@ -112,11 +162,12 @@ def sgd(model):
 
 def raw_run(per_rank_batch, accumulation=1, clip=None, seed=0):
     """Train make_model() for EPOCHS; returns the prepared objects and the gathered sample order per micro-step."""
-    acc = Accelerator(strategy=args.strategy, gradient_accumulation_steps=accumulation)
-    model = make_model(seed=seed)
+    acc = Accelerator(strategy=strategy(), gradient_accumulation_steps=accumulation)
+    model = tensor_parallel(make_model(seed=seed), raw_mesh(acc))
     opt = sgd(model)
     model, opt, loader = acc.prepare(model, opt, train_loader(per_rank_batch))
     results["world"], results["strategy_class"] = acc.num_processes, type(acc.strategy).__name__
+    results["dp"] = acc.strategy.dp_size
     seen = []
     for _ in range(EPOCHS):
         for x, idx in loader:
@@ -159,7 +210,7 @@ def case_clipping():
 
 
 def case_collectives():
-    acc = Accelerator(strategy=args.strategy)
+    acc = Accelerator(strategy=strategy())
     r, w = acc.process_index, acc.num_processes
     out = {"rank": r, "world": w}
     out["gather"] = acc.gather(torch.full((r + 1, 2), float(r))).tolist()  # first dims differ on purpose
@@ -203,8 +254,8 @@ def case_roundtrip():
     path = os.path.join(args.root, "roundtrip")
     acc.save_state(path)
     before = {"weights": full_weights(acc, model), "optimizer": optimizer_state(opt)}
-    acc2 = Accelerator(strategy=args.strategy)
-    model2 = make_model(seed=5)  # other initial weights: everything must come from the checkpoint
+    acc2 = Accelerator(strategy=strategy())
+    model2 = tensor_parallel(make_model(seed=5), raw_mesh(acc2))  # other initial weights: all from the checkpoint
     opt2 = torch.optim.SGD(model2.parameters(), lr=LR / 7, momentum=MOMENTUM)
     model2, opt2, _ = acc2.prepare(model2, opt2, train_loader(PER_RANK))
     acc2.prepare(DataLoader(IndexDataset(13), batch_size=2))  # as case_evaluation did on the saving side
@@ -230,6 +281,9 @@ class Classifier(TrainModule):
         self.net = make_model(seed=seed)
         self.reduction = reduction
         self.seen = []
+
+    def configure_model(self):
+        tensor_parallel(self.net, self.device_mesh)
 
     def training_step(self, batch, batch_idx):
         x, idx = batch
@@ -259,7 +313,7 @@ class StartStep(Callback):
 
 def make_trainer(name, **kwargs):
     kwargs.setdefault("max_epochs", EPOCHS)
-    return Trainer(strategy=args.strategy, default_root_dir=os.path.join(args.root, name), enable_progress_bar=False,
+    return Trainer(strategy=strategy(), default_root_dir=os.path.join(args.root, name), enable_progress_bar=False,
                    enable_checkpointing=False, num_sanity_val_steps=0, log_every_n_steps=1000, **kwargs)
 
 
@@ -302,13 +356,13 @@ def error_of(fn):
 
 
 def case_bad_input():
-    acc = Accelerator(strategy=args.strategy)
-    model = make_model(seed=0)
+    acc = Accelerator(strategy=strategy())
+    model = tensor_parallel(make_model(seed=0), raw_mesh(acc))
     model, _ = acc.prepare(model, sgd(model))
     non_scalar = error_of(lambda: acc.backward(model(torch.randn(3, 4).to(acc.device))))  # a (3, 3) "loss"
     per_sample = Classifier(reduction="none")  # training_step returns a (batch,) loss
     trainer_non_scalar = error_of(lambda: make_trainer("t_bad").fit(per_sample, train_loader(PER_RANK)))
-    accumulate_zero = error_of(lambda: Trainer(strategy=args.strategy, accumulate_grad_batches=0))
+    accumulate_zero = error_of(lambda: Trainer(strategy=strategy(), accumulate_grad_batches=0))
     return {"backward_non_scalar": non_scalar, "trainer_non_scalar": trainer_non_scalar,
             "accumulate_zero": accumulate_zero}
 
@@ -328,8 +382,8 @@ def resume_loader(seed):
 def raw_build(seed):
     """Shuffled data, dropout, AdamW, a per-step StepLR and accumulation 2: everything that must continue exactly."""
     set_seed(seed)
-    acc = Accelerator(strategy=args.strategy, gradient_accumulation_steps=2)
-    model = dropout_net(seed)
+    acc = Accelerator(strategy=strategy(), gradient_accumulation_steps=2)
+    model = tensor_parallel(dropout_net(seed), raw_mesh(acc))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.8)
     counter = StepCounter()
@@ -360,6 +414,9 @@ class Regression(TrainModule):
         super().__init__()
         self.net = dropout_net(seed)
 
+    def configure_model(self):
+        tensor_parallel(self.net, self.device_mesh)
+
     def training_step(self, batch, batch_idx):
         x, y = batch
         return F.mse_loss(self.net(x), y)
@@ -386,7 +443,7 @@ class KillMidWindow(Callback):
 def trainer_fit_resumable(root, seed, callbacks, ckpt_path=None):
     set_seed(seed)
     module = Regression(seed)
-    trainer = Trainer(strategy=args.strategy, max_epochs=RESUME_EPOCHS, accumulate_grad_batches=2,
+    trainer = Trainer(strategy=strategy(), max_epochs=RESUME_EPOCHS, accumulate_grad_batches=2,
                       default_root_dir=root,
                       callbacks=[ModelCheckpoint(every_n_train_steps=SAVE_STEP, save_top_k=1), *callbacks],
                       enable_progress_bar=False, num_sanity_val_steps=0, log_every_n_steps=1)
