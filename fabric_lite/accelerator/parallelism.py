@@ -112,9 +112,9 @@ class MeshFacts:
 
     @property
     def torch_device_mesh(self) -> Any:
-        """torch's DeviceMesh (dimensions dp_replicate, dp_shard, tp and the joined "dp"), or None without a
-        parallelism_config."""
-        return None if self.parallelism_config is None else self.strategy.device_mesh.torch
+        """torch's DeviceMesh (dimensions dp_replicate, dp_shard, tp and the joined "dp"); with a strategy that lays
+        out its own mesh (ModelParallelStrategy: data_parallel, tensor_parallel), that one; else None."""
+        return self.strategy.device_mesh.torch
 
     def _mesh_rank(self, dimension: str, what: str) -> int:
         if self.parallelism_config is None:

@@ -269,3 +269,16 @@ def test_a_llama_style_model_on_a_1x1_mesh_trains_as_plain_torch(tmp_path):
     result = torchrun(WORKERS / "llama_1x1.py", 1, out_dir=tmp_path)[0]
     assert result["kinds"] == ["DTensor"]
     assert result["diff"] < 1e-6, result["diff"]
+
+
+def test_the_raw_door_shows_model_parallel_strategys_own_mesh():
+    """Accelerator(strategy=ModelParallelStrategy(...)) on one process: torch_device_mesh is the strategy's
+    (data_parallel x tensor_parallel), as a parallelism config's would be."""
+    from fabric_lite.strategies import ModelParallelStrategy
+
+    acc = Accelerator(strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1), cpu=True)
+    try:
+        assert acc.torch_device_mesh.mesh_dim_names == ("data_parallel", "tensor_parallel")
+        assert acc.parallelism_config is None
+    finally:
+        acc.end_training()

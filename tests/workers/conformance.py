@@ -98,9 +98,9 @@ def tensor_parallel(model, mesh):
 
 
 def raw_mesh(acc):
-    """torch's DeviceMesh the raw door's strategy laid out (Accelerate's torch_device_mesh, else the strategy's own:
-    ModelParallelStrategy's), or None."""
-    return acc.torch_device_mesh if acc.torch_device_mesh is not None else acc.strategy.device_mesh.torch
+    """torch's DeviceMesh the raw door's strategy laid out (from a parallelism config, or ModelParallelStrategy's
+    own), or None."""
+    return acc.torch_device_mesh
 
 
 def run_case(name, fn):
