@@ -138,3 +138,20 @@ class MeshFacts:
     def tensor_parallel_rank(self) -> int:
         """This process's rank in its tensor-parallel group (0 when there is none)."""
         return self._mesh_rank("tp", "Tensor parallelism")
+
+    @property
+    def context_parallel_rank(self) -> int:
+        """Context parallelism is not there: raises NotSupportedError (a NotImplementedError, as Accelerate raises)."""
+        from fabric_lite.refusals import NotSupportedError, message
+
+        raise NotSupportedError(message("context_parallel_rank", "context parallelism (cp_size > 1)",
+                                        "leave cp_size at 1; long sequences can use activation checkpointing"))
+
+    @property
+    def pipeline_parallel_rank(self) -> int:
+        """Pipeline parallelism is not there: raises NotSupportedError (a NotImplementedError, as Accelerate
+        raises)."""
+        from fabric_lite.refusals import NotSupportedError, message
+
+        raise NotSupportedError(message("pipeline_parallel_rank", "pipeline parallelism",
+                                        "lay the model out with FSDP (dp_shard_size) and tensor parallelism (tp_size)"))
