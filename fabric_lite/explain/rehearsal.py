@@ -207,8 +207,11 @@ def _complete_ddp_futures(model: torch.nn.Module) -> None:
                                          "return": torch.futures.Future[torch.Tensor]}
     try:
         model.register_comm_hook(model.process_group, all_reduce_bucket)
-    except (RuntimeError, ValueError):  # the script registered its own hook (it may not run on the fake group)
-        pass
+    except RuntimeError as err:  # (DDP takes one hook: the script's own, a compression hook, is there already)
+        raise RuntimeError(
+            "fabric-lite explain --rehearse: the model has a DDP communication hook of its own (comm_hook=...), whose "
+            "collectives' results the fake process group does not produce; rehearse without it (the bytes and "
+            "collectives are DDP's plain all-reduce then).") from err
 
 
 def _size(n: float) -> str:

@@ -148,3 +148,19 @@ def test_a_llama_style_model_at_64_ranks(tmp_path):
     c = report(proc.stdout)["collectives"]
     assert c[("all_reduce", "tp")][0] == layers * (2 + 5) + 1
     assert c[("reduce_scatter", "dp_shard")][0] == 1
+
+
+def test_a_ddp_communication_hook_is_refused_in_one_sentence(tmp_path):
+    script = tmp_path / "hooked.py"
+    script.write_text(
+        "import torch\n"
+        "from torch.utils.data import DataLoader, TensorDataset\n"
+        "from fabric_lite import Accelerator\n"
+        "from fabric_lite.utils import DDPCommunicationHookType, DistributedDataParallelKwargs\n"
+        "acc = Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.FP16)])\n"
+        "model = torch.nn.Linear(8, 8)\n"
+        "model, opt, loader = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), "
+        "DataLoader(TensorDataset(torch.randn(64, 8)), batch_size=4))\n")
+    proc = rehearse("--num_processes", 8, script)
+    assert proc.returncode == 1
+    assert "the model has a DDP communication hook of its own (comm_hook=...)" in proc.stderr
