@@ -249,12 +249,21 @@ def crash_run(root, n):
     fit(root)   # must not get here: the process kills itself at operation n
 
 
-def crash_run_at(root, delay):
+def crash_run_at(root, delay, in_a_save=False):
     """Train, and SIGKILL this process `delay` seconds in, whatever it is doing (noting whether a background
-    save was in flight); a run that ends first exits normally."""
+    save was in flight); a run that ends first exits normally. `in_a_save`: `delay` seconds after a background save
+    was first seen in flight instead (the moments a plain delay hits depend on the machine's load)."""
     import threading
 
     def kill():
+        if in_a_save:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                trainer = STATE["trainer"]
+                if trainer is not None and trainer.accelerator.checkpoint_saver.in_flight:
+                    break
+                time.sleep(0.0005)
+            time.sleep(delay)
         trainer = STATE["trainer"]
         saver = trainer.accelerator.checkpoint_saver if trainer is not None else None
         with open(os.path.join(root, "killed.json.tmp"), "w") as f:
@@ -262,7 +271,7 @@ def crash_run_at(root, delay):
         os.replace(os.path.join(root, "killed.json.tmp"), os.path.join(root, "killed.json"))
         die()
 
-    timer = threading.Timer(delay, kill)
+    timer = threading.Timer(0.0 if in_a_save else delay, kill)
     timer.start()
     fit(root)
     timer.cancel()
@@ -308,13 +317,15 @@ delays = {}
 if args.random_kills:  # kills at random moments of the whole run instead of at each counted operation
     rng = random.Random(args.seed)
     trials = range(1, args.random_kills + 1)
-    delays = {n: rng.uniform(0.0, 1.2 * duration) for n in trials}
+    # every third trial is killed a few milliseconds after a background save starts; the others at a moment drawn
+    # over the whole run
+    delays = {n: rng.uniform(0.0, 0.01) if n % 3 == 0 else rng.uniform(0.0, 1.2 * duration) for n in trials}
 
 
 def run_trial(n):
     root = os.path.join(args.root, f"trial{n:03d}")
     os.makedirs(root)
-    crash = wait(in_child(lambda: crash_run_at(root, delays[n]) if delays else crash_run(root, n)))
+    crash = wait(in_child(lambda: crash_run_at(root, delays[n], in_a_save=n % 3 == 0) if delays else crash_run(root, n)))
     report = os.path.join(args.root, f"trial{n:03d}.json")
     resumed = wait(in_child(lambda: resume_run(root, report)))
     result = json.load(open(report)) if os.path.exists(report) else {"error": f"resume process ended with {resumed}"}
