@@ -194,6 +194,7 @@ class DataLoaderShard(DataLoader, ResumablePosition):
         """This loader's next epoch as it reads it, reported to `state` (a GradientState); `placed=False` leaves
         the batches where they were loaded (`dispatch_batches` places each process's part after cutting)."""
         skip_loaded = self._start_epoch()
+        resumes_source = self._source is not None and self._source.start is not None
         pos = self._position
         if pos.converted_from is None:
             pos.batches_seen = max(self._skip_request, pos.batches_seen)
@@ -219,6 +220,8 @@ class DataLoaderShard(DataLoader, ResumablePosition):
             # epoch loads the items it skips again: they are drawn under the states the epoch started from,
             # and the batch held ahead under the states it was first loaded with (see data/order.py).
             replay_items = isinstance(self.dataset, IterableDataset) and self.num_workers == 0
+            if resumes_source and (self._randomness.record or {}).get("pending") is None:
+                replay_items = False  # (nothing is loaded again; saved with workers: no states to replay)
             randomness, what = self._randomness, ""
             if replay_items:
                 what = f"{self._described()} (an IterableDataset loaded in this process)"
