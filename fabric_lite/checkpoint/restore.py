@@ -42,9 +42,10 @@ __all__ = ["load_state", "CHECKPOINT_RE", "TRAINING_STATE", "PER_PROCESS_LOADER_
 CHECKPOINT_RE = re.compile(r"checkpoint_(\d+)$")
 TRAINING_STATE = "training_state.pt"
 #: The parts of a loader's state that are each process's own: the global RNG states recorded when its epoch's
-#: order was drawn and its workers' RNG states. The main process's copy is in the training state; every
-#: process's own in its ``rng_<rank>.pt``, taken back when the number of processes is the same.
-PER_PROCESS_LOADER_KEYS = ("generator_state", "workers")
+#: order was drawn, its workers' RNG states and its dataset's own state (data/stateful.py). The main process's copy
+#: is in the training state; every process's own in its ``rng_<rank>.pt``, taken back when the number of processes
+#: is the same (on another number, every saved process's dataset state is handed over as ``source_ranks``).
+PER_PROCESS_LOADER_KEYS = ("generator_state", "workers", "source")
 _LISTS = ("optimizers", "schedulers", "dataloaders", "custom")
 
 
@@ -142,6 +143,23 @@ def _partial_gradients(url: str, manifest: Dict[str, Any], acc: "Accelerator", o
     dtypes = [{k: p.dtype for k, p in model.items()} for model in params]
     return True, [{k: (g / len(files)).to(dtypes[i][k]) for k, g in model.items() if k in dtypes[i]}
                   for i, model in enumerate(total)]
+
+
+def _every_source(url: str, manifest: Dict[str, Any], loaders: List[Any], saved_world: int) -> None:
+    """Saved by another number of processes: each loader whose dataset keeps a state of its own gets every saved
+    process's (``source_ranks``), from which it works out what is left for this run's processes."""
+    wanted = [i for i, saved in enumerate(loaders) if isinstance(saved, dict) and saved.get("source") is not None]
+    if not wanted:
+        return
+    sources: Dict[int, List[Any]] = {i: [] for i in wanted}
+    for rank in range(saved_world):
+        name = f"rng_{rank}.pt"
+        local = load_file(url, name, manifest, weights_only=True) if name in manifest["files"] else None
+        own = local.get("loaders", []) if isinstance(local, dict) else []
+        for i in wanted:
+            sources[i].append(own[i].get("source") if i < len(own) and isinstance(own[i], dict) else None)
+    for i in wanted:
+        loaders[i] = {**loaders[i], "source_ranks": sources[i]}
 
 
 def _host_copy(value: Any) -> Any:
@@ -319,6 +337,8 @@ def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]],
         own_loaders = local.get("loaders", [])
         state["dataloaders"] = [{**saved, **own_loaders[i]} if i < len(own_loaders) and isinstance(saved, dict)
                                 else saved for i, saved in enumerate(state["dataloaders"])]
+    elif saved_world is not None and saved_world != strategy.world_size:
+        _every_source(url, manifest, state["dataloaders"], saved_world)
 
     # -- applying: the objects that judge their own saved state first, so that a refusal changes nothing
     applied = _Applied()

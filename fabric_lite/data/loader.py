@@ -28,11 +28,12 @@ from fabric_lite.data.order import EpochRandomness
 from fabric_lite.data.position import Position, ResumablePosition
 from fabric_lite.data.rebuild import sharded_loader_arguments
 from fabric_lite.data.sharding import IterableDatasetShard, ShardedBatchSampler
+from fabric_lite.data.stateful import ShardedStream, SnapshotCollate, SourceSnapshots, has_state, source_of
 from fabric_lite.data.transfer import CudaFeed, move_to_device
 from fabric_lite.data.workers import WorkerRandomness
 
 __all__ = [
-    "DataLoaderShard", "ShardedBatchSampler", "IterableDatasetShard",
+    "DataLoaderShard", "ShardedBatchSampler", "IterableDatasetShard", "ShardedStream",
     "shard_dataloader", "skip_first_batches", "move_to_device",
 ]
 
@@ -84,6 +85,12 @@ class DataLoaderShard(DataLoader, ResumablePosition):
         inner = batch_sampler.batch_sampler if batch_sampler is not None else None
         candidates = [inner, getattr(inner, "sampler", None), dataset]
         self._epoch_listeners = [o for o in candidates if o is not None and callable(getattr(o, "set_epoch", None))]
+        # An iterable dataset with a position of its own (data/stateful.py): saved with every batch, restored, not
+        # re-read.
+        self._source: Optional[SourceSnapshots] = None
+        if isinstance(dataset, IterableDatasetShard) and has_state(source_of(dataset)):
+            self._source = SourceSnapshots(source_of(dataset), self.num_workers, self._described())
+            self._source.reads = dispatch is None or dispatch.rank == 0
 
     def __len__(self) -> int:
         return max(0, super().__len__() - self._skip_request)
@@ -129,6 +136,8 @@ class DataLoaderShard(DataLoader, ResumablePosition):
         self._randomness.end_epoch()
         if self._workers is not None:
             self._workers.end_epoch()
+        if self._source is not None:
+            self._source.end_epoch()
 
     def _start_epoch(self) -> int:
         pos = self._position
@@ -140,6 +149,8 @@ class DataLoaderShard(DataLoader, ResumablePosition):
             self._skip_samples(0)
             if self._workers is not None:
                 self._workers.end_epoch()
+            if self._source is not None:
+                self._source.end_epoch()
         self._randomness.start_epoch(resumed=pos.restored)
         pos.restored = False
         for obj in self._epoch_listeners:
@@ -160,6 +171,8 @@ class DataLoaderShard(DataLoader, ResumablePosition):
             self._batch_sampler.skip = self._first_index = start
             return skip - start
         self._first_index = 0
+        if self._source is not None and self._source.start is not None:
+            return max(0, request - pos.batches_seen)  # the source goes on from its saved state by itself
         return skip  # no sampler to skip in: skip after loading
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator, not DataLoader's iterator class
@@ -181,6 +194,7 @@ class DataLoaderShard(DataLoader, ResumablePosition):
         """This loader's next epoch as it reads it, reported to `state` (a GradientState); `placed=False` leaves
         the batches where they were loaded (`dispatch_batches` places each process's part after cutting)."""
         skip_loaded = self._start_epoch()
+        resumes_source = self._source is not None and self._source.start is not None
         pos = self._position
         if pos.converted_from is None:
             pos.batches_seen = max(self._skip_request, pos.batches_seen)
@@ -199,10 +213,15 @@ class DataLoaderShard(DataLoader, ResumablePosition):
                 self._batch_sampler.skip = 0
             if self._workers is not None and self._workers.per_batch:
                 iterator = self._reported(iterator, self._first_index)
+            source = self._source if self._source is not None and self._source.reads else None
+            if source is not None:
+                iterator = source.batches(iterator)
             # An IterableDataset loaded here draws its items' randomness from the global RNGs, and a resumed
             # epoch loads the items it skips again: they are drawn under the states the epoch started from,
             # and the batch held ahead under the states it was first loaded with (see data/order.py).
             replay_items = isinstance(self.dataset, IterableDataset) and self.num_workers == 0
+            if resumes_source and (self._randomness.record or {}).get("pending") is None:
+                replay_items = False  # (nothing is loaded again; saved with workers: no states to replay)
             randomness, what = self._randomness, ""
             if replay_items:
                 what = f"{self._described()} (an IterableDataset loaded in this process)"
@@ -210,8 +229,15 @@ class DataLoaderShard(DataLoader, ResumablePosition):
                 for _ in range(skip_loaded):
                     if next(iterator, None) is None:
                         break
+                    if source is not None:
+                        source.handed_out()
                 skip_loaded = 0
-            if skip_loaded:
+            if skip_loaded and source is not None:
+                for _ in range(skip_loaded):
+                    if next(iterator, None) is None:
+                        break
+                    source.handed_out()
+            elif skip_loaded:
                 iterator = itertools.islice(iterator, skip_loaded, None)
             remaining = self._batches_left_without_look_ahead()
             if remaining is not None:
@@ -260,6 +286,8 @@ class DataLoaderShard(DataLoader, ResumablePosition):
                         self._at_last = True
                         state.mark_last()
                     pos.batches_seen += 1
+                    if source is not None:
+                        source.handed_out()
                     yield current
                     current = upcoming
             pos.epoch += 1
@@ -282,12 +310,20 @@ class DataLoaderShard(DataLoader, ResumablePosition):
             base = (randomness.record or {}).get("base")
             for name, value in workers.start(self.worker_init_fn, self.collate_fn, base, self._position.epoch).items():
                 setattr(self, name, value)  # read once, when the DataLoader starts its workers
+        source = self._source
+        shard: Any = self.dataset
+        if source is not None and source.reads:
+            # each batch comes with its reader's dataset state; a loaded plan goes with the dataset to the readers
+            self.collate_fn = SnapshotCollate(user["collate_fn"], shard)  # type: ignore[arg-type]
+            shard.start = source.start
         try:
             iterator = super().__iter__()
         finally:
             self.generator = randomness.loader_generator
             for name, value in user.items():
                 setattr(self, name, value)
+            if source is not None:
+                shard.start = source.start = None
         randomness.iterator_built()
         return iterator
 

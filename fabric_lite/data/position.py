@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from fabric_lite.data.order import EpochRandomness
 from fabric_lite.data.seedable import SeedableRandomSampler
 from fabric_lite.data.sharding import IterableDatasetShard, ShardedBatchSampler
+from fabric_lite.data.stateful import SourceSnapshots
 from fabric_lite.data.workers import WorkerRandomness
 
 __all__ = ["Position", "ResumablePosition"]
@@ -38,10 +39,12 @@ class ResumablePosition:
     _batch_sampler: Optional[ShardedBatchSampler]
     _randomness: EpochRandomness
     _workers: Optional[WorkerRandomness]
+    _source: Optional[SourceSnapshots]
     _iterator: Any
     total_batch_size: Optional[int]
     persistent_workers: bool
     dataset: Any
+    batch_size: Optional[int]
 
     def _described(self) -> str:
         dataset = getattr(self.dataset, "dataset", self.dataset) if isinstance(self.dataset, IterableDatasetShard) \
@@ -86,7 +89,25 @@ class ResumablePosition:
         seedable = self._seedable()
         if seedable is not None:  # (use_seedable_sampler: its seed, which a resumed run may not be given again)
             state["sampler_seed"] = seedable.seed
+        if self._source is not None:  # (each process's own: its dataset's state in each of its workers)
+            state["source"] = self._source.state()
         return state
+
+    def _load_source(self, state: Dict[str, Any], resized: bool) -> None:
+        """Plan where the dataset's own state goes on (data/stateful.py); refuses what cannot go on before anything
+        of the loader changes."""
+        source = self._source
+        assert source is not None
+        own, ranks = state.get("source"), state.get("source_ranks")
+        if not int(state["batches_seen"]) or (own is None and ranks is None):
+            source.end_epoch()  # (an epoch's start: the dataset starts its pass afresh)
+            return
+        if resized and ranks is None and own is not None and own.get("kind") == "sharded":
+            raise ValueError(
+                f"{self._described()} was saved by a run with another global batch (another number of processes): "
+                f"its ShardedStream needs every saved process's state to deal what is left, and this state holds one "
+                f"process's. Load it with accelerator.load_state (or the Trainer's ckpt_path), which reads them all.")
+        source.load(own if ranks is None else None, ranks, int(self.batch_size or 1))
 
     def _seedable(self) -> Optional[SeedableRandomSampler]:
         inner = getattr(self._batch_sampler, "batch_sampler", None)
@@ -114,6 +135,8 @@ class ResumablePosition:
             # Saved by a run with another global batch (another number of processes): go on after the samples
             # it saw, at a step boundary of this run when there is one, else part-way into its order.
             batches, rest = divmod(int(seen), total)
+            if rest and self._source is not None and state.get("source") is not None:
+                rest = 0  # (the dataset goes on from its own saved state: the count is only the epoch's progress)
             if rest:
                 sampler = self._batch_sampler
                 if sampler is None or not sampler.can_skip_samples():
@@ -124,6 +147,8 @@ class ResumablePosition:
                         f"size, or from a checkpoint saved at an epoch's end.")
                 batches, skipped = 0, int(seen)
             self._position.converted_from = int(state["batches_seen"])
+        if self._source is not None:
+            self._load_source(state, saved_total not in (None, total))
         seedable = self._seedable()
         if seedable is not None and state.get("sampler_seed") is not None:
             seedable.seed = int(state["sampler_seed"])

@@ -21,6 +21,7 @@ from fabric_lite.data.dispatch import Dispatch
 from fabric_lite.data.order import EpochRandomness
 from fabric_lite.data.seedable import SeedableRandomSampler, seedable_from
 from fabric_lite.data.sharding import IterableDatasetShard, ShardedBatchSampler
+from fabric_lite.data.stateful import ShardedStream
 
 __all__ = ["sharded_loader_arguments"]
 
@@ -61,8 +62,10 @@ def sharded_loader_arguments(
     batch_size = loader.batch_size
     drop_last = loader.drop_last
     iterable = isinstance(dataset, IterableDataset)
+    # A ShardedStream is split by the processes themselves (each reads its own shards): not dispatched by default.
+    stream = isinstance(dataset, ShardedStream)
     dispatch = None
-    if num_replicas > 1 and (iterable if dispatch_batches is None else dispatch_batches):
+    if num_replicas > 1 and (iterable and not stream if dispatch_batches is None else dispatch_batches):
         per = (batch_size or 0) // num_replicas if split_batches else (batch_size or 0)
         dispatch = Dispatch(rank, num_replicas, per,
                             even_chunks=split_batches and not iterable, broadcast=broadcast_seed)
@@ -71,6 +74,18 @@ def sharded_loader_arguments(
     if iterable:
         if batch_size is None:
             raise ValueError("prepare() of an IterableDataset loader needs batch_size set on the DataLoader.")
+        if isinstance(dataset, ShardedStream):
+            own = copy.copy(dataset)  # (this loader's: told its rank)
+            dataset = own
+            if dispatch is None:  # every process reads its own shards, in batches of its own
+                own.assign(rank, num_replicas)
+                per_rank = batch_size // num_replicas if split_batches else batch_size
+                return dict(
+                    dataset=IterableDatasetShard(own, per_rank, 1, 0, False, even_batches, drop_last),
+                    batch_size=per_rank, drop_last=drop_last, sharded_sampler=None, remainder=-1,
+                    total_batch_size=per_rank * num_replicas,
+                    randomness=_randomness(loader.generator, None, drawers, broadcast_seed), dispatch=None, **kwargs)
+            own.assign(0, 1)  # the main process reads every shard
         shard = IterableDatasetShard(dataset, batch_size, num_replicas, reader, split_batches, even_batches,
                                      drop_last)
         per_rank = batch_size // num_replicas if split_batches else batch_size

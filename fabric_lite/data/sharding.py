@@ -309,6 +309,8 @@ class IterableDatasetShard(IterableDataset):
         self.split_batches = split_batches
         self.even_batches = even_batches
         self.drop_last = drop_last
+        #: How the next pass starts when the dataset has a state of its own (a `StartPlan` of data/stateful.py).
+        self.start: Optional[Any] = None
 
     @property
     def num_processes(self) -> int:
@@ -341,6 +343,17 @@ class IterableDatasetShard(IterableDataset):
         return whole * share + max(0, min(share, tail - lo))
 
     def __iter__(self) -> Iterator[Any]:
+        # A source with a state of its own (data/stateful.py): the loader's plan for this pass, read now (in the
+        # process that reads, before the pass) and used once.
+        start, self.start = self.start, None
+        if start is None:
+            return self._items(0, None)
+        lead = start.begin(self.dataset)
+        return self._items(lead, start.placeholder())
+
+    def _items(self, lead: int, placeholder: Any) -> Iterator[Any]:
+        for _ in range(lead):  # a resumed worker whose turn has passed: one batch the loader drops
+            yield placeholder
         if self.num_replicas == 1:
             yield from self.dataset
             return
