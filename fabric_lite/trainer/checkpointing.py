@@ -25,17 +25,23 @@ class TrainerCheckpointState:
         module.on_save_checkpoint(extra)
         for cb in t.callbacks:
             cb.on_save_checkpoint(t, module, extra)
-        return {
+        state = {
             "epoch": t.current_epoch, "global_step": t.global_step, "epoch_finished": t.epoch_finished,
             "callbacks": {cb.state_key: cb.state_dict() for cb in t.callbacks},
             "hyper_parameters": dict(module.hparams), "extra": extra,
         }
+        if t.datamodule is not None:  # (under its class's name, as Lightning keeps it)
+            state["datamodule"] = {type(t.datamodule).__qualname__: t.datamodule.state_dict()}
+        return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         t, module = self.trainer, self.trainer.module
         assert module is not None
         t.current_epoch = int(state["epoch"]) + (1 if state.get("epoch_finished") else 0)
         t.global_step = int(state["global_step"])
+        saved = state.get("datamodule", {})
+        if t.datamodule is not None and type(t.datamodule).__qualname__ in saved:
+            t.datamodule.load_state_dict(saved[type(t.datamodule).__qualname__])
         for cb in t.callbacks:
             if cb.state_key in state["callbacks"]:
                 cb.load_state_dict(state["callbacks"][cb.state_key])

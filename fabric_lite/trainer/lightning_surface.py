@@ -394,10 +394,6 @@ REFUSED_DATAMODULE_MEMBERS: Dict[str, Tuple[str, str]] = {
                       "val_dataloader() return DataLoaders over your datasets"),
     "load_from_checkpoint": ("LightningDataModule.load_from_checkpoint", "build the DataModule with its "
                              "arguments"),
-    "state_dict": ("a DataModule's own state in checkpoints (state_dict/load_state_dict)", "keep state in a "
-                   "Callback's state_dict, which checkpoints save"),
-    "load_state_dict": ("a DataModule's own state in checkpoints (state_dict/load_state_dict)", "keep state in a "
-                        "Callback's state_dict, which checkpoints save"),
     "on_exception": ("DataModule.on_exception", "write Callback.on_exception"),
     **_FIXED_REFUSALS,
 }

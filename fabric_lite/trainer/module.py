@@ -308,6 +308,14 @@ class DataModule(BatchTransferHooks, DataModuleLightningNames):
         """Free what `setup(stage)` built; runs on every process when fit/validate/test/predict ends (also after
         an error)."""
 
+    def state_dict(self) -> Dict[str, Any]:
+        """What this DataModule keeps in a fit's checkpoints (Lightning's hook; nothing by default). The Trainer saves
+        it with its own state, under the class's name, and hands it back to `load_state_dict` on resume."""
+        return {}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Take back what `state_dict` returned when the checkpoint being resumed was saved."""
+
     def train_dataloader(self) -> Any:
         raise NotImplementedError(f"{type(self).__name__} has no train_dataloader().")
 

@@ -333,16 +333,41 @@ def test_a_module_overriding_a_refused_hook_is_refused_before_anything_runs(hook
         trainer.validate(Overrides(), loader())
 
 
-def test_a_datamodule_with_its_own_state_dict_is_refused_when_it_is_used(tmp_path):
+def test_a_datamodules_own_state_goes_into_the_checkpoint_and_comes_back_on_resume(tmp_path):
+    """Lightning's DataModule.state_dict/load_state_dict: saved with the fit's checkpoint under the class's name,
+    handed back by fit(ckpt_path=...) before training goes on."""
     class Stateful(DataModule):
+        def __init__(self):
+            super().__init__()
+            self.loaded = None
+            self.served = 0
+
         def train_dataloader(self):
+            self.served += 1
             return loader()
 
         def state_dict(self):
-            return {"seen": 1}
+            return {"served": self.served}
 
-    with pytest.raises(NotSupportedError, match=r"Stateful.state_dict: a DataModule's own state in checkpoints"):
-        new_trainer(max_steps=1, default_root_dir=str(tmp_path)).fit(Net(), datamodule=Stateful())
+        def load_state_dict(self, state_dict):
+            self.loaded = dict(state_dict)
+
+    class Trained(Net):
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.mse_loss(self(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = new_trainer(max_steps=2, default_root_dir=str(tmp_path))
+    first = Stateful()
+    trainer.fit(Trained(), datamodule=first)
+    path = str(tmp_path / "saved")
+    trainer.save_checkpoint(path)
+    again = Stateful()
+    new_trainer(max_steps=3, default_root_dir=str(tmp_path)).fit(Trained(), datamodule=again, ckpt_path=path)
+    assert again.loaded == {"served": first.served} and first.served >= 1
+    assert DataModule().state_dict() == {}  # Lightning's default: nothing
 
 
 def test_a_refused_trainer_argument_at_lightnings_default_is_accepted():
