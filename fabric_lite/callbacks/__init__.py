@@ -1,5 +1,5 @@
 """Hooks into the Trainer: checkpoints, early stopping, loggers, progress, monitors, timing, finetuning, pruning,
-accumulation schedules, prediction writers."""
+accumulation schedules, prediction writers, weight averaging."""
 
 from fabric_lite.callbacks.base import Callback
 from fabric_lite.callbacks.checkpoint import ModelCheckpoint
@@ -19,13 +19,14 @@ from fabric_lite.callbacks.progress import (
 from fabric_lite.callbacks.summary import ModelSummary
 from fabric_lite.callbacks.throughput import ThroughputMonitor
 from fabric_lite.callbacks.timer import Timer
+from fabric_lite.callbacks.weight_averaging import EMAWeightAveraging, StochasticWeightAveraging, WeightAveraging
 
 __all__ = ["Callback", "ModelCheckpoint", "EarlyStopping", "Logger", "TensorBoardLogger", "CSVLogger", "MLFlowLogger",
            "WandbLogger", "LearningRateMonitor", "ProgressBar", "ProgressBarBase", "RichProgressBar",
            "ThroughputMonitor", "ModelSummary", "GradientAccumulationScheduler",
            "Timer", "OnExceptionCheckpoint", "BaseFinetuning", "BackboneFinetuning",
            "DeviceStatsMonitor", "ModelPruning", "TQDMProgressBar", "RichProgressBarTheme", "BasePredictionWriter",
-           "LambdaCallback"]
+           "LambdaCallback", "WeightAveraging", "EMAWeightAveraging", "StochasticWeightAveraging"]
 
 # Lightning's callbacks that fabric_lite refuses (they import; building one raises NotSupportedError)
 from fabric_lite.callbacks.lightning_refused import BatchSizeFinder, Checkpoint, LearningRateFinder, RichModelSummary  # noqa: E402,E501
