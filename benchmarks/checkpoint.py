@@ -750,8 +750,7 @@ def run_blocked_sharded(args: argparse.Namespace, params: int, base: Path) -> No
     step_s = max(r["step_s"] for r in ranks)
     ratio = statistics.median(blocked) / statistics.median(sync)
     size = next(x.get("bytes", 0) for rnd in bg for x in rnd if "bytes" in x)
-    print(f"
-{ranks[0]['params'] / 1e6:.1f}M parameters, {size / MB:.0f} MB on disk per checkpoint; training step "
+    print(f"\n{ranks[0]['params'] / 1e6:.1f}M parameters, {size / MB:.0f} MB on disk per checkpoint; training step "
           f"{step_s * 1e3:.0f} ms; ms, median [min..max] over {len(sync)} round(s), the slowest process of each")
     print(f"  blocking save_state:          {med_range(sync, 1e3)}")
     print(f"  save_state(blocking=False):   {med_range(blocked, 1e3)}   (first one: {first * 1e3:.0f})")

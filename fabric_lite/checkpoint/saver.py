@@ -10,9 +10,12 @@ the whole save and raises the same `CheckpointError` on every process; the previ
 training process group. A background save (`save_state(..., blocking=False)`) costs the training
 thread only a snapshot: tensors copied into host buffers that are reused from save to save (pinned
 memory for CUDA tensors, copied asynchronously on the current stream; the writer waits for the copy).
-The job then runs on a thread of its own, and agrees over a gloo process group of its own: the
-training group is never used from two threads. One save is in flight at a time: the next one waits
-for it, or is skipped where every process agrees it is still running (``if_busy="skip"``).
+A sharded checkpoint's snapshot keeps each shard's placement (a DTensor over a host copy of its local part),
+and DCP writes it from the background thread; an engine that writes its own files (DeepSpeed) hands them over
+on the training thread and they are snapshot the same way. The job then runs on a thread of its own, and
+agrees (DCP's planning included) over a gloo process group of its own: the training group is never used
+from two threads. One save is in flight at a time: the next one waits for it, or is skipped where every
+process agrees it is still running (``if_busy="skip"``).
 A background failure is kept and raised on the training thread by `wait`, by the next save, and by
 `raise_failure` where the doors' per-step agreement reports it (every process at the same step).
 """

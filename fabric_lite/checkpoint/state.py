@@ -219,9 +219,9 @@ def save_state(acc: "Accelerator", output_dir: Optional[Union[str, os.PathLike]]
             optimizers = [(opt.module, opt.optimizer) for opt in acc.optimizers]
             shards = sharded.local_state(strategy, acc.models, optimizers)
         if taken is not None:
+            files = taken.copy(files)
             if engine is not None and shards is None:  # an engine hands over its files, each copied at once
                 files.update(strategy.checkpoint_format.stage_engine_state(taken.copy))
-            files = taken.copy(files)
             if shards is not None:
                 shards = taken.copy(shards)
             job.ready = taken.finish()

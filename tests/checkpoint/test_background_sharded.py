@@ -47,7 +47,6 @@ def test_background_sharded_saves_killed_at_random_moments_load_and_resume_exact
 # -- in one process ---------------------------------------------------------------------------------------
 
 def test_a_snapshot_of_a_sharded_tensor_keeps_its_placement_and_reuses_its_buffer():
-    from fabric_lite.strategies.process_group import ProcessGroup  # noqa: F401  (torch.distributed present)
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
