@@ -6,8 +6,9 @@
   published the older ones beyond the newest two are deleted. Rank 0 touches `--ready` when training starts, so
   that a killer can pick a moment of the training itself. Killed runs never write their JSON.
 - `kills` (no launcher: it starts the runs): `--trials` runs of `train` on `--nproc` processes, the first left to
-  finish (its time from `--ready` to the end gives the span of the others), each other SIGKILLed, every process
-  at once, at a random moment of that span; then one `verify` run over them all. Writes rank0.json with the
+  finish (its number of saves and their write time set the moments of the others), each other SIGKILLed, every
+  process at once, at a random moment of a random save (from the moment its staging folder appears to about one
+  write time later); then one `verify` run over them all. Writes rank0.json with the
   counts: ``python tests/workers/bg_sharded.py --out /tmp/k --phase kills --trials 100 --strategy fsdp``.
 - `verify`: the uninterrupted run's weights (trained here from the same start), then for each `--roots` folder
   every checkpoint in it: loaded, trained on to `--steps`, compared bit for bit. A `step_<n>` folder without its
@@ -105,7 +106,8 @@ def train():
             blocked.append(time.perf_counter() - started)
     acc.wait_for_checkpoint()
     result = {"weights": weights(acc, model), "saves": len(blocked),
-              "background": [r.background for r in saver.history]}
+              "background": [r.background for r in saver.history],
+              "write_s": [r.finished - r.started - r.blocked for r in saver.history]}
     acc.end_training()
     write_result(args.out, acc.process_index, result)
 
@@ -138,29 +140,71 @@ def verify():
     write_result(args.out, acc.process_index, report)
 
 
+class Forked:
+    """One rank, forked from this process (torch and fabric_lite already imported: a trial starts in a fraction
+    of the time a new interpreter takes); `poll` and `wait` as a Popen's."""
+
+    def __init__(self, pid):
+        self.pid, self.returncode = pid, None
+
+    def poll(self):
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout):
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank process {self.pid} still runs after {timeout} s")
+            time.sleep(0.002)
+        return self.returncode
+
+
 def launch(phase, out, *extra):
-    """`--nproc` processes of this script, each a rank (the environment torchrun would give), in a session
-    of their own so that one signal reaches them all."""
+    """`--nproc` ranks running `phase` (the environment torchrun would give), forked, in a process group of
+    their own so that one signal reaches them all. `extra`: option, value pairs."""
     import socket
-    import subprocess
     import sys
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.makedirs(out, exist_ok=True)
+    options = dict(zip(extra[::2], extra[1::2]))
     procs = []
-    leader = None
     for rank in range(args.nproc):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc),
-                   LOCAL_WORLD_SIZE=str(args.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-        cmd = [sys.executable, __file__, "--out", out, "--phase", phase, "--strategy", args.strategy,
-               "--steps", str(args.steps), "--width", str(args.width), "--step-sleep", str(args.step_sleep), *extra]
-        kwargs = {"start_new_session": True} if leader is None else {"preexec_fn": lambda: os.setpgid(0, leader)}
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(os.path.join(out, f"log{rank}"), "w"),
-                                      **kwargs))
-        leader = procs[0].pid if leader is None else leader
+        leader = procs[0].pid if procs else 0
+        pid = os.fork()
+        if pid == 0:  # the rank
+            code = 1
+            try:
+                os.setpgid(0, leader)
+                log = os.open(os.path.join(out, f"log{rank}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(log, 1)
+                os.dup2(log, 2)
+                os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc),
+                                  LOCAL_WORLD_SIZE=str(args.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                args.out, args.phase = out, phase
+                for option, value in options.items():
+                    setattr(args, option.lstrip("-").replace("-", "_"), value)
+                PHASES[phase]()
+                code = 0
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        try:
+            os.setpgid(pid, leader or pid)  # (the rank does it too: whichever runs first)
+        except OSError:
+            pass
+        procs.append(Forked(pid))
     return procs
 
 
@@ -191,20 +235,27 @@ def kills():
         while not ready.exists() and all(p.poll() is None for p in procs):
             assert time.monotonic() < deadline, "the run never started training"
             time.sleep(0.005)
-        started = time.monotonic()
         trial = {"n": n}
-        if span is None:  # the first run is left to finish: how long training with saves takes
+        if span is None:  # the first run is left to finish: how many saves it makes, how long each takes
             codes = wait_all(procs, 300)
-            span = time.monotonic() - started
+            first = json.loads((base / "out000" / "rank0.json").read_text())
+            span = {"saves": first["saves"], "write_s": sorted(first["write_s"])[len(first["write_s"]) // 2]}
             trial.update(killed=None, codes=codes)
         else:
-            delay = rng.uniform(0, span)
-            while time.monotonic() - started < delay and all(p.poll() is None for p in procs):
-                time.sleep(0.001)
+            # the moment: once the k-th save has begun writing (its staging folder appears), a random time
+            # within about one write (its start, its middle, its publish, or just after)
+            # (early saves: the run goes on well past the moment, whatever the machine's load does to the times)
+            k, delay = rng.randint(1, max(1, min(6, span["saves"] // 2))), rng.uniform(0, 1.25 * span["write_s"])
+            seen = set()
+            while len(seen) < k and all(p.poll() is None for p in procs):
+                if root.exists():
+                    seen.update(e for e in os.listdir(root) if ".staging-" in e)
+                time.sleep(0.0005)
+            time.sleep(delay)
             os.killpg(procs[0].pid, signal.SIGKILL)
             codes = wait_all(procs, 60)
             staging = [p.name for p in root.glob("*.staging-*")] if root.exists() else []
-            trial.update(killed=round(delay, 3), in_flight=bool(staging), codes=codes)
+            trial.update(killed=[k, round(delay, 3)], in_flight=bool(staging), codes=codes)
         trials.append(trial)
     out = base / "verify"
     codes = wait_all(launch("verify", str(out), "--roots", str(base / "t*")), 600)
@@ -218,4 +269,11 @@ def kills():
     print(json.dumps({k: v for k, v in result.items() if k not in ("trials", "logs")}, indent=1))
 
 
-{"train": train, "verify": verify, "kills": kills}[args.phase]()
+PHASES = {"train": train, "verify": verify, "kills": kills}
+if __name__ == "__main__":
+    if args.phase == "kills":
+        os.environ.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+        torch.set_num_threads(1)
+        if args.strategy.startswith("deepspeed"):
+            import deepspeed  # noqa: F401  (imported once, before the ranks are forked)
+    PHASES[args.phase]()
