@@ -22,6 +22,8 @@ kinds of work (file writes, hashing, torch's record reader/writer, ...) side by 
     python benchmarks/checkpoint.py --fsync       # both sides wait until their bytes reach the disk
     python benchmarks/checkpoint.py --cold-load   # evict the files from the page cache before each load
     python benchmarks/checkpoint.py --blocked     # time the training thread waits per save: sync vs blocking=False
+    python benchmarks/checkpoint.py --blocked --strategy fsdp               # the same, sharded, on 2 processes
+    python benchmarks/checkpoint.py --blocked --strategy deepspeed_stage_3  # DeepSpeed ZeRO-3 on 2 processes
 
 Target (from the issue): fabric_lite >= 0.9x raw throughput, save and load.
 
@@ -32,6 +34,15 @@ save_state(dir, blocking=False) (the background save is waited for, untimed, bef
 It prints blocked-time ratios (goal from the issue: async < 0.1x sync), the CPU seconds, Python calls
 and fresh memory of the blocked call (which load does not move), the background write's duration and
 the snapshot buffers' size (checkpoint_saver.snapshot_bytes).
+
+--blocked --strategy fsdp|deepspeed_stage_3 (--nproc, default 2) does it for a sharded checkpoint: --nproc
+processes (gloo on CPU; one GPU each where there are enough) train the --params model (a stack of Linear
+layers, each its own FSDP unit) and save it, interleaved, with save_state(dir) and save_state(dir,
+blocking=False), every process timing its own training thread. After each background save the processes keep
+training until it is published (every process agreeing, step by step), and the steps per second over that time,
+against those of steps with no save running, give the throughput lost while the write runs. Goal (issue 34):
+background blocked < 15 % of blocking blocked. The first background save (host buffers allocated, the side
+process group started, DCP's plan made) is reported apart.
 """
 
 from __future__ import annotations
@@ -629,6 +640,133 @@ def run_blocked(args: argparse.Namespace, params: int, base: Path) -> None:
                                          "loadavg_before_after": [load_before, load_after]}, indent=2))
 
 
+# -- --blocked --strategy: sharded checkpoints on several processes ------------------------------------------
+SHARDED_GOAL = 0.15  # issue 34: a background sharded save blocks training for < 15 % of a blocking one
+
+
+def _sharded_accelerator(strategy: str, params: int) -> Tuple[Accelerator, nn.Module, torch.optim.Optimizer, int]:
+    from fabric_lite import FSDPStrategy
+
+    width, layers = shape_for(params)
+    acc = Accelerator(strategy=FSDPStrategy(auto_wrap_policy={"Linear"}) if strategy == "fsdp" else strategy)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    n = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, optimizer = acc.prepare(model, optimizer)
+    return acc, model, optimizer, n
+
+
+def sharded_child(args: argparse.Namespace, params: int, root: Path) -> None:
+    """One process of --blocked --strategy: its own timings, in rank<r>.json under `root`."""
+    acc, model, optimizer, n = _sharded_accelerator(args.strategy, params)
+    width, _ = shape_for(params)
+    x = torch.randn(8, width, device=acc.device)
+    saver = acc.checkpoint_saver
+
+    def train_step() -> None:
+        acc.backward(model(x).square().mean())
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def barrier() -> None:
+        acc.wait_for_everyone()
+
+    train_step()  # the optimizer's state exists
+    baseline = []
+    for _ in range(3 if args.quick else 5):
+        barrier()
+        t = time.perf_counter()
+        train_step()
+        baseline.append(time.perf_counter() - t)
+    step_s = statistics.median(baseline)
+    rounds: List[Dict[str, float]] = []
+    repeats = args.repeats or (2 if args.quick else 4)
+    for i in range(repeats + 1):  # round 0: the first background save, apart
+        for kind in ((ASYNC, SYNC) if i % 2 else (SYNC, ASYNC)):
+            d = root / f"{kind}_{i}"
+            barrier()
+            t = time.perf_counter()
+            acc.save_state(str(d), blocking=kind == SYNC)
+            out: Dict[str, float] = {"round": i, "sync": kind == SYNC, "blocked_s": time.perf_counter() - t}
+            if kind == ASYNC:
+                steps, t0 = 0, time.perf_counter()
+                while True:  # train while the write runs; every process stops at the same step
+                    train_step()
+                    steps += 1
+                    if not saver.busy_anywhere():
+                        break
+                during = time.perf_counter() - t0
+                record = saver.history[-1]
+                acc.wait_for_checkpoint()
+                out.update(steps_during=steps, during_s=during, write_s=record.finished - record.started - record.blocked,
+                           lost=max(0.0, 1 - (steps / during) * step_s), snapshot_mb=saver.snapshot_bytes / MB)
+            barrier()
+            if acc.is_main_process:
+                out["bytes"] = bytes_under(d)
+                shutil.rmtree(d)
+            barrier()
+            rounds.append(out)
+    acc.end_training()
+    (root / f"rank{acc.process_index}.json").write_text(json.dumps({"params": n, "step_s": step_s,
+                                                                    "rounds": rounds}))
+
+
+def run_blocked_sharded(args: argparse.Namespace, params: int, base: Path) -> None:
+    import socket
+
+    width, layers = shape_for(params)
+    print(f"fabric_lite checkpoint --blocked --strategy {args.strategy}: training-thread time per save on "
+          f"{args.nproc} processes, save_state vs save_state(blocking=False) | torch {torch.__version__} | "
+          f"{layers} x Linear({width}, {width})" + (" | QUICK" if args.quick else ""), flush=True)
+    with tempfile.TemporaryDirectory(prefix="fabric_lite_ckpt_sharded_", dir=base) as tmp:
+        root = Path(tmp)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        procs = []
+        for rank in range(args.nproc):
+            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc),
+                       LOCAL_WORLD_SIZE=str(args.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            if not torch.cuda.is_available() or torch.cuda.device_count() < args.nproc:
+                env["CUDA_VISIBLE_DEVICES"] = ""
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // args.nproc)))
+            cmd = [sys.executable, __file__, "--blocked", "--strategy", args.strategy, "--params", str(params),
+                   "--_sharded-child", str(root)] + (["--quick"] if args.quick else []) + \
+                  (["--repeats", str(args.repeats)] if args.repeats else [])
+            procs.append(subprocess.Popen(cmd, env=env))
+        codes = [p.wait() for p in procs]
+        if any(codes):
+            raise SystemExit(f"a benchmark process failed: exit codes {codes}")
+        ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in range(args.nproc)]
+    # per round, a save holds training up for as long as its slowest process is held
+    rounds = [[r["rounds"][i] for r in ranks] for i in range(len(ranks[0]["rounds"]))]
+    first = next(max(x["blocked_s"] for x in rnd) for rnd in rounds if rnd[0]["round"] == 0 and not rnd[0]["sync"])
+    sync = [max(x["blocked_s"] for x in rnd) for rnd in rounds if rnd[0]["round"] > 0 and rnd[0]["sync"]]
+    bg = [rnd for rnd in rounds if rnd[0]["round"] > 0 and not rnd[0]["sync"]]
+    blocked = [max(x["blocked_s"] for x in rnd) for rnd in bg]
+    write = [max(x["write_s"] for x in rnd) for rnd in bg]
+    lost = [statistics.mean(x["lost"] for x in rnd) for rnd in bg]
+    step_s = max(r["step_s"] for r in ranks)
+    ratio = statistics.median(blocked) / statistics.median(sync)
+    size = next(x.get("bytes", 0) for rnd in bg for x in rnd if "bytes" in x)
+    print(f"\n{ranks[0]['params'] / 1e6:.1f}M parameters, {size / MB:.0f} MB on disk per checkpoint; training step "
+          f"{step_s * 1e3:.0f} ms; ms, median [min..max] over {len(sync)} round(s), the slowest process of each")
+    print(f"  blocking save_state:          {med_range(sync, 1e3)}")
+    print(f"  save_state(blocking=False):   {med_range(blocked, 1e3)}   (first one: {first * 1e3:.0f})")
+    print(f"  background write:             {med_range(write, 1e3)}")
+    print(f"  blocked, background / blocking: {ratio * 100:.1f} %  (goal < {SHARDED_GOAL * 100:.0f} %: "
+          f"{'met' if ratio < SHARDED_GOAL else 'not met'})")
+    print(f"  throughput lost while the write runs: {statistics.median(lost) * 100:.1f} % "
+          f"(steps/s during the write vs without; {statistics.median([rnd[0]['steps_during'] for rnd in bg])} "
+          f"step(s) per write)")
+    print(f"  host snapshot buffers per process: {max(x['snapshot_mb'] for rnd in bg for x in rnd):.0f} MB")
+    if args.json:
+        args.json.write_text(json.dumps({"mode": "blocked_sharded", "strategy": args.strategy, "nproc": args.nproc,
+                                         "ratio": ratio, "sync_s": sync, "background_s": blocked, "first_s": first,
+                                         "write_s": write, "lost": lost, "step_s": step_s, "ranks": ranks}, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=int, help="model parameters (default 100_000_000; 5_000_000 with --quick)")
@@ -653,6 +791,10 @@ def main() -> None:
                              "(--repeats applies to the latter)")
     parser.add_argument("--tiny-repeats", type=int,
                         help="with --blocked: interleaved repeats for the tiny MLP (default 20; 5 with --quick)")
+    parser.add_argument("--strategy", choices=("fsdp", "deepspeed_stage_3", "deepspeed_stage_2"),
+                        help="with --blocked: a sharded checkpoint of this strategy on --nproc processes")
+    parser.add_argument("--nproc", type=int, default=2, help="with --strategy: processes (default 2)")
+    parser.add_argument("--_sharded-child", dest="sharded_child", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--_memory-child", dest="memory_child", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -665,9 +807,17 @@ def main() -> None:
     if args.memory_child:
         memory_child(args.memory_child, params, base, args.fsync)
         return
+    if args.sharded_child:
+        sharded_child(args, params, args.sharded_child)
+        return
+    if args.strategy and not args.blocked:
+        parser.error("--strategy applies to --blocked")
     if args.blocked:
         if args.fsync or args.cold_load:
             parser.error("--blocked times the call to save_state only: --fsync and --cold-load do not apply")
+        if args.strategy:
+            run_blocked_sharded(args, params, base)
+            return
         run_blocked(args, params, base)
         return
 

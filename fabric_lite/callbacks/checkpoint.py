@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Union
 
 import torch
 
@@ -17,7 +17,10 @@ if TYPE_CHECKING:
     from fabric_lite.trainer.module import TrainModule
     from fabric_lite.trainer.trainer import Trainer
 
-__all__ = ["ModelCheckpoint"]
+__all__ = ["ModelCheckpoint", "CONTINUOUS"]
+
+#: `every_n_train_steps` of a ModelCheckpoint that starts the next background save as soon as the last is published.
+CONTINUOUS = "continuous"
 
 
 class ModelCheckpoint(Callback):
@@ -30,11 +33,18 @@ class ModelCheckpoint(Callback):
     at a time (`if_busy` says what a save due meanwhile does); checkpoints it displaces are deleted only once
     the new one is published, and `fit` returns once the last one is. During `fit`, `best_model_path` may name
     a checkpoint that is still being written.
+
+    ``every_n_train_steps="continuous"`` saves as often as the writes allow: after each training batch where no
+    save is in flight on any process (the previous one published), the next background save starts, so a
+    preemption loses little more than one write's time of training. It keeps the newest `save_top_k` checkpoints,
+    at least two (a smaller `save_top_k` is raised to 2): the one being written never replaces the last whole
+    one before it is itself whole. It needs background saves (`async_save` not False, and a strategy whose
+    checkpoints can be copied to the host) and no `monitor` (the newest are kept, not the best).
     """
 
     def __init__(self, dirpath: Optional[str] = None, filename: Optional[str] = None, monitor: Optional[str] = None,
                  mode: str = "min", save_top_k: int = 1, save_last: Optional[bool] = None,
-                 every_n_train_steps: Optional[int] = None, every_n_epochs: Optional[int] = None,
+                 every_n_train_steps: Union[int, str, None] = None, every_n_epochs: Optional[int] = None,
                  async_save: Optional[bool] = None, if_busy: str = "wait") -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"ModelCheckpoint(mode={mode!r}): allowed values are 'min' and 'max'.")
@@ -43,6 +53,21 @@ class ModelCheckpoint(Callback):
         if if_busy not in IF_BUSY:
             raise ValueError(f"ModelCheckpoint(if_busy={if_busy!r}): allowed values are "
                              f"{', '.join(map(repr, IF_BUSY))}.")
+        #: Save after every batch where the previous save is published (``every_n_train_steps="continuous"``).
+        self.continuous = every_n_train_steps == CONTINUOUS
+        if isinstance(every_n_train_steps, str) and not self.continuous:
+            raise ValueError(f"ModelCheckpoint(every_n_train_steps={every_n_train_steps!r}): a number of steps or "
+                             f"{CONTINUOUS!r}.")
+        if self.continuous:
+            if monitor is not None:
+                raise ValueError(f"ModelCheckpoint(every_n_train_steps={CONTINUOUS!r}) keeps the newest checkpoints, "
+                                 f"not the best by a metric: leave monitor={monitor!r} out (or save every N steps).")
+            if async_save is False:
+                raise ValueError(f"ModelCheckpoint(every_n_train_steps={CONTINUOUS!r}) saves in the background: "
+                                 f"async_save=False would block training at every step.")
+            if save_top_k != -1:
+                save_top_k = max(save_top_k, 2)  # the one being written, and the last whole one
+        steps: Optional[int] = None if isinstance(every_n_train_steps, str) else every_n_train_steps
         #: Write in the background: training waits only for a copy of the state (`Accelerator.save_state`).
         #: None: wherever the strategy's checkpoints allow it (state dicts), else on the training thread.
         self.async_save = async_save
@@ -54,8 +79,8 @@ class ModelCheckpoint(Callback):
         self.mode = mode
         self.save_top_k = save_top_k
         self.save_last = save_last
-        self.every_n_train_steps = every_n_train_steps
-        self.every_n_epochs = every_n_epochs if every_n_epochs is not None else (0 if every_n_train_steps else 1)
+        self.every_n_train_steps = steps
+        self.every_n_epochs = every_n_epochs if every_n_epochs is not None else (0 if steps or self.continuous else 1)
         self.best_k_models: Dict[str, float] = {}
         self.best_model_path = ""
         self.last_model_path = ""
@@ -79,10 +104,22 @@ class ModelCheckpoint(Callback):
     def setup(self, trainer: "Trainer", module: "TrainModule", stage: str) -> None:
         if self.dirpath is None:
             self.dirpath = f"{trainer.default_root_dir.rstrip('/')}/checkpoints"
+        if self.continuous and stage == "fit":
+            reason = trainer.accelerator.checkpoint_saver.why_blocking()
+            if reason is not None:
+                raise ValueError(f"ModelCheckpoint(every_n_train_steps={CONTINUOUS!r}) needs background saves, but "
+                                 f"{reason}: every step would wait for a whole write. Save every N steps instead.")
 
     # -- when to save ------------------------------------------------------------------------------
     def on_train_batch_end(self, trainer: "Trainer", module: "TrainModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if self.continuous:
+            # every process asks together (a collective), so all start the next save at the same batch
+            if trainer.global_step > 0 and trainer.global_step != getattr(self, "_last_step", -1) \
+                    and not trainer.accelerator.checkpoint_saver.busy_anywhere():
+                self._last_step = trainer.global_step
+                self._save(trainer)
+            return
         n = self.every_n_train_steps
         if n and trainer.global_step > 0 and trainer.global_step % n == 0 and trainer.global_step != getattr(self, "_last_step", -1):
             self._last_step = trainer.global_step
@@ -197,6 +234,8 @@ class ModelCheckpoint(Callback):
             raise
 
     def _blocking(self, trainer: "Trainer") -> bool:
+        if self.continuous:
+            return False
         if self.async_save is None:
             return trainer.accelerator.checkpoint_saver.why_blocking() is not None
         return not self.async_save

@@ -10,9 +10,12 @@ the whole save and raises the same `CheckpointError` on every process; the previ
 training process group. A background save (`save_state(..., blocking=False)`) costs the training
 thread only a snapshot: tensors copied into host buffers that are reused from save to save (pinned
 memory for CUDA tensors, copied asynchronously on the current stream; the writer waits for the copy).
-The job then runs on a thread of its own, and agrees over a gloo process group of its own: the
-training group is never used from two threads. One save is in flight at a time: the next one waits
-for it, or is skipped where every process agrees it is still running (``if_busy="skip"``).
+A sharded checkpoint's snapshot keeps each shard's placement (a DTensor over a host copy of its local part),
+and DCP writes it from the background thread; an engine that writes its own files (DeepSpeed) hands them over
+on the training thread and they are snapshot the same way. The job then runs on a thread of its own, and
+agrees (DCP's planning included) over a gloo process group of its own: the training group is never used
+from two threads. One save is in flight at a time: the next one waits for it, or is skipped where every
+process agrees it is still running (``if_busy="skip"``).
 A background failure is kept and raised on the training thread by `wait`, by the next save, and by
 `raise_failure` where the doors' per-step agreement reports it (every process at the same step).
 """
@@ -31,7 +34,7 @@ import torch
 from fabric_lite.checkpoint import files as checkpoint_io
 from fabric_lite.checkpoint.files import CheckpointError, CheckpointWriter
 
-__all__ = ["SaveJob", "run_job", "CheckpointSaver", "IF_BUSY", "SaveRecord", "snapshot"]
+__all__ = ["SaveJob", "run_job", "CheckpointSaver", "IF_BUSY", "SaveRecord", "Snapshot", "snapshot"]
 
 #: What a save does while another is in flight: wait for it, or be skipped.
 IF_BUSY = ("wait", "skip")
@@ -47,8 +50,9 @@ class SaveJob:
     meta: Dict[str, Any] = field(default_factory=dict)
     update_latest: bool = False
     durable: bool = False
-    #: Writes files of an engine that serializes its own state (DCP shards, DeepSpeed): training thread only.
-    write_more: Optional[Callable[[CheckpointWriter], None]] = None
+    #: Writes files of an engine that serializes its own state (DCP shards, DeepSpeed); called with the writer
+    #: and the process group to agree over (None: the training group, on the training thread). A collective.
+    write_more: Optional[Callable[[CheckpointWriter, Any], None]] = None
     #: Run by the main process once the checkpoint is published (pruning older ones).
     after_commit: List[Callable[[], None]] = field(default_factory=list)
     #: Waits until the snapshot's device-to-host copies are done (None: nothing to wait for).
@@ -63,6 +67,8 @@ class _Agreement:
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy
         self.is_main = strategy.is_global_zero
+        #: The process group an engine's collective write uses (None: the training group).
+        self.group: Any = None
 
     def gather(self, obj: Any) -> List[Any]:
         return self.strategy.collectives.all_gather_object(obj)
@@ -109,7 +115,9 @@ def run_job(job: SaveJob, agreement: Any) -> None:
             except Exception as err:  # reported below; the engine's collective write must still take place
                 error = error or err
         if job.write_more is not None:  # collective: every process takes part, whatever else failed here
-            job.write_more(writer)
+            if job.ready is not None:  # (what it writes may be a snapshot still being copied)
+                job.ready()
+            job.write_more(writer, agreement.group)
         if error is None:
             if job.ready is not None:
                 job.ready()
@@ -212,35 +220,46 @@ def _identity(tensor: torch.Tensor) -> Tuple[Any, ...]:
             tuple(tensor.shape), tensor.stride())
 
 
-def snapshot(state: Any, buffers: _HostBuffers) -> Tuple[Any, Optional[Callable[[], None]]]:
-    """A copy of `state` that training can no longer change: tensors in host buffers (a tensor that appears
-    twice, as tied weights do, copied once), containers rebuilt (their type and a state dict's ``_metadata``
-    kept), other values deep-copied. Returns it and what waits for the device copies (None when none)."""
-    buffers.position = 0
-    devices: set = set()
-    seen: Dict[Tuple[Any, ...], torch.Tensor] = {}
+class Snapshot:
+    """Copies of states that training can no longer change, taken one after the other into the same host buffers
+    (`copy`, as often as needed: an engine hands over its files one at a time), then `finish`."""
 
-    def copy_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    def __init__(self, buffers: _HostBuffers) -> None:
+        self.buffers = buffers
+        buffers.position = 0
+        self.devices: set = set()
+        self.seen: Dict[Tuple[Any, ...], torch.Tensor] = {}
+
+    def copy_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        dtensor = _dtensor_type()
+        if dtensor is not None and isinstance(tensor, dtensor):
+            # a shard of a sharded tensor: its local part copied, wrapped again with the same placement, so that
+            # DCP plans and writes it as it would the original (planning reads the layout, not the device)
+            return dtensor(self.copy_tensor(tensor.to_local()), tensor._spec, requires_grad=False)
         if tensor.layout != torch.strided or tensor.is_quantized or type(tensor) is not torch.Tensor:
             return tensor.to("cpu", copy=True)  # (sparse, quantized, subclasses: the plain way, no reuse)
         if tensor.device.type == "cuda":
-            devices.add(tensor.device)
-            buffer = buffers.take(tensor, pinned=True)
+            self.devices.add(tensor.device)
+            buffer = self.buffers.take(tensor, pinned=True)
             buffer.copy_(tensor, non_blocking=True)  # after every kernel queued so far on this stream
             return buffer
         if tensor.device.type != "cpu":
             return tensor.to("cpu")
-        buffer = buffers.take(tensor, pinned=False)
+        buffer = self.buffers.take(tensor, pinned=False)
         buffer.copy_(tensor)
         return buffer
 
-    def copy_of(obj: Any) -> Any:
+    def copy(self, obj: Any) -> Any:
+        """A copy of `obj`: tensors in host buffers (a tensor that appears twice, as tied weights do, copied once),
+        containers rebuilt (their type and a state dict's ``_metadata`` kept), other values deep-copied."""
         if isinstance(obj, torch.Tensor):
             tensor = obj.detach()
-            key = _identity(tensor)
-            if key not in seen:
-                seen[key] = copy_tensor(tensor)
-            return seen[key]
+            dtensor = _dtensor_type()
+            key = (("shard",) + _identity(tensor.to_local()) if dtensor is not None and isinstance(tensor, dtensor)
+                   else _identity(tensor))
+            if key not in self.seen:
+                self.seen[key] = self.copy_tensor(tensor)
+            return self.seen[key]
         if isinstance(obj, dict):
             try:
                 out: Any = copy.copy(obj)  # the same type (OrderedDict, defaultdict and its factory, ...)
@@ -248,30 +267,48 @@ def snapshot(state: Any, buffers: _HostBuffers) -> Tuple[Any, Optional[Callable[
             except Exception:
                 out = {}
             for k, v in obj.items():
-                out[k] = copy_of(v)
+                out[k] = self.copy(v)
             metadata = getattr(obj, "_metadata", None)  # a state dict's module versions
             if metadata is not None:
                 out._metadata = copy.deepcopy(metadata)
             return out
         if type(obj) in (list, tuple):
-            return type(obj)(copy_of(v) for v in obj)
+            return type(obj)(self.copy(v) for v in obj)
         return copy.deepcopy(obj)
 
-    copied = copy_of(state)
-    del buffers.buffers[buffers.position:]  # the state shrank: give back what it no longer needs
-    if not devices:
-        return copied, None
-    events = []
-    for device in devices:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
-        events.append(event)
+    def finish(self) -> Optional[Callable[[], None]]:
+        """Give back the buffers no longer needed; return what waits for the device copies (None when none)."""
+        del self.buffers.buffers[self.buffers.position:]  # the state shrank: give back what it no longer needs
+        if not self.devices:
+            return None
+        events = []
+        for device in self.devices:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            events.append(event)
 
-    def copies_done() -> None:
-        for event in events:
-            event.synchronize()
+        def copies_done() -> None:
+            for event in events:
+                event.synchronize()
 
-    return copied, copies_done
+        return copies_done
+
+
+def _dtensor_type() -> Any:
+    """torch's DTensor class (None where torch.distributed is not built)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return None
+    return DTensor
+
+
+def snapshot(state: Any, buffers: _HostBuffers) -> Tuple[Any, Optional[Callable[[], None]]]:
+    """A copy of `state` that training can no longer change (see `Snapshot.copy`), and what waits for the
+    device copies (None when none)."""
+    taken = Snapshot(buffers)
+    copied = taken.copy(state)
+    return copied, taken.finish()
 
 
 # -- the saver ------------------------------------------------------------------------------------------
@@ -321,7 +358,7 @@ class CheckpointSaver:
         """Why a save cannot run in the background with this strategy (None: it can)."""
         strategy = self.strategy
         fmt = strategy.checkpoint_format
-        if fmt.engine is not None:
+        if fmt.engine_owned and not fmt.stages_engine_files:
             return (f"{type(strategy).__name__} writes its checkpoints through its own engine ({fmt.engine}) on the "
                     f"training thread")
         if not fmt.background:
@@ -329,6 +366,15 @@ class CheckpointSaver:
         if strategy.world_size > 1 and strategy.process_group is None:
             return f"{type(strategy).__name__} has no process group to agree over off the training thread"
         return None
+
+    def busy_anywhere(self) -> bool:
+        """Whether a background save is still running on some process (every process, together: a collective
+        where there are several)."""
+        busy = self.in_flight
+        if self.strategy.world_size > 1:  # every process must make the same choice, whatever it waited for
+            flag = torch.tensor([1.0 if busy else 0.0], device=self.strategy.root_device)
+            busy = bool(self.strategy.collectives.all_reduce(flag, "max").item())
+        return busy
 
     def warn_once(self, reason: str) -> None:
         import warnings
@@ -345,13 +391,8 @@ class CheckpointSaver:
         `raise_deferred`, after this save: one failed save does not stop the next from being written."""
         if if_busy not in IF_BUSY:
             raise ValueError(f"if_busy={if_busy!r}: allowed values are {', '.join(map(repr, IF_BUSY))}.")
-        if if_busy == "skip":
-            busy = self.in_flight
-            if self.strategy.world_size > 1:  # every process must make the same choice, whatever it waited for
-                flag = torch.tensor([1.0 if busy else 0.0], device=self.strategy.root_device)
-                busy = bool(self.strategy.collectives.all_reduce(flag, "max").item())
-            if busy:
-                return False
+        if if_busy == "skip" and self.busy_anywhere():
+            return False
         try:
             self.wait()
         except CheckpointError as err:

@@ -29,7 +29,7 @@ from fabric_lite.checkpoint.files import CheckpointError, CheckpointWriter
 from fabric_lite.checkpoint.fit import fit_problem, shapes_of
 from fabric_lite.checkpoint.names import canonical, canonical_state, for_module
 
-__all__ = ["ENGINE", "save", "read", "consolidate", "is_shard_file", "optimizer_state_by_name"]
+__all__ = ["ENGINE", "save", "local_state", "write", "read", "consolidate", "is_shard_file", "optimizer_state_by_name"]
 
 ENGINE = "dcp"
 METADATA = ".metadata"
@@ -151,20 +151,38 @@ def _gather(strategy: Any, value: Any) -> List[Any]:
     return strategy.collectives.all_gather_object(value)
 
 
-def save(writer: CheckpointWriter, strategy: Any, models: Sequence[torch.nn.Module],
-         optimizers: Sequence[Tuple[Optional[torch.nn.Module], torch.optim.Optimizer]]) -> None:
-    """Every rank: write this process's shards of every model and optimizer into `writer`'s staging dir."""
-    import torch.distributed.checkpoint as dcp
-
+def local_state(strategy: Any, models: Sequence[torch.nn.Module],
+                optimizers: Sequence[Tuple[Optional[torch.nn.Module], torch.optim.Optimizer]]) -> Dict[str, Any]:
+    """This process's part of every model and optimizer, keyed by name (sharded tensors as they are: DTensors)."""
     state: Dict[str, Any] = {f"model_{i}": canonical_state(strategy.unwrap_module(m).state_dict())
                              for i, m in enumerate(models)}
     for j, (module, optimizer) in enumerate(optimizers):
         state[f"optimizer_{j}"] = optimizer_state_by_name(
             strategy.unwrap_module(module) if module is not None else None, optimizer)
+    return state
+
+
+def _planner() -> Any:
+    """DCP's planner, keeping the plan of the last save: where no process's layout changed (the same tensors,
+    shapes and shards as last time), the processes skip sending their plans and DCP reuses the global plan."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    try:
+        return DefaultSavePlanner(enable_plan_caching=True)
+    except TypeError:  # pragma: no cover (a torch without plan caching)
+        return DefaultSavePlanner()
+
+
+def write(writer: CheckpointWriter, state: Dict[str, Any], strategy: Any, group: Any = None) -> None:
+    """Every rank: write `state` (`local_state`, or a host copy of it) into `writer`'s staging dir, agreeing over
+    `group` (None: the training group). A rank whose state could not be taken passes {}: it still takes part,
+    so that no other rank waits for it (its error aborts the save)."""
+    import torch.distributed.checkpoint as dcp
+
     try:
         with _quiet_lone_process():
-            dcp.save(state, storage_writer=_writer(writer.fs, writer.staging),
-                     no_dist=strategy.world_size == 1)
+            dcp.save(state, storage_writer=_writer(writer.fs, writer.staging), planner=_planner(),
+                     process_group=group, no_dist=strategy.world_size == 1)
     except _dcp_errors() as err:  # an Exception, so that save_state reports it from every rank and aborts
         raise CheckpointError(f"writing the shards failed: {_summary(err)}") from err
     rank = strategy.global_rank
@@ -173,6 +191,12 @@ def save(writer: CheckpointWriter, strategy: Any, models: Sequence[torch.nn.Modu
         name = entry.rstrip("/").rsplit("/", 1)[-1]
         if name.startswith(f"__{rank}_") or (name == METADATA and rank == 0):
             writer.checksums[name] = _checksum(writer.fs, entry)
+
+
+def save(writer: CheckpointWriter, strategy: Any, models: Sequence[torch.nn.Module],
+         optimizers: Sequence[Tuple[Optional[torch.nn.Module], torch.optim.Optimizer]]) -> None:
+    """Every rank: write this process's shards of every model and optimizer into `writer`'s staging dir."""
+    write(writer, local_state(strategy, models, optimizers), strategy)
 
 
 def _verify(url: str, manifest: Dict[str, Any], strategy: Any) -> Any:

@@ -33,7 +33,7 @@ from fabric_lite.checkpoint.files import CheckpointError, CheckpointWriter
 from fabric_lite.checkpoint.engines import engine_format
 from fabric_lite.checkpoint.loading import load_file
 from fabric_lite.checkpoint.restore import CHECKPOINT_RE, PER_PROCESS_LOADER_KEYS, TRAINING_STATE, load_state
-from fabric_lite.checkpoint.saver import SaveJob, snapshot
+from fabric_lite.checkpoint.saver import SaveJob, Snapshot
 from fabric_lite.rng_state import capture_rng_state
 
 if TYPE_CHECKING:
@@ -206,12 +206,34 @@ def save_state(acc: "Accelerator", output_dir: Optional[Union[str, os.PathLike]]
     job.meta = {"step": acc.step, "world_size": strategy.world_size, "iteration": project.iteration,
                 **({"engine": engine} if engine else {}),
                 **({"layout": dict(zip(mesh.names, mesh.sizes))} if len(mesh.names) > 1 else {}), **(meta or {})}
+    shards: Optional[Dict[str, Any]] = {} if engine == sharded.ENGINE else None
+    if shards is not None:  # (set first: a rank whose state could not be taken still takes part in DCP's write)
+        job.write_more = lambda writer, group: sharded.write(writer, shards or {}, strategy, group)  # noqa: E731
+    elif engine is not None and not background:
+        job.write_more = lambda writer, group: strategy.checkpoint_format.save_engine_state(writer)  # noqa: E731
+    taken = Snapshot(saver.buffers) if background else None
     try:
-        job.files, job.write_more = _collect(acc, url, engine)
-        if background:
-            job.files, job.ready = snapshot(job.files, saver.buffers)
+        # the training thread's part: this process's state (and, in the background, a host copy of it)
+        files = _collect(acc, url, engine)
+        if shards is not None:
+            optimizers = [(opt.module, opt.optimizer) for opt in acc.optimizers]
+            shards = sharded.local_state(strategy, acc.models, optimizers)
+        if taken is not None:
+            files = taken.copy(files)
+            if engine is not None and shards is None:  # an engine hands over its files, each copied at once
+                files.update(strategy.checkpoint_format.stage_engine_state(taken.copy))
+            if shards is not None:
+                shards = taken.copy(shards)
+            job.ready = taken.finish()
+        job.files = files
     except Exception as err:  # reported through the job: the other processes must not wait for this one
         job.error = err
+        shards = {}
+        if taken is not None and job.ready is None:
+            try:
+                job.ready = taken.finish()  # (the copies already queued end before the buffers are reused)
+            except Exception:
+                pass
     if automatic and project.total_limit is not None:
         root, limit = _checkpoints_root(acc), project.total_limit
 
@@ -236,20 +258,15 @@ def _prune(root: str, limit: int) -> None:
             fs.rm(checkpoint_io.filesystem(old)[1], recursive=True)
 
 
-def _collect(acc: "Accelerator", url: str, engine: Optional[str]) -> Tuple[Dict[str, Any], Optional[Callable]]:
-    """This process's files (name -> object), and what writes an engine's own files (every process)."""
+def _collect(acc: "Accelerator", url: str, engine: Optional[str]) -> Dict[str, Any]:
+    """This process's files (name -> object): model and optimizer state only where they are state dicts (a
+    sharded checkpoint's shards and an engine's files are written by `sharded.write` and the engine)."""
     strategy = acc.strategy
-    write_more: Optional[Callable[[CheckpointWriter], None]] = None
     if engine is None:
         # State dicts are built on every rank: sharded strategies need all ranks to assemble them.
         weights = [names.canonical_state(strategy.checkpoint_format.module_state_dict(model)) for model in acc.models]
-    elif engine == sharded.ENGINE:  # every rank writes its own shards
+    else:
         weights = []
-        optimizers = [(opt.module, opt.optimizer) for opt in acc.optimizers]
-        write_more = lambda writer: sharded.save(writer, strategy, acc.models, optimizers)  # noqa: E731
-    else:  # the engine writes model and optimizer state itself, each rank its own files
-        weights = []
-        write_more = strategy.checkpoint_format.save_engine_state
     for hook in acc.save_state_pre_hooks.values():
         hook(acc.models, weights, url)
     files: Dict[str, Any] = {f"model_{i}.pt": w for i, w in enumerate(weights)}
@@ -268,7 +285,7 @@ def _collect(acc: "Accelerator", url: str, engine: Optional[str]) -> Tuple[Dict[
     if not strategy.is_global_zero:
         files = {}
     files[f"rng_{strategy.global_rank}.pt"] = _process_local_state(acc, loaders)
-    return files, write_more
+    return files
 
 
 def _process_local_state(acc: "Accelerator", loaders: List[Dict[str, Any]]) -> Dict[str, Any]:

@@ -9,7 +9,9 @@
   them back (`read_engine_state`) and merges them into one state dict without a process group (`consolidate`).
 
 The other fields say what the doors may do around a save: keep partial gradients, save in the background, read
-big weights on rank 0 only.
+big weights on rank 0 only. An engine's format saves in the background where it can hand over its files on the
+training thread without writing them (`stage_engine_state`, `stages_engine_files=True`): the files are then
+copied to host memory there and written by the background thread like any other.
 
 It also holds the full state dicts that checkpoints and `save_model` read and write: `module_state_dict`,
 `load_module_state_dict`, `optimizer_state_dict`, `load_optimizer_state_dict`, and `to_host` (what
@@ -40,8 +42,12 @@ class CheckpointFormat:
     can write it (`save_state(blocking=False)`). `weights_on_rank_zero`: `load_module_state_dict` needs the full
     weights on global rank 0 only (the others pass {}): big weights are read by one process and scattered.
     `strategy`: the strategy that holds this format (held weakly), whose module unwrapping and collectives the
-    state dict reads and writes use.
+    state dict reads and writes use. `stages_engine_files` (an engine's format): `stage_engine_state` hands over
+    the engine's files as objects, so its saves can be written in the background.
     """
+
+    #: An engine's format whose `stage_engine_state` hands over its files without writing them.
+    stages_engine_files = False
 
     def __init__(self, strategy: Any, kind: str = STATE_DICT, partial_gradients: bool = True, background: bool = True,
                  weights_on_rank_zero: bool = False) -> None:
@@ -97,6 +103,11 @@ class CheckpointFormat:
     def save_engine_state(self, writer: Any) -> None:
         """Every rank: write the engine's files through `writer`."""
         raise NotImplementedError(f"The {self.kind!r} checkpoint format has no engine files.")
+
+    def stage_engine_state(self, keep: Callable[[Any], Any]) -> Dict[str, Any]:
+        """Every rank, on the training thread: the engine's files as they would be written (name -> object), each
+        passed through `keep` (which copies it to host memory) as the engine hands it over; a collective."""
+        raise NotImplementedError(f"The {self.kind!r} checkpoint format cannot hand over its engine files.")
 
     def read_engine_state(self, url: str, manifest: Dict[str, Any], strict: bool) -> Callable[[], None]:
         """Read and verify the engine's files; return what applies them (after every other check passed)."""

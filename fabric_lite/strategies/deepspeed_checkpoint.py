@@ -29,8 +29,8 @@ from fabric_lite.strategies.checkpoint_format import CheckpointFormat
 if TYPE_CHECKING:
     from fabric_lite.strategies.deepspeed import DeepSpeedStrategy
 
-__all__ = ["DeepSpeedCheckpointFormat", "save_engine_state", "read_engine_state", "consolidate", "match_module_keys",
-           "PREFIX", "ENGINE"]
+__all__ = ["DeepSpeedCheckpointFormat", "save_engine_state", "stage_engine_state", "read_engine_state", "consolidate",
+           "match_module_keys", "PREFIX", "ENGINE"]
 
 ENGINE = "deepspeed"
 PREFIX = "deepspeed_"
@@ -131,6 +131,25 @@ def save_engine_state(strategy: "DeepSpeedStrategy", writer: CheckpointWriter) -
         engine.save_checkpoint(_ROOT, tag=_TAG, client_state={}, save_latest=False)
     if failures:
         raise failures[0]
+
+
+def stage_engine_state(strategy: "DeepSpeedStrategy", keep: Callable[[Any], Any]) -> Dict[str, Any]:
+    """Every rank: the files the engine would write (module states, this rank's ZeRO partition), named as
+    `save_engine_state` names them, each passed through `keep` as the engine hands it over, nothing written.
+
+    The engine's own save runs here, on the training thread, with its barriers on the training group; only its
+    writes are taken out (the adapter keeps each object instead). `keep` copies the tensors to host memory at
+    once, so what the engine does after handing a file over (its checkpoint epilogue) cannot change the copy;
+    the background thread then writes these objects as the engine would have (`torch.save` through the writer)."""
+    engine = strategy.engine
+    staged: Dict[str, Any] = {}
+
+    def save(name: str, obj: Any) -> None:
+        staged[PREFIX + name] = keep(obj)
+
+    with _engine_io(engine, _adapter(save=save)):
+        engine.save_checkpoint(_ROOT, tag=_TAG, client_state={}, save_latest=False)
+    return staged
 
 
 def _module_keys(state: Dict[str, Any]) -> List[str]:
@@ -251,6 +270,8 @@ class DeepSpeedCheckpointFormat(CheckpointFormat):
     partial gradients in its own buffers. Full state dicts are the engine module's (gathered from every rank at
     ZeRO stage 3); the optimizer state stays partitioned, in the engine's files only."""
 
+    stages_engine_files = True
+
     def __init__(self, strategy: "DeepSpeedStrategy") -> None:
         super().__init__(strategy, ENGINE, partial_gradients=False)
 
@@ -284,6 +305,9 @@ class DeepSpeedCheckpointFormat(CheckpointFormat):
 
     def save_engine_state(self, writer: Any) -> None:
         save_engine_state(self.strategy, writer)
+
+    def stage_engine_state(self, keep: Callable[[Any], Any]) -> Dict[str, Any]:
+        return stage_engine_state(self.strategy, keep)
 
     def read_engine_state(self, url: str, manifest: Dict[str, Any], strict: bool) -> Callable[[], None]:
         return read_engine_state(self.strategy, url, manifest, strict)
