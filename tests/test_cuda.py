@@ -483,3 +483,42 @@ def test_the_rehearsal_of_64_ranks_runs_on_the_gpu_and_reports_its_peak_memory(t
     blocks = 8 * (4 * 1024 * 1024 + 3 * 1024 * 4096) * 4 / 64
     assert blocks < params < blocks + 2 * 256 * 1024 * 4 / 8 + 65536
     assert peak > params  # (the gathered weights and the activations come on top)
+
+
+def test_a_background_sharded_fsdp_save_on_the_gpu_stages_into_pinned_memory_and_loads_exactly(tmp_path):
+    """FSDP2 with sharded (DCP) checkpoints on the GPU: save_state(blocking=False) copies the shards into pinned host
+    buffers on the step's stream and returns; training goes on; the checkpoint holds the weights of the call."""
+    from fabric_lite import Accelerator
+    from fabric_lite.strategies import FSDPStrategy
+
+    def build(seed):
+        acc = Accelerator(strategy=FSDPStrategy(state_dict_type="sharded"))
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 4))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return (acc, *acc.prepare(model, opt))
+
+    def step(model, opt):
+        model(torch.randn(64, 512, device="cuda")).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    def full(model):
+        return [p.detach().full_tensor().cpu().clone() for p in model.parameters()]
+
+    acc, model, opt = build(0)
+    step(model, opt)
+    expected = full(model)
+    acc.save_state(tmp_path / "ckpt", blocking=False)
+    for _ in range(3):
+        step(model, opt)
+    acc.wait_for_checkpoint()
+    assert acc.checkpoint_saver.history[-1].background
+    staged = [b for b in acc.checkpoint_saver.buffers.buffers if b.dtype == torch.float32 and b.dim()]
+    assert staged and all(b.is_pinned() for b in staged)
+    assert not all(torch.equal(a, b) for a, b in zip(expected, full(model)))  # training did go on
+    acc.end_training()
+    acc2, model2, opt2 = build(1)
+    acc2.load_state(tmp_path / "ckpt")
+    assert all(torch.equal(a, b) for a, b in zip(expected, full(model2)))
+    acc2.end_training()
