@@ -67,6 +67,7 @@ class Tuner:
         kept = {name: getattr(trainer, name) for name in _TRAINER_STATE}
         try:
             trainer.callbacks = [finder]  # (the fit's own: loggers, checkpoints, progress bars stay out of it)
+            trainer.enable_model_summary = False
             trainer.fit(model, train_dataloaders, val_dataloaders, datamodule=datamodule)
         except TuningFinished:
             pass

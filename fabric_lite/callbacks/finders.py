@@ -255,23 +255,32 @@ class _Probe:
 
         @functools.wraps(step)
         def probing_step(*args: Any, **kwargs: Any) -> Any:
-            out, failure = None, None
+            out, failure, error = None, None, None
             try:
                 out = step(*args, **kwargs)
             except Exception as err:
-                if world == 1 or not should_reduce_batch_size(err):
+                if world == 1:
                     raise
-                failure = _describe(err)
+                if should_reduce_batch_size(err):
+                    failure = _describe(err)
+                else:
+                    error = err  # (raised below, once the others know: they stop instead of waiting for it)
             loss = out.get("loss") if isinstance(out, dict) else out
             value = float(loss.detach()) if isinstance(loss, torch.Tensor) and loss.numel() == 1 else math.nan
             if world > 1:
-                flags = torch.tensor([0.0 if failure is None else 1.0, value], device=trainer.device)
-                flags = trainer.strategy.collectives.all_reduce(flags, "sum").tolist()
-                if flags[0] > 0:
+                # (one all-reduce: processes out of memory here, processes stopped by another error, the loss)
+                flags = torch.tensor([float(failure is not None), float(error is not None),
+                                      0.0 if math.isnan(value) else value], device=trainer.device)
+                oom, errors, total = trainer.strategy.collectives.all_reduce(flags, "sum").tolist()
+                if error is not None:
+                    raise error
+                if errors > 0:
+                    raise RuntimeError(f"{int(errors)} other process(es) stopped with an error in training_step "
+                                       f"during the tuner's probe; this process stops too (see their output).")
+                if oom > 0:
                     out = loss = None
-                    raise TrialOutOfMemory(failure or f"another process ran out of memory ({int(flags[0])} of "
-                                                      f"{world})")
-                value = flags[1] / world
+                    raise TrialOutOfMemory(failure or f"another process ran out of memory ({int(oom)} of {world})")
+                value = math.nan if math.isnan(value) else total / world
             probe.window_losses.append(value)
             return out
 

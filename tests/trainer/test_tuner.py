@@ -242,7 +242,8 @@ def test_learning_rate_finder_callback_sets_the_running_optimizer(tmp_path):
 def test_out_of_memory_on_one_rank_is_agreed_by_both(tmp_path):
     """gloo DDP: rank 1 alone runs out of memory above batch 16 (inside the training step, before DDP's gradient
     all-reduce). Both ranks settle on 16 in both modes without waiting out the process group's timeout,
-    keep_global_batch gives 16 x 4, and the callback's fit trains as one started at 16."""
+    keep_global_batch gives 16 x 4, the callback's fit trains as one started at 16, lr_find suggests the same rate on
+    both ranks, and another error on rank 1 alone stops both ranks at once."""
     ranks = torchrun(WORKERS / "tuner_ranks.py", 2, "--root", tmp_path / "root", out_dir=tmp_path, timeout=240)
     for rank, result in enumerate(ranks):
         for mode in ("power", "binsearch"):
@@ -252,6 +253,11 @@ def test_out_of_memory_on_one_rank_is_agreed_by_both(tmp_path):
         assert result["keep"] == {"found": 16, "attr": 16, "accumulate": 4}, rank
         assert result["callback"] == {"found": 16, "last_sizes": [16, 16, 16], "global_step": 3,
                                       "same_weights": True}, rank
+    assert ranks[0]["lr_find"] == ranks[1]["lr_find"] and ranks[0]["lr_find"]["suggestion"] is not None
+    errors = [r["other_error"] for r in ranks]
+    assert errors[1]["type"] == "ValueError" and errors[1]["message"] == "boom on rank 1"
+    assert errors[0]["type"] == "RuntimeError" and "other process(es) stopped with an error" in errors[0]["message"]
+    assert errors[0]["seconds"] < 15  # told at once, not after the process group's 20 s timeout
 
 
 def calls_per_step(tmp_path, tune):

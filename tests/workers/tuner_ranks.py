@@ -76,3 +76,26 @@ t2.fit(plain)
 result["callback"] = {"found": finder.optimal_batch_size, "last_sizes": tuned.seen[-3:], "global_step": t.global_step,
                       "same_weights": flat(tuned) == flat(plain)}
 write_result(args.out, t.global_rank, result)
+
+# the learning-rate range test: every rank records the same (averaged) losses and suggests the same rate
+module = Net(batch_size=16)
+finder = Tuner(trainer()).lr_find(module, min_lr=1e-4, max_lr=10.0, num_training=30)
+result["lr_find"] = {"suggestion": finder.suggestion(), "losses": [round(v, 9) for v in finder.results["loss"]],
+                     "attr": module.lr}
+
+
+# another error in the training step on rank 1 only: both ranks stop at once, neither waits for the other
+class Broken(Net):
+    def training_step(self, batch, batch_idx):
+        if self.trainer.global_rank == 1 and len(batch[0]) >= 8:
+            raise ValueError("boom on rank 1")
+        return super().training_step(batch, batch_idx)
+
+
+start = time.monotonic()
+try:
+    Tuner(trainer()).scale_batch_size(Broken(), steps_per_trial=1)
+    result["other_error"] = None
+except Exception as err:
+    result["other_error"] = {"type": type(err).__name__, "message": str(err), "seconds": time.monotonic() - start}
+write_result(args.out, t.global_rank, result)
