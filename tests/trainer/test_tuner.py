@@ -237,6 +237,30 @@ def test_learning_rate_finder_callback_sets_the_running_optimizer(tmp_path):
     assert module.lr == pytest.approx(suggestion) and seen == [pytest.approx(suggestion)] * 2
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_real_cuda_out_of_memory_error_is_recovered(tmp_path):
+    """A step that holds 1 GiB per sample: the search runs into the GPU's real limit, frees each failed trial's
+    memory, and the fit afterwards trains at the size found."""
+
+    class Hungry(Regression):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            self.seen.append(len(x))
+            held = torch.ones(len(x), 2**28, device=x.device)  # 1 GiB of float32 per sample
+            return F.mse_loss(self.net(x), y) + 0 * held[0, 0]
+
+    module = Hungry(n=1024)
+    t = trainer(tmp_path, accelerator="cuda", devices=1, max_steps=2)
+    before = torch.cuda.memory_allocated()
+    size = Tuner(t).scale_batch_size(module, mode="binsearch", init_val=8, steps_per_trial=1)
+    total_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    assert size is not None and 8 <= size < total_gib and max(module.seen) > size
+    assert torch.cuda.memory_allocated() - before < 2**28  # nothing of the failed trials is left
+    t.fit(module)
+    assert t.global_step == 2 and module.seen[-2:] == [size, size]
+
+
 # -- 2 processes ---------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_out_of_memory_on_one_rank_is_agreed_by_both(tmp_path):
