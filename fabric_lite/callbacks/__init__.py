@@ -6,6 +6,7 @@ from fabric_lite.callbacks.checkpoint import ModelCheckpoint
 from fabric_lite.callbacks.device_stats import DeviceStatsMonitor
 from fabric_lite.callbacks.early_stopping import EarlyStopping
 from fabric_lite.callbacks.finetuning import BackboneFinetuning, BaseFinetuning
+from fabric_lite.callbacks.finders import BatchSizeFinder, LearningRateFinder
 from fabric_lite.callbacks.gradient_accumulation import GradientAccumulationScheduler
 from fabric_lite.callbacks.lambda_callback import LambdaCallback
 from fabric_lite.callbacks.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
@@ -26,9 +27,10 @@ __all__ = ["Callback", "ModelCheckpoint", "EarlyStopping", "Logger", "TensorBoar
            "ThroughputMonitor", "ModelSummary", "GradientAccumulationScheduler",
            "Timer", "OnExceptionCheckpoint", "BaseFinetuning", "BackboneFinetuning",
            "DeviceStatsMonitor", "ModelPruning", "TQDMProgressBar", "RichProgressBarTheme", "BasePredictionWriter",
-           "LambdaCallback", "WeightAveraging", "EMAWeightAveraging", "StochasticWeightAveraging"]
+           "LambdaCallback", "WeightAveraging", "EMAWeightAveraging", "StochasticWeightAveraging",
+           "BatchSizeFinder", "LearningRateFinder"]
 
 # Lightning's callbacks that fabric_lite refuses (they import; building one raises NotSupportedError)
-from fabric_lite.callbacks.lightning_refused import BatchSizeFinder, Checkpoint, LearningRateFinder, RichModelSummary  # noqa: E402,E501
+from fabric_lite.callbacks.lightning_refused import Checkpoint, RichModelSummary  # noqa: E402
 
-__all__ += ["BatchSizeFinder", "LearningRateFinder", "RichModelSummary", "Checkpoint"]
+__all__ += ["RichModelSummary", "Checkpoint"]

@@ -410,6 +410,11 @@ class Trainer(TrainerFacts, TrainerLightningNames):
             load_eval_weights(self, stage, ckpt_path)
         return [self._prepare_eval_loader(d, stage, i) for i, d in enumerate(as_list(loaders))]
 
+    def prepare_train_dataloader(self, loader: Any) -> Any:
+        """`loader` prepared as fit() prepares its training loader (sharded, placed, its position kept); the batch-size
+        and learning-rate finders probe with such loaders."""
+        return prepare_train_loader(self, loader)
+
     def _prepare_eval_loader(self, loader: Any, stage: str = "validate", dataloader_idx: int = 0) -> Any:
         return prepare_eval_loader(self, loader, stage, dataloader_idx)
 
