@@ -13,6 +13,7 @@ from fabric_lite.callbacks.on_exception import OnExceptionCheckpoint
 from fabric_lite.callbacks.prediction_writer import BasePredictionWriter
 from fabric_lite.callbacks.lr_monitor import LearningRateMonitor
 from fabric_lite.callbacks.pruning import ModelPruning
+from fabric_lite.callbacks.spike import SpikeDetection, TrainingSpikeException
 from fabric_lite.callbacks.progress import (
     ProgressBar, ProgressBarBase, RichProgressBar, RichProgressBarTheme, TQDMProgressBar,
 )
@@ -26,7 +27,8 @@ __all__ = ["Callback", "ModelCheckpoint", "EarlyStopping", "Logger", "TensorBoar
            "ThroughputMonitor", "ModelSummary", "GradientAccumulationScheduler",
            "Timer", "OnExceptionCheckpoint", "BaseFinetuning", "BackboneFinetuning",
            "DeviceStatsMonitor", "ModelPruning", "TQDMProgressBar", "RichProgressBarTheme", "BasePredictionWriter",
-           "LambdaCallback", "WeightAveraging", "EMAWeightAveraging", "StochasticWeightAveraging"]
+           "LambdaCallback", "WeightAveraging", "EMAWeightAveraging", "StochasticWeightAveraging", "SpikeDetection",
+           "TrainingSpikeException"]
 
 # Lightning's callbacks that fabric_lite refuses (they import; building one raises NotSupportedError)
 from fabric_lite.callbacks.lightning_refused import BatchSizeFinder, Checkpoint, LearningRateFinder, RichModelSummary  # noqa: E402,E501
