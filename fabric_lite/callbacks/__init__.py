@@ -1,5 +1,5 @@
 """Hooks into the Trainer: checkpoints, early stopping, loggers, progress, monitors, timing, finetuning, pruning,
-accumulation schedules, prediction writers, weight averaging."""
+accumulation schedules, prediction writers, weight averaging, spike detection."""
 
 from fabric_lite.callbacks.base import Callback
 from fabric_lite.callbacks.checkpoint import ModelCheckpoint

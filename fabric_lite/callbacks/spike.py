@@ -99,12 +99,13 @@ class SpikeDetection(Callback):
             as ``[epoch, batch_idx]`` pairs; default ``<default_root_dir>/skip_batches.json``.
         finite_only: a non-finite value is a spike (False: it is only kept out of the running mean).
         direction: ``"min"`` (a higher value is worse) or ``"max"``.
-        grad_norm: check the total gradient norm as well as the loss.
+        grad_norm: look for finite spikes of the total gradient norm as well as of the loss (non-finite gradients
+            are spikes either way, with `finite_only`).
     """
 
     def __init__(self, mode: str = "error", window: int = 10, warmup: int = 1, atol: Optional[float] = None,
                  rtol: Optional[float] = 2.0, exclude_batches_path: Optional[str] = None, finite_only: bool = True,
-                 direction: str = "min", grad_norm: bool = True) -> None:
+                 direction: str = "min", grad_norm: bool = False) -> None:
         if mode in ("min", "max"):  # Lightning's meaning of `mode`
             mode, direction = "error", mode
         if mode not in SPIKE_MODES:
@@ -220,26 +221,29 @@ class SpikeDetection(Callback):
         """At the step that closes an accumulation window, before the optimizers step: "step" or, decided on every
         process alike, "skip" (the gradients are dropped here) or "rollback" (`rollback` restores). Raises under
         "error"; warns and steps under "warn"."""
-        scaler = trainer.strategy.precision.scaler
-        norm = self.total_grad_norm(trainer) if (self.grad_norm or self.fused) and scaler is None else None
-        device = trainer.device
+        scaler = trainer.strategy.precision.scaler  # (its scaled gradients are its own to judge)
+        checks_norm = (self.grad_norm or self.finite_only) and scaler is None
+        norm = self.total_grad_norm(trainer) if checks_norm else None
+        device = norm.device if norm is not None else trainer.device
         norm_t = norm if norm is not None else torch.zeros((), device=device)
         if norm is None:
             norm_bad = torch.zeros((), dtype=torch.bool, device=device)
         elif self.grad_norm:
             norm_bad = self.spike_of(norm_t, self.norm_stats)
-        else:  # (fused: only the news of a process's loss spike, non-finite gradients)
+        else:  # (non-finite gradients only; under the fused decision, also the news of a process's loss spike)
             norm_bad = ~torch.isfinite(norm_t)
         losses = self.pending
         if self.fused:  # the gradients (averaged in backward) already carry every process's loss verdict
-            flags = torch.stack([norm_bad.float(), torch.zeros((), device=norm_t.device)])
+            flags = torch.stack([norm_bad.float(), torch.zeros((), device=device)])
         else:
             local = self.local_flag if self.local_flag is not None else torch.zeros((), dtype=torch.bool)
-            flags = torch.stack([local.to(norm_t.device).float(), norm_bad.float()])
+            flags = torch.stack([local.to(device).float(), norm_bad.float()])
             if self.world_size > 1:
-                flags = trainer.strategy.collectives.all_reduce(flags.to(device), "max")
-        read = torch.cat([flags.cpu(), norm_t.detach().float().reshape(1).cpu(),
-                          torch.stack(losses).float().cpu() if losses else torch.zeros(0)]).tolist()
+                flags = trainer.strategy.collectives.all_reduce(flags, "max")
+        parts = [flags.float(), norm_t.detach().float().reshape(1)]
+        if losses:
+            parts.append(torch.stack(losses).to(device))
+        read = torch.cat(parts).tolist()  # (the step's one host read)
         loss_bad, grad_bad = (bool(read[1]), bool(read[0])) if self.fused else (bool(read[0]), bool(read[1]))
         batches, self.window_batches, self.pending, self.local_flag = self.window_batches, [], [], None
         if not (loss_bad or grad_bad):

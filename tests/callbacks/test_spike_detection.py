@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 
 import pytest
 import torch
@@ -117,6 +118,28 @@ def test_one_process_skip_error_and_rollback(tmp_path):
     close(sc.flat(module), sc.flat(reference))
 
 
+def test_a_spike_leaves_out_its_whole_accumulation_window(tmp_path):
+    module = sc.Regression(bad_rank=0, bad_batch=5)
+    trainer = sc.fit(str(tmp_path / "skip"), module, [sc.spike("skip")], accumulate_grad_batches=2)
+    reference = sc.Regression(skip={(0, 4), (0, 5)})
+    sc.fit(str(tmp_path / "ref"), reference, [], accumulate_grad_batches=2)
+    close(sc.flat(module), sc.flat(reference))
+    assert trainer.global_step == 7
+    module = sc.Regression(bad_rank=0, bad_batch=5)
+    sc.fit(str(tmp_path / "rb"), module, [sc.spike("rollback")], every_n_train_steps=1, accumulate_grad_batches=2)
+    assert json.loads((tmp_path / "rb" / "skip_batches.json").read_text()) == [[0, 4], [0, 5]]
+    assert module.seen[:8] == [[0, 0], [0, 1], [0, 2], [0, 3], [0, 4], [0, 5], [0, 6], [0, 7]]
+    close(sc.flat(module), sc.flat(reference))
+
+
+def test_raw_door_on_one_process():
+    weights, skipped = sc.raw_loop(bad_rank=0, bad_step=2)
+    reference, _ = sc.raw_loop(skip_step=2, check=False)
+    assert skipped == [2]
+    close(weights, reference)
+    assert sc.raw_loop(check=False)[0] == sc.raw_loop()[0]  # (nothing non-finite: the same steps)
+
+
 def test_rollback_without_a_checkpoint_says_so(tmp_path):
     with pytest.raises(TrainingSpikeException, match="no whole checkpoint"):
         sc.fit(str(tmp_path), sc.Regression(bad_rank=0, bad_batch=1), [sc.spike("rollback")])
@@ -134,8 +157,10 @@ def test_a_finite_loss_spike_against_the_running_mean(tmp_path):
     module = Spiky()
     trainer = sc.fit(str(tmp_path), module, [SpikeDetection(mode="skip", window=3, warmup=2, grad_norm=False)])
     assert trainer.global_step == 15
-    with pytest.warns(UserWarning, match="batch 4 of epoch 0"):
+    with warnings.catch_warnings(record=True) as caught:  # (stepped on, the spike spoils the batches after it)
+        warnings.simplefilter("always")
         sc.fit(str(tmp_path / "w"), Spiky(), [SpikeDetection(mode="warn", window=3, warmup=2, grad_norm=False)])
+    assert "batch 4 of epoch 0" in str(caught[0].message) and "mode='warn'" in str(caught[0].message)
     # without tolerances only non-finite values count
     trainer = sc.fit(str(tmp_path / "n"), Spiky(), [SpikeDetection(mode="skip", rtol=None)])
     assert trainer.global_step == 16
@@ -148,8 +173,8 @@ def test_a_gradient_norm_spike(tmp_path):
             return loss + 1e3 * self.net[0].weight.sum() if (self.trainer.current_epoch, batch_idx) == (0, 6) \
                 else loss
 
-    detection = SpikeDetection(mode="skip", window=4, rtol=10.0)  # (the loss itself jumps: direction "max" hides it)
-    detection.direction = "max"
+    # (the loss itself jumps too: direction "max" keeps it from counting)
+    detection = SpikeDetection(mode="skip", window=4, rtol=10.0, direction="max", grad_norm=True)
     trainer = sc.fit(str(tmp_path), Steep(), [detection])
     assert trainer.global_step == 15 and detection.spikes == 1
 
@@ -174,3 +199,24 @@ def test_state_and_lightnings_file_of_batch_indices(tmp_path):
     again.load_state_dict(detection.state_dict())
     assert again.excluded == {(0, 3)} and again.excluded_always == {1}
     assert again.loss_stats.values == detection.loss_stats.values
+
+
+class Manual(sc.Regression):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        return loss
+
+
+def test_manual_optimization_checks_after_the_batch_as_lightning_does(tmp_path):
+    with pytest.raises(TrainingSpikeException, match="batch 3 of epoch 0"):
+        sc.fit(str(tmp_path), Manual(bad_rank=0, bad_batch=3), [sc.spike("error")])
+    with pytest.raises(ValueError, match="automatic_optimization=False"):
+        sc.fit(str(tmp_path), Manual(), [sc.spike("skip")])

@@ -50,14 +50,14 @@ def flat(module):
     return torch.cat([p.detach().flatten() for p in module.parameters()]).tolist()
 
 
-def fit(root, module, callbacks, strategy="auto", epochs=2, ckpt_path=None, every_n_train_steps=None):
+def fit(root, module, callbacks, strategy="auto", epochs=2, ckpt_path=None, every_n_train_steps=None, **more):
     checkpointing = every_n_train_steps is not None
     if checkpointing:
         callbacks = callbacks + [ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), save_top_k=-1,
                                                  every_n_train_steps=every_n_train_steps, async_save=False)]
     trainer = Trainer(max_epochs=epochs, strategy=strategy, callbacks=callbacks, default_root_dir=root,
                       enable_progress_bar=False, enable_checkpointing=checkpointing, enable_model_summary=False,
-                      logger=False, num_sanity_val_steps=0)
+                      logger=False, num_sanity_val_steps=0, **more)
     trainer.fit(module, DataLoader(data(), batch_size=BATCH), ckpt_path=ckpt_path)
     return trainer
 
