@@ -176,6 +176,8 @@ class StepEngine:
         divisor = self.loss_divisor if self.divide_loss_by == "window" else self.gradient_accumulation_plugin.num_steps
         if divisor > 1:
             loss = loss / divisor
+        if self.loss_watch is not None:  # (watch_losses(): note a non-finite loss for step_is_finite)
+            loss = self.note_loss(loss)
         try:
             self.strategy.backward(loss, model if model is not None else (self.models[0] if self.models else None),
                                    **kwargs)
@@ -187,6 +189,71 @@ class StepEngine:
                     f"or loss.sum()."
                 ) from err
             raise
+
+    # -- non-finite losses, decided by every process together ----------------------------------------
+    #: Whether a loss noted by backward() since the last `step_is_finite()` was non-finite (a bool tensor on the
+    #: device, no host read); None: backward() notes nothing (`watch_losses()` turns it on).
+    loss_watch: Optional[torch.Tensor] = None
+
+    def watch_losses(self, enabled: bool = True) -> None:
+        """From now on backward() notes whether each loss is finite, for `step_is_finite()` (off by default: it
+        costs a few operations per backward)."""
+        self.loss_watch = torch.zeros((), dtype=torch.bool, device=self.strategy.root_device) if enabled else None
+
+    def note_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Note whether `loss` is finite; the loss to run backward on. Where the gradients are averaged in backward
+        (DDP) a non-finite loss is multiplied by NaN, so that every process's averaged gradients carry it."""
+        finite = torch.isfinite(loss.detach()).all()
+        watch = self.loss_watch
+        self.loss_watch = ~finite if watch is None else watch | ~finite
+        if self.decides_in_backward():
+            loss = loss * torch.where(finite, torch.ones((), device=loss.device),
+                                      torch.full((), float("nan"), device=loss.device)).to(loss.dtype)
+        return loss
+
+    def decides_in_backward(self) -> bool:
+        """Whether the gradient all-reduce of backward carries a process's non-finite loss to every process: DDP
+        models (gradients replicated) without a loss scaler (whose own skip would see the NaN first)."""
+        models = self.models
+        return bool(models) and self.strategy.precision.scaler is None and self.strategy.world_size > 1 and all(
+            isinstance(m, torch.nn.parallel.DistributedDataParallel) for m in models)
+
+    def step_is_finite(self, optimizers: Optional[Sequence[Any]] = None) -> bool:
+        """Whether every process may take this optimizer step, decided by all of them alike: False where a loss
+        noted by backward() (`watch_losses()`) or a gradient of the prepared models is non-finite on any process.
+        Then every process has dropped its gradients (`zero_grad` of `optimizers`, all prepared ones by default):
+        skip `optimizer.step()`, `scheduler.step()` (and so the scaler's update) on every process::
+
+            accelerator.watch_losses()
+            for batch in loader:
+                accelerator.backward(model(batch))
+                if accelerator.step_is_finite():
+                    optimizer.step()
+                    scheduler.step()
+                optimizer.zero_grad()
+
+        Under DDP the gradient all-reduce backward makes carries the decision (no collective of its own); elsewhere
+        one all-reduce of one flag decides. Under a loss scaler the (scaled) gradients are the scaler's to judge:
+        only the losses count."""
+        strategy = self.strategy
+        device = strategy.root_device
+        watch = self.loss_watch
+        fused = self.decides_in_backward()
+        bad = torch.zeros((), dtype=torch.bool, device=device) if watch is None or fused else watch.to(device)
+        if strategy.precision.scaler is None:
+            for model in self.models:
+                for p in model.parameters():
+                    if p.grad is not None:
+                        bad = bad | ~torch.isfinite(p.grad.detach()).all().to(device)
+        if watch is not None:
+            self.loss_watch = torch.zeros((), dtype=torch.bool, device=device)
+        if strategy.world_size > 1 and not fused:
+            bad = strategy.collectives.all_reduce(bad.float().reshape(1), "max")[0] > 0
+        if not bool(bad):
+            return True
+        for opt in (self.optimizers if optimizers is None else optimizers):
+            opt.zero_grad(set_to_none=True)
+        return False
 
     # -- unscale and clip --------------------------------------------------------------------------
     def unscale_gradients(self, optimizer: Optional[Any] = None) -> None:

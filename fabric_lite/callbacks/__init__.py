@@ -1,5 +1,5 @@
 """Hooks into the Trainer: checkpoints, early stopping, loggers, progress, monitors, timing, finetuning, pruning,
-accumulation schedules, prediction writers, weight averaging."""
+accumulation schedules, prediction writers, weight averaging, spike detection."""
 
 from fabric_lite.callbacks.base import Callback
 from fabric_lite.callbacks.checkpoint import ModelCheckpoint
@@ -14,6 +14,7 @@ from fabric_lite.callbacks.on_exception import OnExceptionCheckpoint
 from fabric_lite.callbacks.prediction_writer import BasePredictionWriter
 from fabric_lite.callbacks.lr_monitor import LearningRateMonitor
 from fabric_lite.callbacks.pruning import ModelPruning
+from fabric_lite.callbacks.spike import SpikeDetection, TrainingSpikeException
 from fabric_lite.callbacks.progress import (
     ProgressBar, ProgressBarBase, RichProgressBar, RichProgressBarTheme, TQDMProgressBar,
 )
@@ -27,8 +28,8 @@ __all__ = ["Callback", "ModelCheckpoint", "EarlyStopping", "Logger", "TensorBoar
            "ThroughputMonitor", "ModelSummary", "GradientAccumulationScheduler",
            "Timer", "OnExceptionCheckpoint", "BaseFinetuning", "BackboneFinetuning",
            "DeviceStatsMonitor", "ModelPruning", "TQDMProgressBar", "RichProgressBarTheme", "BasePredictionWriter",
-           "LambdaCallback", "WeightAveraging", "EMAWeightAveraging", "StochasticWeightAveraging",
-           "BatchSizeFinder", "LearningRateFinder"]
+           "LambdaCallback", "WeightAveraging", "EMAWeightAveraging", "StochasticWeightAveraging", "SpikeDetection",
+           "TrainingSpikeException", "BatchSizeFinder", "LearningRateFinder"]
 
 # Lightning's callbacks that fabric_lite refuses (they import; building one raises NotSupportedError)
 from fabric_lite.callbacks.lightning_refused import Checkpoint, RichModelSummary  # noqa: E402

@@ -135,7 +135,10 @@ def run_fit(trainer: "Trainer") -> None:
             break
         if reload_every and trainer.current_epoch - trainer.loaded_epoch >= reload_every:
             reload_loaders(trainer)
-        if not train_epoch(trainer) and not warned:
+        drew = train_epoch(trainer)
+        if drew is None:  # a spike rolled every process back to a checkpoint: go on from there
+            continue
+        if not drew and not warned:
             warnings.warn(empty_loader_warning(trainer), UserWarning, stacklevel=3)
             warned = True
         if trainer.should_stop and trainer.time_is_up():
@@ -199,8 +202,16 @@ def empty_loader_warning(trainer: "Trainer") -> str:
             f"one batch (check the dataset, batch_size and drop_last).")
 
 
-def _train_epoch(trainer: "Trainer") -> bool:
-    """One training epoch; False when the loader yielded no batch at all (nothing trained)."""
+def _spike_guard(trainer: "Trainer") -> Any:
+    """The SpikeDetection callback that decides each optimizer step, or None."""
+    from fabric_lite.callbacks.spike import SpikeDetection
+
+    return next((cb for cb in trainer.callbacks if isinstance(cb, SpikeDetection)), None)
+
+
+def _train_epoch(trainer: "Trainer") -> Optional[bool]:
+    """One training epoch; False when the loader yielded no batch at all (nothing trained), None when a spike rolled
+    the run back to a checkpoint (the loop goes on from the epoch and batch it restored)."""
     module, model, strategy, metrics = trainer.module, trainer.model, trainer.strategy, trainer.metric_store
     assert module is not None and model is not None  # (fit() set them up before its loop)
     engine = trainer.accelerator
@@ -238,11 +249,17 @@ def _train_epoch(trainer: "Trainer") -> bool:
     models = (model,)
     gradient_state = engine.gradient_state
     validates_in_epoch = bool(trainer.val_dataloaders)
+    # a spike guard (SpikeDetection) decides each optimizer step on every process alike; the positions it left out
+    guard = _spike_guard(trainer) if module.automatic_optimization else None
+    excluded = guard.excluded_batches(trainer.current_epoch) if guard is not None else None
+    verdict = "step"
     # (the loader is not held in a variable: breaking out of the loop closes its iterator at once, as before)
     for batch_idx, batch in enumerate(loader if instrument is None else
                                       instrument.iterate("train_dataloader_next", loader), start=start):
         if limit is not None and batch_idx >= limit:
             break
+        if excluded and batch_idx in excluded:
+            continue  # (left out after a spike: not trained on, here or after a resume)
         if hooks.transfer is not None:
             batch = hooks.transfer(batch, 0)
         for hook in hooks.cb_batch_start:
@@ -259,16 +276,22 @@ def _train_epoch(trainer: "Trainer") -> bool:
                 loss = out if out.__class__ is torch.Tensor and out.ndim == 0 else _extract_loss(out, batch_idx)
                 if hooks.before_backward is not None:
                     hooks.before_backward(loss)
-                backward(loss, model)  # divided by the window's real length (divide_loss_by="window")
+                # divided by the window's real length (divide_loss_by="window")
+                backward(loss if guard is None else guard.mark(loss, batch_idx), model)
                 if hooks.after_backward is not None:
                     hooks.after_backward()
             if gradient_state.sync_gradients:  # the window closed: clip, step, zero_grad
-                step_optimizers(trainer.optimizers, trainer.gradient_clip_val, trainer.gradient_clip_algorithm,
-                                hooks.before_optimizer_step, hooks.before_zero_grad)
-                trainer.global_step += 1
-                for sched in trainer.lr_scheduler_configs:
-                    if sched.interval == "step" and trainer.global_step % sched.frequency == 0:
-                        step_scheduler(trainer, sched)
+                if guard is not None:  # "skip": the gradients were dropped on every process
+                    verdict = guard.verdict(trainer, batch_idx)
+                    if verdict == "rollback":
+                        break
+                if verdict == "step":
+                    step_optimizers(trainer.optimizers, trainer.gradient_clip_val, trainer.gradient_clip_algorithm,
+                                    hooks.before_optimizer_step, hooks.before_zero_grad)
+                    trainer.global_step += 1
+                    for sched in trainer.lr_scheduler_configs:
+                        if sched.interval == "step" and trainer.global_step % sched.frequency == 0:
+                            step_scheduler(trainer, sched)
         else:
             out = manual_forward(batch, batch_idx)  # optimizer steps count themselves (Trainer.count_manual_step)
         if hooks.cb_batch_end or hooks.batch_end is not None:  # (Lightning hands a plain loss over as {"loss": loss})
@@ -294,6 +317,12 @@ def _train_epoch(trainer: "Trainer") -> bool:
             break
     else:
         cut_short = False
+    if verdict == "rollback":
+        assert guard is not None
+        guard.rollback(trainer)  # (every process: the epoch, its position and the weights are the checkpoint's)
+        trainer.epoch_finished = False
+        metrics.fx = None
+        return None
     if not cut_short:
         # A batch limit ends the epoch before the loader runs out: move the loader on too, so a
         # checkpoint taken now resumes at the next epoch's first batch.
