@@ -26,6 +26,10 @@ subtracts them, per process (rank 0's figures are printed; "first step" is the l
   first step       forward, backward, `optimizer.step()` of that batch (the step after it is timed too,
                    for comparison: the first writes AdamW's state, 2x the model, for the first time)
 
+Beside the table: `load_state`'s CPU seconds (`time.process_time()`, every thread of the process: figures that
+the load of other work on the machine moves much less than wall time) and the memory it touched for the first
+time (minor page faults), the calls (below) and the dataset items loaded to reach the first batch.
+
 Each configuration (1 process / 2 processes, the checkpoint on the local disk / on an S3 server) runs
 its repeats as kill -> resume -> kill -> resume ...: the first resume follows the kill of the run that
 saved, each later one the kill of the previous resumed run (which trains on after its first step). The
@@ -73,6 +77,7 @@ PARTS = [("process start", "killed", "start"), ("import", "start", "imported"),
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing",
           "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
 MB = 1e6
+PAGE = os.sysconf("SC_PAGE_SIZE")
 RUNNING: List[subprocess.Popen] = []  # launched and not yet killed: killed when the benchmark stops
 
 
@@ -127,10 +132,15 @@ def child(args: argparse.Namespace) -> None:
 
     report: Dict[str, Any] = {"rank": rank, "world": accelerator.num_processes}
     if args.resume:
+        import resource
+
         timing = _TimingHooks()
+        cpu, faults = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t = time.time()
         accelerator.load_state(args.url)
         stamps["loaded"] = time.time()
+        report.update(load_cpu_s=time.process_time() - cpu,
+                      load_faults=resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
         timing.remove()
         report.update(load_s=stamps["loaded"] - t, read_s=timing.read_s, checksum_s=timing.checksum_s)
     else:
@@ -356,6 +366,8 @@ def parts_of(ranks: List[Dict[str, Any]]) -> Dict[str, float]:
     out["total"] = max(r["stamps"]["stepped"] for r in ranks) - s["killed"]
     out["checksum thread"] = rep["checksum_s"]
     out["second step"] = rep.get("second_step_s", float("nan"))
+    out["load cpu"] = rep.get("load_cpu_s", float("nan"))
+    out["load faults"] = rep.get("load_faults", float("nan"))
     return out
 
 
@@ -364,7 +376,7 @@ def print_table(key: str, results: List[Dict[str, Any]], batch: int) -> Dict[str
     calls = results[-1]["ranks"][0].get("load_state_calls")
     per = [parts_of(r["ranks"]) for r in timed]
     names = [p for p, _, _ in PARTS]
-    med = {n: statistics.median(p[n] for p in per) for n in names + ["total", "checksum thread", "second step"]}
+    med = {n: statistics.median(p[n] for p in per) for n in names + ["total", "checksum thread", "second step", "load cpu", "load faults"]}
     largest = max(names, key=lambda n: med[n])
     items = sorted({r["ranks"][0]["items_for_first_batch"] for r in timed})
     print(f"\n{LABELS[key]}: {timed[0]['bytes'] / MB:.1f} MB checkpoint, {len(timed)} resume(s), s (rank 0)")
@@ -379,6 +391,8 @@ def print_table(key: str, results: List[Dict[str, Any]], batch: int) -> Dict[str
           f"for the first time)")
     print(f"checksum threads (inside read + verify, overlapping it): {med['checksum thread']:.3f} s; "
           f"dataset items loaded for the first batch: {items} (a batch is {batch})")
+    print(f"load_state's CPU seconds (all threads of the process, load-independent within noise): {med['load cpu']:.3f}; "
+          f"memory touched for the first time: {med['load faults'] * PAGE / MB:.0f} MB")
     if calls is not None:
         print(f"Python calls of one load_state (a second one in the resumed process): {calls}")
     return {"key": key, "median": med, "largest": largest, "calls": calls, "items": items,
