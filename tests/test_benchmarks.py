@@ -4,7 +4,8 @@ Timings are not checked here (they depend on the machine and its load); benchmar
 them. The file takes ~75 s on 2 quiet cores (fsdp_memory.py --quick ~17 s of it, fp8_vs_bf16.py --quick
 ~13 s). Left out or cut short: import_time.py (no quick mode: a run starts 45 fresh interpreters),
 checkpoint.py runs --quick without its peak-memory children (--no-memory, 6 s instead of 13 s), and of
-the two DDP benchmarks only trainer_overhead.py --ddp runs (it uses the same launch path as overhead.py --ddp).
+the two DDP benchmarks only trainer_overhead.py --ddp runs (it uses the same launch path as overhead.py --ddp);
+resume_time.py --quick resumes one process from the local disk once (~10 s: two interpreters start).
 peers.py runs with whatever is installed: in the project's environment it names the missing peers
 and still compares fabric_lite with the raw loop.
 """
@@ -34,6 +35,9 @@ def run_quick(cmd, timeout=120):
     ("memory.py", [], ["peak MB", "tiny   raw", "tiny   accelerator", "tiny   trainer bare", "target: peak RSS"]),
     ("checkpoint.py", ["--no-memory"], ["median MB/s", "save raw", "save fabric_lite", "load fabric_lite"]),
     ("gpt_gpu.py", [], ["tokens/s", "raw ", "accelerator ", "trainer ", "calls/step"]),
+    ("resume_time.py", [], ["1 process, local disk", "process start", "read + verify", "loader position",
+                            "first step", "largest part:", "Python calls of one load_state",
+                            "dataset items loaded for the first batch: [8] (a batch is 8)"]),
 ])
 def test_quick_run_prints_its_table(script, extra, rows):
     out = run_quick([sys.executable, str(BENCH / script), "--quick", *extra])

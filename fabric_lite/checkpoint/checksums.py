@@ -8,8 +8,9 @@ import hashlib
 import io
 import os
 import struct
+import threading
 import zlib
-from typing import Any, Optional
+from typing import Any, List, Optional, Tuple
 
 __all__ = ["CHECKSUM", "ZIP_PREFIX", "ZIP_DAMAGED", "CHUNK", "matches", "digest", "on_helper_thread", "HashingWriter", "is_local",
            "zip_listing_digest", "zip_digest", "checksum_of", "digest_file"]
@@ -161,22 +162,125 @@ def zip_listing_digest(path: str) -> str:
 
 def zip_digest(source: Any) -> str:
     """The same digest, after checking every record's bytes against its CRC-32 (what loading does): any byte
-    of the file that changed shows. A file that is not a whole zip gives a value that matches nothing."""
+    of the file that changed shows. A file that is not a whole zip gives a value that matches nothing.
+
+    torch's records are stored, not compressed: each is read once from where its local header says it
+    starts (a local file through one reused buffer, bytes in place), the large ones on several threads
+    at once (reads and zlib release the GIL)."""
     import zipfile
 
     f = open(source, "rb") if isinstance(source, str) else source
     try:
         with zipfile.ZipFile(f) as archive:
-            for info in archive.infolist():
-                with archive.open(info) as member:  # zipfile compares the CRC-32 once a record is read whole
-                    while member.read(CHUNK):
-                        pass
+            _check_records(archive, f)
             return _structure_digest(archive, f)
     except Exception:  # zipfile raises many kinds for a damaged archive (bad method, flags, lengths): all say damaged
         return ZIP_DAMAGED
     finally:
         if f is not source:
             f.close()
+
+
+#: Records at least this large are checked on the record threads; smaller ones in place.
+_PARALLEL_RECORD = 4 * 2**20
+_READ_CHUNK = 2**20
+_RECORD_POOL: Any = None
+_BUFFERS = threading.local()
+
+
+def _check_records(archive: Any, f: Any) -> None:
+    """Every record's bytes against the CRC-32 of the zip's directory (zipfile.BadZipFile where one differs)."""
+    import zipfile
+
+    whole: Optional[memoryview] = f.getbuffer() if isinstance(f, io.BytesIO) else None
+    try:
+        fd: Optional[int] = f.fileno() if whole is None else None
+    except (OSError, io.UnsupportedOperation):
+        fd = None
+    try:
+        large = []
+        for info in archive.infolist():
+            if (whole is None and fd is None) or info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 0x1:
+                with archive.open(info) as member:  # zipfile compares the CRC-32 once a record is read whole
+                    while member.read(CHUNK):
+                        pass
+                continue
+            if info.compress_size != info.file_size:
+                raise zipfile.BadZipFile(f"a stored record's sizes differ: {info.filename}")
+            job = (whole, fd, _record_start(whole, fd, info), info.compress_size)
+            if info.compress_size >= _PARALLEL_RECORD:
+                large.append((job, info))
+            elif _record_crc(job) != info.CRC:
+                raise zipfile.BadZipFile(f"bad CRC-32 for {info.filename}")
+        for crc, (_, info) in zip(_record_crcs([job for job, _ in large]), large):
+            if crc != info.CRC:
+                raise zipfile.BadZipFile(f"bad CRC-32 for {info.filename}")
+    finally:
+        if whole is not None:
+            whole.release()
+
+
+def _read_at(whole: Optional[memoryview], fd: Optional[int], offset: int, size: int) -> bytes:
+    if whole is not None:
+        return bytes(whole[offset:offset + size])
+    assert fd is not None
+    return os.pread(fd, size, offset)
+
+
+def _record_start(whole: Optional[memoryview], fd: Optional[int], info: Any) -> int:
+    """Where a record's bytes start, from its local header (checked as zipfile checks it)."""
+    import zipfile
+
+    header = _read_at(whole, fd, info.header_offset, 30)
+    if len(header) < 30 or header[:4] != b"PK\x03\x04":
+        raise zipfile.BadZipFile("bad local header")
+    name_length, extra_length = struct.unpack("<HH", header[26:30])
+    name = _read_at(whole, fd, info.header_offset + 30, name_length)
+    if name != info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437"):
+        raise zipfile.BadZipFile("a local header names another record")
+    return int(info.header_offset + 30 + name_length + extra_length)
+
+
+def _record_crc(job: Tuple[Optional[memoryview], Optional[int], int, int]) -> int:
+    """The CRC-32 of `size` bytes at `start` (EOFError where the file ends first)."""
+    whole, fd, start, size = job
+    if whole is not None:
+        data = whole[start:start + size]
+        if data.nbytes != size:
+            raise EOFError("a record is cut short")
+        return zlib.crc32(data)
+    assert fd is not None
+    buffer = getattr(_BUFFERS, "buffer", None)
+    if buffer is None:  # one per thread, reused: fresh memory for every read costs more than the read
+        buffer = _BUFFERS.buffer = memoryview(bytearray(_READ_CHUNK))
+    value, done = 0, 0
+    while done < size:
+        n = os.preadv(fd, [buffer[:min(_READ_CHUNK, size - done)]], start + done)
+        if n <= 0:
+            raise EOFError("a record is cut short")
+        value = zlib.crc32(buffer[:n], value)
+        done += n
+    return value
+
+
+def _record_crcs(jobs: List[Any]) -> List[int]:
+    """The CRC-32 of each large record, on several threads at once."""
+    if len(jobs) < 2:
+        return [_record_crc(job) for job in jobs]
+    try:
+        return list(_record_pool().map(_record_crc, jobs))
+    except RuntimeError:  # the interpreter is shutting down: in place
+        return [_record_crc(job) for job in jobs]
+
+
+def _record_pool() -> Any:
+    global _RECORD_POOL
+    if _RECORD_POOL is None or _RECORD_POOL[0] != os.getpid():  # (one per process, as `_pool`)
+        from concurrent.futures import ThreadPoolExecutor
+
+        threads = max(2, min(4, os.cpu_count() or 1))
+        _RECORD_POOL = (os.getpid(), ThreadPoolExecutor(threads, thread_name_prefix="fabric_lite_crc"))
+    return _RECORD_POOL[1]
 
 
 def matches(found: str, expected: str) -> bool:

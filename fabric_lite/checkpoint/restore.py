@@ -31,7 +31,7 @@ import torch
 from fabric_lite.checkpoint import files as checkpoint_io
 from fabric_lite.checkpoint import fit, names, sharded
 from fabric_lite.checkpoint.files import CheckpointError
-from fabric_lite.checkpoint.loading import load_file
+from fabric_lite.checkpoint.loading import load_file, start_reading
 from fabric_lite.rng_state import capture_rng_state, restore_rng_state
 
 if TYPE_CHECKING:
@@ -265,7 +265,12 @@ def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]],
     manifest = checkpoint_io.read_manifest(url)
     strategy = acc.strategy
     # -- reading: nothing of the run changes until everything was read and checked
-    state = load_file(url, TRAINING_STATE, manifest, weights_only=weights_only)
+    rng_name = f"rng_{strategy.global_rank}.pt"
+    # this process's files read and checksummed together, on helper threads, while the first ones are parsed
+    own = [TRAINING_STATE, *([] if manifest["meta"].get("engine") else
+                             [f"model_{i}.pt" for i in range(len(acc.models))]), rng_name]
+    started = start_reading(url, own, manifest)
+    state = load_file(url, TRAINING_STATE, manifest, weights_only=weights_only, started=started)
     problem = state_problem(state)
     if problem:
         raise CheckpointError(f"{url}/{TRAINING_STATE} is damaged: {problem}. Nothing was loaded.")
@@ -296,8 +301,8 @@ def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]],
                                     [(opt.module, opt.optimizer) for opt in acc.optimizers], strict)
     else:
         apply_engine = fmt.read_engine_state(url, manifest, strict) if engine else None
-    weights = [] if saved_as else [load_file(url, f"model_{i}.pt", manifest, weights_only=weights_only)
-                                   for i in range(len(acc.models))]
+    weights = [] if saved_as else [load_file(url, f"model_{i}.pt", manifest, weights_only=weights_only,
+                                             started=started) for i in range(len(acc.models))]
     problems: List[str] = []
     for i, model in enumerate(acc.models[:len(weights)]):
         current = strategy.unwrap_module(model).state_dict()
@@ -317,11 +322,11 @@ def load_state(acc: "Accelerator", input_dir: Optional[Union[str, os.PathLike]],
             f"{url} does not fit this run; nothing was loaded. {len(problems)} mismatch(es), first: "
             f"{'; '.join(problems[:5])}. Load a checkpoint of these objects (the same model, optimizer and scheduler "
             f"classes, built the same way); strict=False allows missing or unexpected model keys.")
-    rng_name = f"rng_{strategy.global_rank}.pt"
     saved_world = manifest["meta"].get("world_size")
     local, in_window, partial, mine = None, False, None, None
     try:  # each process's own file: checked on every process, then agreed on
-        local = load_file(url, rng_name, manifest, weights_only=True) if rng_name in manifest["files"] else None
+        local = load_file(url, rng_name, manifest, weights_only=True, started=started) \
+            if rng_name in manifest["files"] else None
         if local is not None:
             problem = _local_problem(local, _named_parameters(acc)) or _rng_fits(local["rng"])
             if problem:
