@@ -9,7 +9,7 @@
   finish (its number of saves and their write time set the moments of the others), each other SIGKILLed, every
   process at once, at a random moment of a random save (from the moment its staging folder appears to about one
   write time later); then one `verify` run over them all. Writes rank0.json with the
-  counts: ``python tests/workers/bg_sharded.py --out /tmp/k --phase kills --trials 100 --strategy fsdp``.
+  counts: ``python tests/workers/bg_sharded.py --out /tmp/k --root /tmp/k/runs --phase kills --trials 100 --strategy fsdp``.
 - `verify`: the uninterrupted run's weights (trained here from the same start), then for each `--roots` folder
   every checkpoint in it: loaded, trained on to `--steps`, compared bit for bit. A `step_<n>` folder without its
   manifest counts as unloadable (publishing is a move of a whole folder: none may exist).
