@@ -34,7 +34,7 @@ def _kills(tmp_path, strategy, trials, seed):
     return report, verify
 
 
-@pytest.mark.parametrize("strategy, trials", [("fsdp", 8), ("deepspeed_stage_3", 4)])
+@pytest.mark.parametrize("strategy, trials", [("fsdp", 8), ("deepspeed_stage_3", 3)])
 def test_background_sharded_saves_killed_at_random_moments_load_and_resume_exact(tmp_path, strategy, trials):
     report, verify = _kills(tmp_path, strategy, trials, seed=3)
     assert report["trials"][0]["codes"] == [0, 0], report["trials"][0]  # the uninterrupted run
