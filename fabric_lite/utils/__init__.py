@@ -36,7 +36,7 @@ _LAZY: Dict[str, str] = {
     **dict.fromkeys(("AutocastKwargs", "FP8RecipeKwargs", "AORecipeKwargs", "TERecipeKwargs", "MSAMPRecipeKwargs"),
                     _PRECISION),
     "ProfileKwargs": "fabric_lite.accelerator.profiling",
-    **dict.fromkeys(("WeightAverage", "ExponentialMovingAverage"), "fabric_lite.callbacks.weight_averaging"),
+    **dict.fromkeys(("WeightAverage", "ExponentialMovingAverage"), "fabric_lite.callbacks.averaged_weights"),
     **dict.fromkeys(("find_executable_batch_size", "release_memory", "should_reduce_batch_size",
                      "clear_device_cache"), _MEMORY),
     "LocalSGD": "fabric_lite.local_sgd",
