@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any, Dict, Mapping, Optional, Sequence
 
-from fabric_lite.explain.plan import mark_explained, was_explained
+from fabric_lite.explain.request import mark_explained, was_explained
 
 
 # -- `fabric-lite explain` -------------------------------------------------------------------------

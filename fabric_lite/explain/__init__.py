@@ -23,9 +23,8 @@ Two ways in:
 the processes actually running, without the recorded arguments.
 """
 
-from fabric_lite.explain.plan import (
-    SECTIONS, Plan, explain_accelerator, explain_trainer, plan_for_accelerator, requested,
-)
+from fabric_lite.explain.plan import SECTIONS, Plan, explain_accelerator, explain_trainer, plan_for_accelerator
+from fabric_lite.explain.request import requested
 from fabric_lite.explain.trainer_plan import plan_for_trainer
 from fabric_lite.explain.shares import Share, loader_share
 

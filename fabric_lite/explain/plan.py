@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -13,6 +12,7 @@ if TYPE_CHECKING:
     from fabric_lite.trainer.module import TrainModule
     from fabric_lite.trainer.trainer import Trainer
 
+from fabric_lite.explain.request import mark_explained, planned_request, rehearsal_world, requested
 from fabric_lite.explain.shares import Share, loader_share
 
 SECTIONS = ("Hardware and processes", "Precision", "Data", "Optimization", "Checkpoints and logs",
@@ -52,33 +52,6 @@ class Plan:
 
 
 # -- switched on by the environment ---------------------------------------------------------------
-
-def requested() -> bool:
-    """Whether this process runs under `fabric-lite explain` (FABRIC_LITE_EXPLAIN is set)."""
-    from fabric_lite.strategies.environments import read_launch_environment
-
-    return read_launch_environment().launch.explain is not None
-
-
-def _request() -> Dict[str, Any]:
-    """The planned launch `fabric-lite explain` handed down ({} for a bare FABRIC_LITE_EXPLAIN=1)."""
-    from fabric_lite.strategies.environments import read_launch_environment
-
-    raw = read_launch_environment().launch.explain
-    if raw and raw.lstrip().startswith("{"):
-        try:
-            value = json.loads(raw)
-        except ValueError:
-            return {}
-        return value if isinstance(value, dict) else {}
-    return {}
-
-
-def rehearsal_world() -> Optional[int]:
-    """The world size `fabric-lite explain --rehearse` plays rank 0 of, or None (no rehearsal)."""
-    value = _request().get("rehearse")
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-
 
 def explain_accelerator(accelerator: "Accelerator") -> None:
     """The hook in `Accelerator.prepare`: under `fabric-lite explain`, print the plan and exit 0; under
@@ -120,18 +93,6 @@ def explain_trainer(trainer: "Trainer", module: "TrainModule", ckpt_path: Option
     return False
 
 
-_STATE = {"explained": False}
-
-
-def mark_explained(value: bool = True) -> None:
-    """Note that a plan was printed in this process (`fabric-lite explain` reads it with `was_explained`)."""
-    _STATE["explained"] = value
-
-
-def was_explained() -> bool:
-    return _STATE["explained"]
-
-
 # -- the planned world ------------------------------------------------------------------------------
 
 @dataclass
@@ -154,7 +115,7 @@ def planned_layout(accelerator: "Accelerator", trainer: Optional["Trainer"] = No
     from fabric_lite.strategies.environments import ProcessInfo
 
     process = accelerator.strategy.process
-    request = _request()
+    request = planned_request()
     if "nproc_per_node" not in request:
         return _Layout(process.world_size, process.local_world_size, process.num_nodes, process.source, False)
     per_node, nodes = int(request["nproc_per_node"]), int(request["nnodes"])
@@ -255,7 +216,7 @@ def hardware_lines(plan: Plan, accelerator: "Accelerator", layout: _Layout) -> N
     plan.add(_HW, "processes per node", layout.per_node)
     plan.add(_HW, "nodes", layout.nodes)
     plan.add(_HW, "ranks from", layout.source)
-    request = _request()
+    request = planned_request()
     if layout.dry_run and request.get("master"):
         plan.add(_HW, "rendezvous", request["master"])
     if layout.dry_run and request.get("config"):
@@ -307,7 +268,7 @@ def precision_lines(plan: Plan, accelerator: "Accelerator", trainer: Optional["T
 
 def setting_origin(key: str, value: Any) -> str:
     """Where a launcher setting came from, in words."""
-    origins = _request().get("origins", {})
+    origins = planned_request().get("origins", {})
     if key in origins:
         return str(origins[key])
     from fabric_lite.strategies.environments import ENV_GRAD_ACCUM, ENV_MIXED_PRECISION, ENV_STRATEGY, ENV_USE_CPU
