@@ -204,6 +204,8 @@ def empty_loader_warning(trainer: "Trainer") -> str:
 
 def _spike_guard(trainer: "Trainer") -> Any:
     """The SpikeDetection callback that decides each optimizer step, or None."""
+    if "fabric_lite.callbacks.spike" not in sys.modules:  # (loaded on first use: no callback can be one)
+        return None
     from fabric_lite.callbacks.spike import SpikeDetection
 
     return next((cb for cb in trainer.callbacks if isinstance(cb, SpikeDetection)), None)
