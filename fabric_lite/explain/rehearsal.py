@@ -25,6 +25,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from fabric_lite.strategies.fsdp_blocks import local_bytes
+
 __all__ = ["Rehearsal", "CollectiveCount", "start_fake_world", "end_fake_world", "active", "rehearse",
            "local_bytes", "module_bytes", "optimizer_state_bytes"]
 
@@ -67,14 +69,6 @@ def end_fake_world() -> None:
 
 
 # -- bytes -----------------------------------------------------------------------------------------------------------
-
-def local_bytes(tensor: torch.Tensor) -> int:
-    """Bytes this process holds for `tensor`: its local shard when it is a DTensor."""
-    from fabric_lite.strategies.fsdp_blocks import is_dtensor
-
-    local = tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
-    return local.numel() * local.element_size()
-
 
 def _unique(tensors: Iterable[torch.Tensor]) -> List[torch.Tensor]:
     seen: Dict[int, torch.Tensor] = {}

@@ -24,7 +24,8 @@ from fabric_lite.strategies.moved_params import MovedParameters
 from fabric_lite.strategies.parallel import ParallelStrategy
 from fabric_lite.strategies.process_group import ProcessGroup, ProcessGroupSetting
 from fabric_lite.strategies.fsdp_blocks import (
-    CheckpointedForward, WrapPolicy, is_dtensor, materialize, parameter_owners, resolve_wrap_policy, shares_outside,
+    CheckpointedForward, WrapPolicy, is_dtensor, local_bytes, materialize, parameter_owners, resolve_wrap_policy,
+    shares_outside,
 )
 from fabric_lite.strategies.precision import Precision
 
@@ -384,7 +385,7 @@ class FSDPStrategy(ParallelStrategy):
                       f"optimizer state {name(master)}"))
         whole = sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
         shards = max(1, world)
-        optim = sum(_local_bytes(v) for o in optimizers for s in o.state.values() for v in s.values()
+        optim = sum(local_bytes(v) for o in optimizers for s in o.state.values() for v in s.values()
                     if isinstance(v, torch.Tensor)) * self.world_size
         if optim:
             optim_words = f"{_size(optim / shards)} optimizer state"
@@ -409,7 +410,3 @@ def _size(nbytes: float) -> str:
             return f"{nbytes / scale:.2f} {unit}"
     return f"{nbytes:.0f} B"
 
-
-def _local_bytes(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if is_dtensor(tensor) else tensor
-    return local.numel() * local.element_size()

@@ -17,7 +17,7 @@ from torch import nn
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-__all__ = ["WrapPolicy", "is_dtensor", "CheckpointedForward", "block_classes", "resolve_wrap_policy",
+__all__ = ["WrapPolicy", "is_dtensor", "local_bytes", "CheckpointedForward", "block_classes", "resolve_wrap_policy",
            "parameter_owners", "shares_outside", "materialize"]
 
 #: Block choice: class objects or class names, a callable `module -> bool`, or None (the root alone, or a
@@ -30,6 +30,12 @@ def is_dtensor(tensor: Any) -> TypeGuard[DTensor]:
     from torch.distributed.tensor import DTensor
 
     return isinstance(tensor, DTensor)
+
+
+def local_bytes(tensor: Any) -> int:
+    """Bytes this process holds for `tensor`: its local shard when it is a DTensor."""
+    local = tensor.to_local() if is_dtensor(tensor) else tensor
+    return local.numel() * local.element_size()
 
 
 class CheckpointedForward:
