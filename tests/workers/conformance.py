@@ -97,12 +97,6 @@ def tensor_parallel(model, mesh):
     return parallelize_module(model, tp, {linears[0]: ColwiseParallel(), linears[1]: RowwiseParallel()})
 
 
-def raw_mesh(acc):
-    """torch's DeviceMesh the raw door's strategy laid out (from a parallelism config, or ModelParallelStrategy's
-    own), or None."""
-    return acc.torch_device_mesh
-
-
 def run_case(name, fn):
     """Run one case, record its result (or its traceback) and write this rank's file at once."""
     try:
@@ -163,7 +157,7 @@ def sgd(model):
 def raw_run(per_rank_batch, accumulation=1, clip=None, seed=0):
     """Train make_model() for EPOCHS; returns the prepared objects and the gathered sample order per micro-step."""
     acc = Accelerator(strategy=strategy(), gradient_accumulation_steps=accumulation)
-    model = tensor_parallel(make_model(seed=seed), raw_mesh(acc))
+    model = tensor_parallel(make_model(seed=seed), acc.torch_device_mesh)
     opt = sgd(model)
     model, opt, loader = acc.prepare(model, opt, train_loader(per_rank_batch))
     results["world"], results["strategy_class"] = acc.num_processes, type(acc.strategy).__name__
@@ -255,7 +249,7 @@ def case_roundtrip():
     acc.save_state(path)
     before = {"weights": full_weights(acc, model), "optimizer": optimizer_state(opt)}
     acc2 = Accelerator(strategy=strategy())
-    model2 = tensor_parallel(make_model(seed=5), raw_mesh(acc2))  # other initial weights: all from the checkpoint
+    model2 = tensor_parallel(make_model(seed=5), acc2.torch_device_mesh)  # other initial weights: all from the checkpoint
     opt2 = torch.optim.SGD(model2.parameters(), lr=LR / 7, momentum=MOMENTUM)
     model2, opt2, _ = acc2.prepare(model2, opt2, train_loader(PER_RANK))
     acc2.prepare(DataLoader(IndexDataset(13), batch_size=2))  # as case_evaluation did on the saving side
@@ -357,7 +351,7 @@ def error_of(fn):
 
 def case_bad_input():
     acc = Accelerator(strategy=strategy())
-    model = tensor_parallel(make_model(seed=0), raw_mesh(acc))
+    model = tensor_parallel(make_model(seed=0), acc.torch_device_mesh)
     model, _ = acc.prepare(model, sgd(model))
     non_scalar = error_of(lambda: acc.backward(model(torch.randn(3, 4).to(acc.device))))  # a (3, 3) "loss"
     per_sample = Classifier(reduction="none")  # training_step returns a (batch,) loss
@@ -383,7 +377,7 @@ def raw_build(seed):
     """Shuffled data, dropout, AdamW, a per-step StepLR and accumulation 2: everything that must continue exactly."""
     set_seed(seed)
     acc = Accelerator(strategy=strategy(), gradient_accumulation_steps=2)
-    model = tensor_parallel(dropout_net(seed), raw_mesh(acc))
+    model = tensor_parallel(dropout_net(seed), acc.torch_device_mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.8)
     counter = StepCounter()
